@@ -1,0 +1,1 @@
+"""Framework bindings, installed as ``fedplug.adapters`` (Flower, FedML)."""

@@ -1,0 +1,152 @@
+"""Time and traffic of one federated round, after FedGSP's cost model.
+
+Paper: Shenglai Zeng, Zonghang Li, Hongfang Yu, Yihong He, Zenglin Xu, Dusit Niyato and
+Han Yu, "Heterogeneous Federated Learning via Grouped Sequential-to-Parallel Training"
+(FedGSP), DASFAA 2022, arXiv:2201.12976, section 4.1, eq. 15-17.
+
+The paper's per-round terms, for a plan of chains (groups) that train in parallel while
+the members of a chain train one after another:
+
+- Computation (eq. 15): local training takes FLOPs-per-sample x samples / device FLOP/s
+  along a chain; chains run in parallel, so the round waits for the slowest chain. The
+  paper writes the chain's samples as ``n e K / f(r)`` (average client size n); here
+  each client's actual sample count is summed. Aggregating m models costs
+  ``(m - 1) x P`` FLOPs on the server (one addition per parameter per extra model; the
+  paper's 6.3M FLOPs for its 6.3M-parameter model).
+- Communication (eq. 16-17): every participating client downloads the model once and
+  uploads it once. A hand-off along a chain goes through the group manager (the paper's
+  relay, co-located with the server), so it is one upload plus one download. Transfers
+  share the server's link one after another, as the paper's eq. 16 assumes:
+  ``seconds = 8 bytes_down / downlink + 8 bytes_up / uplink``.
+
+Defaults are the paper's: a Qualcomm Snapdragon 835 with an Adreno 540 GPU
+(567 GFLOP/s) and 567 Mbit/s links each way (AWS EC2 r4.large). A plan of chains of
+length one (the default grouper) gives plain FedAvg's cost in the same model, so the
+two can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fedplug.errors import ConfigError
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LinkAndDevice:
+    """Compute throughput and link rates of the cost model.
+
+    Attributes:
+        device_flops: client FLOP/s (default 567e9, the paper's Snapdragon 835 GPU).
+        uplink_bps: client -> server bits per second, the paper's R_in (default 567e6).
+        downlink_bps: server -> client bits per second, the paper's R_out (default 567e6).
+        server_flops: server FLOP/s for aggregation (default 567e9; the paper uses the
+            device figure for both).
+    """
+
+    device_flops: float = 567e9
+    uplink_bps: float = 567e6
+    downlink_bps: float = 567e6
+    server_flops: float = 567e9
+
+    def __post_init__(self) -> None:
+        for name in ("device_flops", "uplink_bps", "downlink_bps", "server_flops"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"cost model: {name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Estimated cost of one round.
+
+    Attributes:
+        compute_seconds: slowest chain's training time plus server aggregation.
+        communication_seconds: all transfers through the server link, one after another.
+        bytes_up: client -> server bytes (hand-offs included).
+        bytes_down: server -> client bytes (hand-offs included).
+        handoffs: model hand-offs along chains (sum of chain length - 1).
+    """
+
+    compute_seconds: float
+    communication_seconds: float
+    bytes_up: int
+    bytes_down: int
+    handoffs: int
+
+    @property
+    def total_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+
+def training_seconds(
+    chains: Sequence[Sequence[int]],
+    samples_per_client: np.ndarray,
+    local_epochs: int,
+    train_flops_per_sample: int,
+    link: LinkAndDevice,
+) -> float:
+    """Local training time of the round: the slowest chain, its members in sequence.
+
+    Args:
+        chains: client ids of each chain.
+        samples_per_client: training samples of every client, indexed by client id.
+        local_epochs: epochs each client trains (the paper's e).
+        train_flops_per_sample: forward + backward FLOPs of one sample.
+        link: device throughput.
+    """
+    if not chains:
+        return 0.0
+    samples = np.asarray(samples_per_client, dtype=np.float64)
+    slowest = max(float(samples[list(chain)].sum()) for chain in chains)
+    return slowest * local_epochs * train_flops_per_sample / link.device_flops
+
+
+def aggregation_seconds(num_models: int, num_parameters: int, link: LinkAndDevice) -> float:
+    """Server time to sum ``num_models`` models: ``(num_models - 1) x P`` FLOPs."""
+    return max(num_models - 1, 0) * num_parameters / link.server_flops
+
+
+def round_cost(
+    chains: Sequence[Sequence[int]],
+    samples_per_client: np.ndarray,
+    local_epochs: int,
+    train_flops_per_sample: int,
+    model_bytes: int,
+    link: LinkAndDevice = LinkAndDevice(),
+    num_parameters: int | None = None,
+) -> RoundCost:
+    """Time and traffic of one round of ``chains`` (paper eq. 15-17).
+
+    Args:
+        chains: client ids of each chain that trains this round; a client training
+            alone is a chain of one.
+        samples_per_client: training samples of every client, indexed by client id.
+        local_epochs: epochs each client trains.
+        train_flops_per_sample: forward + backward FLOPs of one sample (from
+            ``fedplug.models.flops.training_flops_per_sample``).
+        model_bytes: size of one model message.
+        link: throughputs and rates (default: the paper's, see :class:`LinkAndDevice`).
+        num_parameters: parameters summed per model in aggregation (default
+            ``model_bytes // 4``, float32 parameters).
+    """
+    if num_parameters is None:
+        num_parameters = model_bytes // FLOAT32_BYTES
+    participants = sum(len(chain) for chain in chains)
+    bytes_each_way = participants * model_bytes
+    compute = training_seconds(
+        chains, samples_per_client, local_epochs, train_flops_per_sample, link
+    ) + aggregation_seconds(len(chains), num_parameters, link)
+    communication = 8 * bytes_each_way / link.downlink_bps + 8 * bytes_each_way / link.uplink_bps
+    return RoundCost(
+        compute_seconds=compute,
+        communication_seconds=communication,
+        bytes_up=bytes_each_way,
+        bytes_down=bytes_each_way,
+        handoffs=sum(max(len(chain) - 1, 0) for chain in chains),
+    )

@@ -1,0 +1,725 @@
+"""FedDisk: density-ratio sample weights from local and global MADE models.
+
+    Federated Learning for distribution skewed data using sample weights.
+    Hung Nguyen, Peiyuan Wu, J. Morris Chang. IEEE Transactions on Artificial
+    Intelligence (2024), arXiv:2401.02586.
+
+Client k minimises ``sum_i w_k(x_i) CE(f(w; x_i), y_i)`` with ``w_k(x) ~ p(x) / p_k(x)``,
+``p = sum_k (n_k / n) p_k`` (paper eq. 3-11), which turns the sum of the local risks into
+the risk under the global input distribution. Phase 1 (this module) estimates the weights
+once, before training; phase 2 is FedAvg with the weighted loss
+(:class:`FedDisk` is the loss transform, pair it with the ``fedavg`` aggregator).
+
+Phase 1, :func:`compute_feddisk_weights` (paper sections 5.2-5.3, Algorithm 1):
+
+1. Every client fits a local MADE (:mod:`fedplug.models.made`) to its flattened inputs,
+   early-stopped on a validation split of its own training data.
+2. All clients fit one global MADE by FedAvg (weights n_k / n, a few local epochs per
+   round), stopping at the first round whose federated validation NLL (the n_k-weighted
+   mean of the clients' validation NLLs) is higher than the round before; the model before
+   the rise is kept. ``global_rounds`` caps the rounds.
+3. Client k feeds each local sample through both MADEs, giving two D-vectors v_g(x)
+   (pseudo-label 1) and v_l(x) (pseudo-label 0), and trains a binary classifier
+   (one hidden layer of 100 ReLU units, 2-way softmax; SGD, lr 0.01, stopped when the
+   loss stops decreasing significantly, paper 7.2.4) on the 2 n_k vectors. It is
+   trained locally: no communication, so it adds no rounds.
+4. ``w_k(x) = D(v_l(x)) / (1 - D(v_l(x)))`` (paper eq. 16) where ``D(.)`` is the
+   classifier's probability of class 1, "comes from the global model". The class prior
+   ratio is 1 since both classes hold n_k vectors. When the two MADEs agree the
+   classifier cannot tell the classes apart, D = 1/2 and every weight is 1. The raw
+   ratios are then normalised per client (``normalisation``, below).
+
+Which "output vector" of a MADE is v(x)? Section 5.3 says the MADEs "output vectors of
+conditional probabilities for each element" and that "an intuitive way to compute p(x)
+is to multiply all the conditional probabilities". Only the probabilities of the
+*observed* values ``p(x_d | x_{<d})`` multiply to p(x), so the default
+``made_features="observed"`` uses those (``exp(-BCE_d)``, which for grey levels in [0, 1]
+is ``p^x (1 - p)^(1 - x)``); ``"predicted"`` feeds the raw network output
+``p(x_d = 1 | x_{<d})`` instead, the other reading of "output vector".
+
+Normalisation (``normalisation``). The authors' code min-max scales each client's ratios
+to [0, 2] (``"minmax"``). We default to ``"mean"``: divide by the client's mean ratio and
+clip to ``[clip_min, clip_max]``. Reasons: (a) ``E_{p_k}[p / p_k] = 1``, so mean-one
+weights are the self-normalised importance-weighting estimate of the global risk and keep
+the effective learning rate of the (mean-reduced) batch loss unchanged; (b) min-max always
+sends one sample to weight 0 and one to weight 2 however alike the ratios are, so on a
+client whose data already follow the global distribution it turns estimation noise into
+a full [0, 2] spread, while mean normalisation leaves weights near 1 there; (c) clipping
+bounds the variance a few extreme ratios would add.
+
+Communication (``PhaseCost``). The MADE parameters travel as float32; the masks are not
+sent (every party derives them from the shared seed). A global round sends the model down
+to and up from every client: ``K x bytes`` each way. ``rounds`` counts the FedAvg rounds
+run, including the one whose result showed the rise (its upload happened). Downloads are
+``rounds + 1`` per client: the last aggregate must also reach the clients so they can
+report its validation NLL (and, when the cap stops training, use it), so
+``bytes_down = (rounds + 1) K bytes`` and ``bytes_up = rounds K bytes``; validation NLLs
+are single scalars and not counted. Local MADEs and the classifiers never leave their
+client. "Effective communication rounds" = MADE rounds (+ 0 classifier rounds).
+
+FedDiskAb (paper section 6, :func:`compute_feddisk_ab_weights`): an oracle ablation that
+trains the same classifier directly on client k's raw inputs (label 0) against n_k inputs
+drawn without replacement from the pooled data of all clients (label 1); weights as in
+step 4. It moves raw data, so it is for comparison only; its cost is reported as 0 rounds
+with ``bytes_up = sum_k n_k D 4`` (every client's data pooled) and
+``bytes_down = sum_k n_k D 4`` (each client receives n_k pooled inputs).
+
+Inputs. A Bernoulli MADE needs inputs in [0, 1] (the paper normalises and clips all data
+to [0, 1]). When the federation's inputs already lie there they are used as they are;
+otherwise one affine map ``(x - lo) / (hi - lo)`` with the global min and max over all
+clients (two scalars per client to share) brings them there.
+
+Caching. Phase 1 is a pure function of (federation, config, seed), so its result can be
+computed once (the DVC pipeline runs it as its own stage) and stored as ``.npz``
+(:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. A Federation carries
+no partition id, so :func:`partition_fingerprint` hashes what identifies one: the client
+count, every client's size and class counts, and a few inputs and labels of each client
+(first, middle and last sample; these catch per-client feature noise too).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedplug.components import ComponentConfig, Context, LossTransform, PhaseCost
+from fedplug.data.federation import Federation
+from fedplug.errors import DataError
+from fedplug.hookspecs import Register, hookimpl
+from fedplug.models.made import MADE, mean_nll, train_epochs, train_made
+
+SAMPLE_WEIGHT_KEY = "sample_weight"
+BYTES_PER_PARAMETER = 4
+
+
+# ---------------------------------------------------------------------------- configs
+
+
+class SampleWeightConfig(ComponentConfig):
+    """Fields shared by FedDisk and FedDiskAb: the discriminator and the normalisation."""
+
+    classifier_hidden: int = Field(100, ge=1, le=4096)
+    """Hidden ReLU units of the binary classifier D (default 100, paper 7.2.4)."""
+    classifier_epochs: int = Field(10, ge=1, le=1000)
+    """Most epochs D trains for; it stops earlier when the loss stops decreasing."""
+    classifier_lr: float = Field(0.01, gt=0.0, le=10.0)
+    """SGD learning rate of D (default 0.01, paper 7.2.4)."""
+    classifier_batch_size: int = Field(100, ge=1, le=65536)
+    """Mini-batch size of D's SGD."""
+    classifier_tolerance: float = Field(0.01, ge=0.0, le=1.0)
+    """D stops when an epoch lowers its mean loss by less than this fraction (default
+    0.01): the paper stops "if the loss function is not significantly reduced"."""
+    normalisation: Literal["mean", "minmax"] = "mean"
+    """How each client's raw ratios become weights: ``"mean"`` (default) divides by their
+    mean and clips to [clip_min, clip_max]; ``"minmax"`` scales them to [0, 2] as the
+    authors' code does. See the module docstring for why mean is the default."""
+    clip_min: float = Field(0.0, ge=0.0, le=1.0)
+    """Lower clip of mean-normalised weights (default 0: no lower clip)."""
+    clip_max: float = Field(5.0, ge=1.0, le=1e6)
+    """Upper clip of mean-normalised weights (default 5: no sample counts more than five
+    average ones)."""
+    cache_dir: str | None = None
+    """Folder where computed weights are cached as ``<cache_key>.npz`` (default None:
+    compute in memory every time)."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seeds phase 1 (splits, MADE connectivity and initial weights, mini-batch order)."""
+
+    @model_validator(mode="after")
+    def _check_clip_bounds(self) -> "SampleWeightConfig":
+        if self.clip_min >= self.clip_max:
+            raise ValueError(
+                f"clip_min ({self.clip_min}) must be smaller than clip_max ({self.clip_max})"
+            )
+        return self
+
+
+class FedDiskConfig(SampleWeightConfig):
+    """FedDisk (Nguyen, Wu, Chang 2024): CE weighted by p(x)/p_k(x) estimated with MADEs."""
+
+    name: Literal["feddisk"] = "feddisk"
+    made_hidden: int = Field(30, ge=1, le=4096)
+    """Hidden units of every MADE (default 30, the paper's MNIST setting; 400 FEMNIST,
+    50 chest X-ray)."""
+    made_lr: float = Field(0.01, gt=0.0, le=1.0)
+    """Adam learning rate of MADE training, local and in the FedAvg rounds."""
+    made_batch_size: int = Field(200, ge=1, le=65536)
+    """MADE mini-batch size."""
+    made_max_epochs: int = Field(10, ge=1, le=1000)
+    """Most epochs of a local MADE (the paper allows 500 with early stopping; 10 keeps
+    phase 1 under a minute on MNIST with 2 CPU cores and reaches most of the gain)."""
+    patience: int = Field(2, ge=1, le=1000)
+    """Local MADEs stop after this many epochs without a lower validation NLL."""
+    global_rounds: int = Field(10, ge=1, le=1000)
+    """Most FedAvg rounds of the global MADE (it stops earlier when the federated
+    validation NLL rises)."""
+    global_local_epochs: int = Field(1, ge=1, le=100)
+    """Local epochs per client in each global MADE round."""
+    made_features: Literal["observed", "predicted"] = "observed"
+    """What the classifier sees of a MADE: ``"observed"`` (default) the conditional
+    probability of each observed value, p(x_d | x_<d); ``"predicted"`` the network's
+    output p(x_d = 1 | x_<d). See the module docstring."""
+    validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of each client's training data held out to early-stop the MADEs."""
+
+
+class FedDiskAbConfig(SampleWeightConfig):
+    """FedDiskAb (oracle ablation of FedDisk): D trained on raw local vs pooled inputs."""
+
+    name: Literal["feddisk_ab"] = "feddisk_ab"
+
+
+# ------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class FedDiskWeights:
+    """Phase 1's result: one weight per local training sample of each client."""
+
+    weights: list[np.ndarray]
+    """``weights[k]`` is a float32 array of length n_k, in the order of client k's
+    ``train_x``."""
+    cost: PhaseCost
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _torch_generator(rng: np.random.Generator) -> torch.Generator:
+    return torch.Generator().manual_seed(int(rng.integers(2**62)))
+
+
+def unit_interval_inputs(federation: Federation) -> list[Tensor]:
+    """Every client's flattened float32 ``train_x`` ``[n_k, D]``, mapped into [0, 1].
+
+    Kept as they are when all values already lie in [0, 1]; otherwise one affine map with
+    the global min and max over all clients.
+
+    Raises:
+        DataError: a client has no training samples, or the inputs are constant or not
+            finite.
+    """
+    flat = []
+    for client in federation.clients:
+        if client.num_samples < 2:
+            raise DataError(
+                f"FedDisk needs at least 2 training samples per client; client "
+                f"{client.client_id} has {client.num_samples}; use fewer clients"
+            )
+        flat.append(client.train_x.reshape(client.num_samples, -1).to(torch.float32))
+    low = min(float(x.min()) for x in flat)
+    high = max(float(x.max()) for x in flat)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise DataError(f"dataset {federation.dataset_name!r} has non-finite inputs")
+    if low >= 0.0 and high <= 1.0:
+        return flat
+    if high <= low:
+        raise DataError(f"dataset {federation.dataset_name!r} has constant inputs")
+    return [(x - low) / (high - low) for x in flat]
+
+
+def validation_split(
+    num_samples: int, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffle ``range(num_samples)`` and split it into (train, validation) indices; the
+    validation part holds ``round(fraction * num_samples)`` indices, at least one, and at
+    least one index stays for training."""
+    order = rng.permutation(num_samples)
+    num_validation = min(max(int(round(fraction * num_samples)), 1), num_samples - 1)
+    return order[num_validation:], order[:num_validation]
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s trainable parameters sent as float32 (buffers excluded)."""
+    return BYTES_PER_PARAMETER * sum(parameter.numel() for parameter in model.parameters())
+
+
+def made_phase_cost(rounds: int, num_clients: int, model_bytes: int) -> PhaseCost:
+    """Traffic of ``rounds`` global MADE rounds with every client taking part:
+    ``bytes_up = rounds K B`` and ``bytes_down = (rounds + 1) K B`` (see the module
+    docstring for the extra download)."""
+    return PhaseCost(
+        rounds=rounds,
+        bytes_up=rounds * num_clients * model_bytes,
+        bytes_down=(rounds + 1) * num_clients * model_bytes,
+    )
+
+
+# ---------------------------------------------------------------- the classifier D
+
+
+def make_classifier(input_dim: int, hidden: int, generator: torch.Generator) -> nn.Sequential:
+    """D: ``input_dim -> hidden ReLU -> 2`` logits, initialised from ``generator``
+    like ``nn.Linear`` (uniform in +-1/sqrt(fan_in))."""
+    classifier = nn.Sequential(nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    with torch.no_grad():
+        for layer in (classifier[0], classifier[2]):
+            bound = 1.0 / math.sqrt(layer.in_features)
+            for parameter in (layer.weight, layer.bias):
+                parameter.copy_(
+                    torch.rand(parameter.shape, generator=generator) * 2 * bound - bound
+                )
+    return classifier
+
+
+def train_classifier(
+    global_like: Tensor,
+    local_like: Tensor,
+    config: SampleWeightConfig,
+    generator: torch.Generator,
+) -> nn.Sequential:
+    """Train D to tell ``global_like`` rows (label 1) from ``local_like`` rows (label 0).
+
+    Plain SGD on the softmax cross-entropy (paper 7.2.4), at most
+    ``config.classifier_epochs`` epochs, stopping once an epoch lowers the mean loss by
+    less than ``config.classifier_tolerance`` of the previous epoch's.
+    """
+    inputs = torch.cat([global_like, local_like]).detach()
+    labels = torch.cat(
+        [
+            torch.ones(global_like.shape[0], dtype=torch.long),
+            torch.zeros(local_like.shape[0], dtype=torch.long),
+        ]
+    ).to(inputs.device)
+    classifier = make_classifier(inputs.shape[1], config.classifier_hidden, generator)
+    classifier.to(inputs.device)
+    optimizer = torch.optim.SGD(classifier.parameters(), lr=config.classifier_lr)
+    previous = math.inf
+    for _ in range(config.classifier_epochs):
+        order = torch.randperm(inputs.shape[0], generator=generator).to(inputs.device)
+        total = torch.zeros((), device=inputs.device)
+        for batch in torch.split(order, config.classifier_batch_size):
+            loss = F.cross_entropy(classifier(inputs[batch]), labels[batch], reduction="sum")
+            optimizer.zero_grad(set_to_none=True)
+            (loss / batch.numel()).backward()
+            optimizer.step()
+            total += loss.detach()
+        epoch_loss = float(total) / inputs.shape[0]
+        if previous - epoch_loss < config.classifier_tolerance * previous:
+            break
+        previous = epoch_loss
+    classifier.eval()
+    return classifier
+
+
+@torch.no_grad()
+def density_ratios(classifier: nn.Module, inputs: Tensor) -> np.ndarray:
+    """``D(v) / (1 - D(v))`` with ``D`` the softmax probability of class 1, computed as
+    ``exp(z_1 - z_0)`` from the logits (clamped to e^+-30 so it stays finite)."""
+    logits = classifier(inputs)
+    log_ratio = (logits[:, 1] - logits[:, 0]).double().clamp(-30.0, 30.0)
+    return torch.exp(log_ratio).cpu().numpy()
+
+
+def normalise_weights(
+    ratios: np.ndarray,
+    method: Literal["mean", "minmax"],
+    clip_min: float = 0.0,
+    clip_max: float = 5.0,
+) -> np.ndarray:
+    """Turn one client's raw density ratios into sample weights (float32).
+
+    Args:
+        ratios: non-negative ratios, one per local sample.
+        method: ``"mean"``: ``clip(r / mean(r), clip_min, clip_max)``; ``"minmax"``:
+            ``2 (r - min r) / (max r - min r)``, in [0, 2].
+        clip_min (default 0.0), clip_max (default 5.0): bounds of the ``"mean"`` weights.
+
+    All-equal ratios give weights of 1 under both methods (min-max would divide by 0).
+    """
+    values = np.asarray(ratios, dtype=np.float64)
+    if values.size == 0:
+        return values.astype(np.float32)
+    low, high = float(values.min()), float(values.max())
+    if high - low <= 1e-12 * max(abs(high), 1.0):
+        return np.ones_like(values, dtype=np.float32)
+    if method == "minmax":
+        return (2.0 * (values - low) / (high - low)).astype(np.float32)
+    return np.clip(values / values.mean(), clip_min, clip_max).astype(np.float32)
+
+
+# ------------------------------------------------------------------- the MADEs
+
+
+def federated_validation_nll(
+    model: MADE, validation_inputs: Sequence[Tensor], client_sizes: Sequence[int]
+) -> float:
+    """``sum_k (n_k / n) NLL_k``: the n_k-weighted mean of the clients' mean
+    validation NLLs of ``model``."""
+    total = float(sum(client_sizes))
+    return sum(
+        size / total * mean_nll(model, inputs)
+        for size, inputs in zip(client_sizes, validation_inputs)
+    )
+
+
+def average_state_dicts(
+    states: Sequence[dict[str, Tensor]], weights: Sequence[float]
+) -> dict[str, Tensor]:
+    """``sum_k (weights_k / sum weights) state_k`` for every floating-point entry (the
+    masks are identical across clients, so averaging leaves them unchanged)."""
+    total = float(sum(weights))
+    return {
+        key: sum(weight / total * state[key].double() for weight, state in zip(weights, states))
+        .to(states[0][key].dtype)
+        for key in states[0]
+    }
+
+
+def train_global_made(
+    template: MADE,
+    train_inputs: Sequence[Tensor],
+    validation_inputs: Sequence[Tensor],
+    client_sizes: Sequence[int],
+    config: FedDiskConfig,
+    generators: Sequence[torch.Generator],
+) -> tuple[MADE, int, list[float]]:
+    """Fit the global MADE by FedAvg (step 2).
+
+    Returns the kept model, the number of rounds run, and the federated validation NLL
+    of the initial model and after every round.
+    """
+    global_model = copy.deepcopy(template)
+    history = [federated_validation_nll(global_model, validation_inputs, client_sizes)]
+    best_state = copy.deepcopy(global_model.state_dict())
+    rounds = 0
+    for _ in range(config.global_rounds):
+        states = []
+        for inputs, generator in zip(train_inputs, generators):
+            client_model = copy.deepcopy(global_model)
+            train_epochs(
+                client_model,
+                inputs,
+                lr=config.made_lr,
+                batch_size=config.made_batch_size,
+                epochs=config.global_local_epochs,
+                generator=generator,
+            )
+            states.append(client_model.state_dict())
+        global_model.load_state_dict(average_state_dicts(states, client_sizes))
+        rounds += 1
+        history.append(federated_validation_nll(global_model, validation_inputs, client_sizes))
+        if history[-1] > history[-2]:
+            break
+        best_state = copy.deepcopy(global_model.state_dict())
+    global_model.load_state_dict(best_state)
+    return global_model, rounds, history
+
+
+def made_features(
+    model: MADE, inputs: Tensor, kind: Literal["observed", "predicted"]
+) -> Tensor:
+    """The vector v(x) the classifier sees (see :attr:`FedDiskConfig.made_features`)."""
+    with torch.no_grad():
+        if kind == "observed":
+            return model.observed_probabilities(inputs)
+        return model.conditional_probabilities(inputs)
+
+
+# --------------------------------------------------------------------- phase 1
+
+
+def compute_feddisk_weights(
+    federation: Federation, config: FedDiskConfig, rng: np.random.Generator
+) -> FedDiskWeights:
+    """FedDisk's phase 1 (steps 1-4 of the module docstring) for every client.
+
+    Args:
+        federation: the clients; their ``train_x`` are flattened to D dimensions.
+        config: the validated :class:`FedDiskConfig`.
+        rng: the only source of randomness (splits, MADE connectivity and initial
+            weights, mini-batch order, classifier initialisation).
+
+    Returns:
+        The normalised weights of every client's training samples and the traffic of
+        the global MADE rounds.
+    """
+    inputs = unit_interval_inputs(federation)
+    input_dim = inputs[0].shape[1]
+    sizes = [client.num_samples for client in federation.clients]
+    splits = [validation_split(size, config.validation_fraction, rng) for size in sizes]
+    train_inputs = [x[torch.as_tensor(train)] for x, (train, _) in zip(inputs, splits)]
+    validation_inputs = [x[torch.as_tensor(val)] for x, (_, val) in zip(inputs, splits)]
+    device = inputs[0].device
+    # One connectivity and one initialisation shared by every MADE: the global model's
+    # must match across clients, and sharing it with the local ones keeps differences
+    # between v_g and v_l down to what the data made of them.
+    template = MADE(input_dim, (config.made_hidden,), generator=_torch_generator(rng)).to(device)
+
+    local_models = []
+    for train, validation in zip(train_inputs, validation_inputs):
+        local_model = copy.deepcopy(template)
+        train_made(
+            local_model,
+            train,
+            validation,
+            lr=config.made_lr,
+            batch_size=config.made_batch_size,
+            max_epochs=config.made_max_epochs,
+            patience=config.patience,
+            generator=_torch_generator(rng),
+        )
+        local_models.append(local_model)
+
+    client_generators = [_torch_generator(rng) for _ in sizes]
+    global_model, rounds, _ = train_global_made(
+        template, train_inputs, validation_inputs, sizes, config, client_generators
+    )
+
+    weights = []
+    for x, local_model in zip(inputs, local_models):
+        local_features = made_features(local_model, x, config.made_features)
+        global_features = made_features(global_model, x, config.made_features)
+        classifier = train_classifier(
+            global_features, local_features, config, _torch_generator(rng)
+        )
+        ratios = density_ratios(classifier, local_features)
+        weights.append(
+            normalise_weights(ratios, config.normalisation, config.clip_min, config.clip_max)
+        )
+    cost = made_phase_cost(rounds, federation.num_clients, parameter_bytes(template))
+    return FedDiskWeights(weights=weights, cost=cost)
+
+
+def compute_feddisk_ab_weights(
+    federation: Federation, config: FedDiskAbConfig, rng: np.random.Generator
+) -> FedDiskWeights:
+    """FedDiskAb: D trained on client k's raw inputs (label 0) against n_k inputs drawn
+    without replacement from the pooled inputs of all clients (label 1); weights
+    ``D(x) / (1 - D(x))`` of the local inputs, normalised as in FedDisk."""
+    inputs = unit_interval_inputs(federation)
+    sizes = np.array([x.shape[0] for x in inputs])
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    total = int(offsets[-1])
+    input_dim = inputs[0].shape[1]
+    weights = []
+    for x in inputs:
+        pooled_ids = rng.choice(total, size=x.shape[0], replace=False)
+        owners = np.searchsorted(offsets, pooled_ids, side="right") - 1
+        pooled = torch.empty_like(x)
+        for owner in np.unique(owners):
+            rows = np.flatnonzero(owners == owner)
+            local_ids = torch.as_tensor(pooled_ids[rows] - offsets[owner], device=x.device)
+            pooled[torch.as_tensor(rows, device=x.device)] = inputs[owner][local_ids]
+        classifier = train_classifier(pooled, x, config, _torch_generator(rng))
+        ratios = density_ratios(classifier, x)
+        weights.append(
+            normalise_weights(ratios, config.normalisation, config.clip_min, config.clip_max)
+        )
+    raw_bytes = total * input_dim * BYTES_PER_PARAMETER
+    return FedDiskWeights(weights=weights, cost=PhaseCost(0, raw_bytes, raw_bytes))
+
+
+# --------------------------------------------------------------------- caching
+
+
+def partition_fingerprint(federation: Federation) -> str:
+    """A 16-hex-digit hash identifying a federation's split (see the module docstring):
+    client count, each client's size and class counts, and its first, middle and last
+    training input and label."""
+    digest = hashlib.sha256()
+    digest.update(np.int64(federation.num_clients).tobytes())
+    for client in federation.clients:
+        size = client.num_samples
+        digest.update(np.array([client.client_id, size], dtype=np.int64).tobytes())
+        digest.update(np.asarray(client.class_counts, dtype=np.int64).tobytes())
+        picks = sorted({0, size // 2, size - 1}) if size > 0 else []
+        for index in picks:
+            digest.update(client.train_x[index].detach().cpu().to(torch.float32).numpy().tobytes())
+            digest.update(np.int64(int(client.train_y[index])).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(
+    dataset_name: str, partition_fingerprint: str, seed: int, config: SampleWeightConfig
+) -> str:
+    """File stem of the cached weights: ``<method>-<dataset>-<hash>``, where the hash
+    covers the dataset, the partition fingerprint, the seed and every config field
+    that changes the weights (all but ``cache_dir``)."""
+    fields = config.model_dump(exclude={"cache_dir", "seed"})
+    payload = json.dumps(
+        {
+            "dataset": dataset_name,
+            "partition": partition_fingerprint,
+            "seed": int(seed),
+            "config": fields,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:20]
+    safe_dataset = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset_name) or "dataset"
+    return f"{config.name}-{safe_dataset}-{digest}"
+
+
+def save_weights(path: str | Path, result: FedDiskWeights) -> None:
+    """Write ``result`` to ``path`` (.npz), atomically: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"weights_{index}": np.asarray(w, dtype=np.float32) for index, w in enumerate(result.weights)}
+    arrays["num_clients"] = np.int64(len(result.weights))
+    arrays["cost"] = np.array(
+        [result.cost.rounds, result.cost.bytes_up, result.cost.bytes_down], dtype=np.int64
+    )
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            np.savez(stream, **arrays)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def load_weights(path: str | Path) -> FedDiskWeights:
+    """Read what :func:`save_weights` wrote.
+
+    Raises:
+        DataError: the file is missing, unreadable, or does not hold finite,
+            non-negative weights; the message names the file.
+    """
+    path = Path(path)
+    problem = f"cached FedDisk weights {str(path)!r} are unreadable or corrupt"
+    advice = "; delete the file so that the weights are recomputed"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            num_clients = int(archive["num_clients"])
+            cost = [int(value) for value in archive["cost"]]
+            weights = [np.asarray(archive[f"weights_{k}"], dtype=np.float32) for k in range(num_clients)]
+    except FileNotFoundError:
+        raise DataError(f"cached FedDisk weights {str(path)!r} do not exist") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise DataError(f"{problem} ({error}){advice}") from None
+    if len(cost) != 3 or any(value < 0 for value in cost):
+        raise DataError(f"{problem} (bad cost record {cost}){advice}")
+    for index, client_weights in enumerate(weights):
+        if client_weights.ndim != 1 or not np.all(np.isfinite(client_weights)) or np.any(client_weights < 0):
+            raise DataError(f"{problem} (client {index} weights are not finite and >= 0){advice}")
+    return FedDiskWeights(weights=weights, cost=PhaseCost(*cost))
+
+
+# ---------------------------------------------------------------- loss transforms
+
+
+ComputeWeights = Callable[[Federation, Any, np.random.Generator], FedDiskWeights]
+
+
+class SampleWeightedLoss(LossTransform):
+    """Cross-entropy times a per-sample weight fixed by a phase run in :meth:`prepare`.
+
+    Args:
+        config: a :class:`FedDiskConfig` or :class:`FedDiskAbConfig`.
+        compute: phase 1, ``compute(federation, config, rng) -> FedDiskWeights``.
+    """
+
+    def __init__(self, config: SampleWeightConfig, compute: ComputeWeights) -> None:
+        self.config = config
+        self._compute = compute
+        self.weights: list[Tensor] | None = None
+        self.cost: PhaseCost | None = None
+
+    def prepare(self, federation: Any) -> PhaseCost:
+        """Run phase 1 (or load it from ``config.cache_dir``) and return its traffic.
+
+        Raises:
+            DataError: a cached file is corrupt or was computed for other client sizes.
+        """
+        result = self._cached_or_computed(federation)
+        self.weights = [
+            torch.as_tensor(w, dtype=torch.float32, device=federation.device) for w in result.weights
+        ]
+        self.cost = result.cost
+        return result.cost
+
+    def _cached_or_computed(self, federation: Federation) -> FedDiskWeights:
+        config = self.config
+        if config.cache_dir is None:
+            return self._compute(federation, config, np.random.default_rng(config.seed))
+        key = cache_key(federation.dataset_name, partition_fingerprint(federation), config.seed, config)
+        path = Path(config.cache_dir) / f"{key}.npz"
+        if path.exists():
+            result = load_weights(path)
+            sizes = [client.num_samples for client in federation.clients]
+            self._check_sizes(result, sizes, source=f"cached FedDisk weights {str(path)!r}")
+            return result
+        result = self._compute(federation, config, np.random.default_rng(config.seed))
+        save_weights(path, result)
+        return result
+
+    @staticmethod
+    def _check_sizes(result: FedDiskWeights, sizes: list[int], source: str) -> None:
+        held = [int(w.shape[0]) for w in result.weights]
+        if held != sizes:
+            raise DataError(
+                f"{source} hold weights for {len(held)} clients with sizes {held[:5]}..., but "
+                f"the federation has {len(sizes)} clients with sizes {sizes[:5]}...; delete "
+                "the file so that the weights are recomputed"
+            )
+
+    def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
+        """``{"sample_weight": w_k}``, a float32 tensor of shape [n_k]."""
+        if self.weights is None:
+            raise RuntimeError(f"{type(self).__name__}.prepare(federation) must run before round 0")
+        return {SAMPLE_WEIGHT_KEY: self.weights[client_id]}
+
+    def per_sample_loss(
+        self, logits: Tensor, targets: Tensor, sample_ids: Tensor, context: Context
+    ) -> Tensor:
+        """``w_k[sample_ids] * CE``; a gather, so it runs under ``torch.func.vmap``."""
+        sample_weights = context[SAMPLE_WEIGHT_KEY].gather(0, sample_ids)
+        return sample_weights * F.cross_entropy(logits, targets, reduction="none")
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.weights is None or self.cost is None:
+            return {}
+        return {
+            "sample_weights": [w.detach().cpu().clone() for w in self.weights],
+            "cost": [self.cost.rounds, self.cost.bytes_up, self.cost.bytes_down],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.weights = [torch.as_tensor(w, dtype=torch.float32) for w in state["sample_weights"]]
+        self.cost = PhaseCost(*(int(value) for value in state["cost"]))
+
+
+class FedDisk(SampleWeightedLoss):
+    """FedDisk's weighted cross-entropy (phase 1: :func:`compute_feddisk_weights`).
+
+    Args:
+        config: the validated :class:`FedDiskConfig`.
+    """
+
+    def __init__(self, config: FedDiskConfig) -> None:
+        super().__init__(config, compute_feddisk_weights)
+
+
+class FedDiskAb(SampleWeightedLoss):
+    """FedDiskAb's weighted cross-entropy (phase 1: :func:`compute_feddisk_ab_weights`).
+
+    Args:
+        config: the validated :class:`FedDiskAbConfig`.
+    """
+
+    def __init__(self, config: FedDiskAbConfig) -> None:
+        super().__init__(config, compute_feddisk_ab_weights)
+
+
+@hookimpl
+def fedplug_register_loss_transforms(register: Register) -> None:
+    register("feddisk", FedDiskConfig, FedDisk)
+    register("feddisk_ab", FedDiskAbConfig, FedDiskAb)

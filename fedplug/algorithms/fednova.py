@@ -1,0 +1,131 @@
+"""FedNova: normalised averaging, so clients that take more local steps do not dominate.
+
+    Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization.
+    Jianyu Wang, Qinghua Liu, Hao Liang, Gauri Joshi, H. Vincent Poor.
+    NeurIPS 2020, arXiv:2007.07481.
+
+Client k ran tau_k local SGD steps (momentum rho) and reports, besides its model w_k, the
+norm of its accumulation vector::
+
+    a_k = tau_k                                                      (rho = 0)
+    a_k = (tau_k - rho (1 - rho^tau_k) / (1 - rho)) / (1 - rho)      (heavy-ball momentum rho)
+
+The server, over the clients S that replied (p_k = weight_k / sum_{j in S} weight_j)::
+
+    d_k      = (w^t - w_k) / a_k            normalised update (lr already inside w_k)
+    tau_eff  = sum_k p_k a_k
+    w^{t+1}  = w^t - tau_eff * sum_k p_k d_k
+
+The client sends its model as usual plus ``a_k`` in ``extras["a"]``; the server forms d_k
+itself, keeping two running sums so that it never holds every model at once. A client that
+took no step (a_k = 0) contributes d_k = 0. With equal a_k this is exactly FedAvg.
+The a_k formula assumes SGD (with or without heavy-ball momentum), so other local
+optimisers are rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from fedplug.algorithms.fedavg import check_update_weight, no_updates_error
+from fedplug.components import (
+    Aggregator,
+    ClientUpdate,
+    ComponentConfig,
+    LocalTraining,
+    WeightedMean,
+)
+from fedplug.hookspecs import Register, hookimpl
+
+NORM_KEY = "a"
+"""Key of a_k in :attr:`ClientUpdate.extras`."""
+
+
+def normalizing_factor(num_steps: int, momentum: float) -> float:
+    """a_k for ``num_steps`` local SGD steps with heavy-ball ``momentum`` rho in [0, 1).
+
+    ``rho = 0`` gives ``num_steps``; otherwise
+    ``(tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho)`` (FedNova, section 4 / appendix).
+    """
+    if num_steps < 0:
+        raise ValueError(f"num_steps must be non-negative, got {num_steps}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"FedNova needs momentum in [0, 1), got {momentum}")
+    if momentum == 0.0:
+        return float(num_steps)
+    rho = momentum
+    return (num_steps - rho * (1.0 - rho**num_steps) / (1.0 - rho)) / (1.0 - rho)
+
+
+class FedNovaConfig(ComponentConfig):
+    """FedNova (Wang et al. 2020): average updates normalised by each client's step count."""
+
+    name: Literal["fednova"] = "fednova"
+
+    def incompatibilities(self, train: Any) -> list[str]:
+        optimizer_name = str(train.optimizer.name).lower()
+        if optimizer_name != "sgd":
+            return [
+                f"fednova normalises by the number of SGD steps, but train.optimizer.name is "
+                f"{train.optimizer.name!r}; set it to 'sgd'"
+            ]
+        return []
+
+
+class FedNova(Aggregator):
+    """Client side reports a_k; server side averages normalised updates.
+
+    Args:
+        config: the validated :class:`FedNovaConfig` (it has no parameters).
+        num_clients: K, the number of clients in the federation.
+    """
+
+    def __init__(self, config: FedNovaConfig, num_clients: int) -> None:
+        super().__init__(num_clients)
+        self.config = config
+
+    def client_finish(
+        self,
+        start_vector: Tensor,
+        end_vector: Tensor,
+        training: LocalTraining,
+        payload: dict[str, Tensor],
+        client_state: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """``{"a": a_k}`` as a 0-d float32 tensor."""
+        factor = normalizing_factor(training.num_steps, training.momentum)
+        return {NORM_KEY: torch.tensor(factor, dtype=torch.float32, device=end_vector.device)}
+
+    def aggregate(self, global_vector: Tensor, updates: Iterable[ClientUpdate]) -> Tensor:
+        """``w - tau_eff * sum_k p_k (w - w_k) / a_k``."""
+        current = global_vector.detach().double()
+        normalized_updates = WeightedMean()
+        total_factor = 0.0
+        for update in updates:
+            check_update_weight(update)
+            if NORM_KEY not in update.extras:
+                raise ValueError(
+                    f"client {update.client_id}'s update has no extras[{NORM_KEY!r}]; FedNova's "
+                    "client_finish must run on every client"
+                )
+            factor = float(update.extras[NORM_KEY])
+            if factor > 0.0:
+                normalized = (current - update.vector.detach().double()) / factor
+            else:
+                normalized = torch.zeros_like(current)
+            normalized_updates.add(normalized, update.weight)
+            total_factor += update.weight * factor
+        if normalized_updates.total is None or normalized_updates.weight <= 0:
+            raise no_updates_error(self.config.name)
+        mean_normalized = normalized_updates.total / normalized_updates.weight
+        effective_steps = total_factor / normalized_updates.weight
+        return (current - effective_steps * mean_normalized).float()
+
+
+@hookimpl
+def fedplug_register_aggregators(register: Register) -> None:
+    register("fednova", FedNovaConfig, FedNova)

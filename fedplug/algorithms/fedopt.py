@@ -1,0 +1,175 @@
+"""FedAdam, FedYogi and FedAdagrad: adaptive optimisers on the server.
+
+    Adaptive Federated Optimization. Sashank J. Reddi, Zachary Charles, Manzil Zaheer,
+    Zachary Garrett, Keith Rush, Jakub Konecny, Sanjiv Kumar, H. Brendan McMahan.
+    ICLR 2021, arXiv:2003.00295.
+
+The server treats the averaged client change as a pseudo-gradient and applies an
+adaptive step (the paper's Algorithm 2), over the clients S that replied in round t::
+
+    delta = sum_{k in S} p_k w_k - w^t,            p_k = weight_k / sum_{j in S} weight_j
+    m     = beta1 * m + (1 - beta1) * delta        (m starts at 0)
+    v     = v + delta^2                            FedAdagrad
+    v     = beta2 * v + (1 - beta2) * delta^2      FedAdam
+    v     = v - (1 - beta2) * delta^2 * sign(v - delta^2)   FedYogi
+    w^{t+1} = w^t + eta_s * m / (sqrt(v) + tau)
+
+Choices, written down because implementations differ:
+
+- ``v`` starts at ``tau^2`` (Algorithm 2 initialises ``v_{-1} >= tau^2``); Flower starts it
+  at 0.
+- No bias correction of ``m`` or ``v``: Algorithm 2 has none (Flower's FedAdam adds one).
+- The paper averages the client changes with equal weights; here they are weighted by
+  :attr:`ClientUpdate.weight` like FedAvg, which is the paper's mean whenever the weights
+  are equal (e.g. the grouper's ``uniform`` weighting).
+- Defaults: ``beta1 = 0.9``, ``beta2 = 0.99``, ``tau = 1e-3`` as in the paper's experiments
+  and Flower; ``server_lr`` 0.01 for FedAdam and FedYogi (Flower's FedYogi default) and
+  0.1 for FedAdagrad (Flower's default). The paper tunes ``server_lr`` per task over a
+  log10 grid, so treat these as starting points.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from fedplug.algorithms.fedavg import average_models
+from fedplug.components import Aggregator, ClientUpdate, ComponentConfig
+from fedplug.hookspecs import Register, hookimpl
+
+
+class FedAdagradConfig(ComponentConfig):
+    """FedAdagrad (Reddi et al. 2021): Adagrad on the server's pseudo-gradient."""
+
+    name: Literal["fedadagrad"] = "fedadagrad"
+    server_lr: float = Field(default=0.1, gt=0.0, le=10.0)
+    """Server learning rate eta_s (default 0.1)."""
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Decay of the first moment m (default 0.9; 0.0 uses the round's change alone)."""
+    tau: float = Field(default=1e-3, gt=0.0, le=1.0)
+    """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
+
+
+class FedAdamConfig(ComponentConfig):
+    """FedAdam (Reddi et al. 2021): Adam on the server's pseudo-gradient."""
+
+    name: Literal["fedadam"] = "fedadam"
+    server_lr: float = Field(default=0.01, gt=0.0, le=10.0)
+    """Server learning rate eta_s (default 0.01)."""
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Decay of the first moment m (default 0.9)."""
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
+    """Decay of the second moment v (default 0.99)."""
+    tau: float = Field(default=1e-3, gt=0.0, le=1.0)
+    """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
+
+
+class FedYogiConfig(ComponentConfig):
+    """FedYogi (Reddi et al. 2021): Yogi on the server's pseudo-gradient."""
+
+    name: Literal["fedyogi"] = "fedyogi"
+    server_lr: float = Field(default=0.01, gt=0.0, le=10.0)
+    """Server learning rate eta_s (default 0.01)."""
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Decay of the first moment m (default 0.9)."""
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
+    """Rate (1 - beta2) at which v moves towards delta^2 (default 0.99)."""
+    tau: float = Field(default=1e-3, gt=0.0, le=1.0)
+    """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
+
+
+AdaptiveConfig = FedAdagradConfig | FedAdamConfig | FedYogiConfig
+
+
+class AdaptiveServerOptimizer(Aggregator):
+    """Shared server step of FedAdagrad, FedAdam and FedYogi; subclasses give the v update.
+
+    Args:
+        config: the validated config of the variant.
+        num_clients: K, the number of clients in the federation.
+    """
+
+    def __init__(self, config: AdaptiveConfig, num_clients: int) -> None:
+        super().__init__(num_clients)
+        self.config = config
+        self.first_moment: Tensor | None = None
+        self.second_moment: Tensor | None = None
+
+    def initialize(self, global_vector: Tensor) -> None:
+        """``m = 0`` and ``v = tau^2`` (Algorithm 2's ``v_{-1} >= tau^2``)."""
+        self.first_moment, self.second_moment = self._initial_moments(global_vector)
+
+    def _initial_moments(self, global_vector: Tensor) -> tuple[Tensor, Tensor]:
+        first_moment = torch.zeros_like(global_vector, dtype=torch.float32)
+        second_moment = torch.full_like(global_vector, self.config.tau**2, dtype=torch.float32)
+        return first_moment, second_moment
+
+    def _moments(self, global_vector: Tensor) -> tuple[Tensor, Tensor]:
+        """The current (m, v), initialised on first use if :meth:`initialize` was skipped."""
+        if self.first_moment is None or self.second_moment is None:
+            self.first_moment, self.second_moment = self._initial_moments(global_vector)
+        return self.first_moment, self.second_moment
+
+    @abstractmethod
+    def next_second_moment(self, previous: Tensor, squared_delta: Tensor) -> Tensor:
+        """The variant's update of v from its previous value and ``delta^2``."""
+
+    def aggregate(self, global_vector: Tensor, updates: Iterable[ClientUpdate]) -> Tensor:
+        """One adaptive step along the averaged client change."""
+        mean = average_models(updates, self.config.name).mean
+        first_moment, second_moment = self._moments(global_vector)
+        current = global_vector.detach().float()
+        delta = (mean - current.double()).float()
+        beta1 = self.config.beta1
+        self.first_moment = beta1 * first_moment + (1.0 - beta1) * delta
+        self.second_moment = self.next_second_moment(second_moment, delta.square())
+        step = self.first_moment / (self.second_moment.sqrt() + self.config.tau)
+        return current + self.config.server_lr * step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_moment": self.first_moment, "second_moment": self.second_moment}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first_moment = state["first_moment"]
+        self.second_moment = state["second_moment"]
+
+
+class FedAdagrad(AdaptiveServerOptimizer):
+    """``v = v + delta^2``."""
+
+    config: FedAdagradConfig
+
+    def next_second_moment(self, previous: Tensor, squared_delta: Tensor) -> Tensor:
+        return previous + squared_delta
+
+
+class FedAdam(AdaptiveServerOptimizer):
+    """``v = beta2 v + (1 - beta2) delta^2``."""
+
+    config: FedAdamConfig
+
+    def next_second_moment(self, previous: Tensor, squared_delta: Tensor) -> Tensor:
+        beta2 = self.config.beta2
+        return beta2 * previous + (1.0 - beta2) * squared_delta
+
+
+class FedYogi(AdaptiveServerOptimizer):
+    """``v = v - (1 - beta2) delta^2 sign(v - delta^2)``."""
+
+    config: FedYogiConfig
+
+    def next_second_moment(self, previous: Tensor, squared_delta: Tensor) -> Tensor:
+        beta2 = self.config.beta2
+        return previous - (1.0 - beta2) * squared_delta * torch.sign(previous - squared_delta)
+
+
+@hookimpl
+def fedplug_register_aggregators(register: Register) -> None:
+    register("fedadagrad", FedAdagradConfig, FedAdagrad)
+    register("fedadam", FedAdamConfig, FedAdam)
+    register("fedyogi", FedYogiConfig, FedYogi)

@@ -1,0 +1,112 @@
+"""fedplug's defaults: uniform shuffling, plain cross-entropy and no grouping.
+
+These are what an experiment gets when it names no other sampler, loss transform or
+grouper, and together they make ordinary federated training as in FedAvg:
+
+    Communication-Efficient Learning of Deep Networks from Decentralized Data.
+    H. Brendan McMahan, Eider Moore, Daniel Ramage, Seth Hampson, Blaise Aguera y Arcas.
+    AISTATS 2017, arXiv:1602.05629.
+
+- sampler ``uniform``: every local epoch visits each local sample once, in a fresh random
+  order (sampling without replacement);
+- loss transform ``cross_entropy``: the batch-mean cross-entropy, no penalty;
+- grouper ``none``: every sampled client trains alone from the global model and its model
+  is weighted by its number of samples.
+
+The module keeps its historical name ``uniform`` (the first default it held) so that the
+built-in plugin list does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from fedplug.components import (
+    ComponentConfig,
+    Grouper,
+    LossTransform,
+    RoundPlan,
+    Sampler,
+)
+from fedplug.hookspecs import Register, hookimpl
+
+
+class UniformSamplerConfig(ComponentConfig):
+    """Shuffle the client's samples every local epoch (the default sampler)."""
+
+    name: Literal["uniform"] = "uniform"
+
+
+class UniformSampler(Sampler):
+    """A fresh permutation of the client's local indices each epoch.
+
+    Args:
+        config: the validated :class:`UniformSamplerConfig` (it has no parameters).
+    """
+
+    def __init__(self, config: UniformSamplerConfig | None = None) -> None:
+        self.config = config or UniformSamplerConfig()
+
+    def epoch_indices(
+        self,
+        labels: np.ndarray,
+        class_counts: np.ndarray,
+        round_index: int,
+        rng: np.random.Generator,
+    ) -> np.ndarray:
+        """Every index in ``range(len(labels))`` exactly once, in the order ``rng`` draws."""
+        return rng.permutation(len(labels))
+
+
+class CrossEntropyConfig(ComponentConfig):
+    """Plain cross-entropy on the model's logits (the default loss transform)."""
+
+    name: Literal["cross_entropy"] = "cross_entropy"
+
+
+def build_cross_entropy(config: CrossEntropyConfig) -> LossTransform:
+    """The base :class:`~fedplug.components.LossTransform` is exactly plain cross-entropy."""
+    return LossTransform()
+
+
+class NoGroupingConfig(ComponentConfig):
+    """Every sampled client trains alone from the global model (the default grouper)."""
+
+    name: Literal["none"] = "none"
+
+
+class NoGrouping(Grouper):
+    """One chain of length one per sampled client, weighted by samples.
+
+    Args:
+        config: the validated :class:`NoGroupingConfig` (it has no parameters).
+    """
+
+    def __init__(self, config: NoGroupingConfig | None = None) -> None:
+        self.config = config or NoGroupingConfig()
+
+    def plan(self, round_number: int, clients: np.ndarray, rng: np.random.Generator) -> RoundPlan:
+        """Each client of ``clients`` in its own chain and its own group, in the given order."""
+        singletons = [[int(client)] for client in clients]
+        return RoundPlan(
+            chains=singletons,
+            weighting="samples",
+            groups=[list(chain) for chain in singletons],
+        )
+
+
+@hookimpl
+def fedplug_register_samplers(register: Register) -> None:
+    register("uniform", UniformSamplerConfig, UniformSampler)
+
+
+@hookimpl
+def fedplug_register_loss_transforms(register: Register) -> None:
+    register("cross_entropy", CrossEntropyConfig, build_cross_entropy)
+
+
+@hookimpl
+def fedplug_register_groupers(register: Register) -> None:
+    register("none", NoGroupingConfig, NoGrouping)

@@ -1,0 +1,277 @@
+"""The interfaces every pluggable component implements.
+
+A component is a config class (a strict pydantic model tagged by ``name``) plus the
+object built from it. The simulator, the Flower adapter and the FedML adapter all drive
+components through these interfaces only, which is what lets one algorithm run unchanged
+on each of them.
+
+Conventions shared by all components:
+
+- Model parameters travel as one flat float32 vector (``torch.Tensor`` of shape ``[P]``),
+  in the order of ``model.state_dict()``'s floating-point entries; see
+  :mod:`fedplug.simulation.vectors`.
+- Randomness comes in as an explicit ``numpy.random.Generator``; no component touches a
+  global seed.
+- Per-client tensors that the client's loss needs (a FedShift shift, SCAFFOLD's
+  correction) are returned as a ``dict[str, Tensor]`` "context", so that the vectorised
+  engine can stack them across clients and ``vmap`` over them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+from torch.nn import functional as F
+
+Context = dict[str, Any]
+"""Tensors (or nested dicts of tensors) a client's loss needs; stacked across clients by
+the vectorised engine."""
+
+
+class ComponentConfig(BaseModel):
+    """Base of every component config: strict (a typo is an error) and immutable.
+
+    Subclasses narrow ``name`` to ``Literal["their-name"]`` and add their parameters,
+    each with a range and a docstring under it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    name: str
+
+    def incompatibilities(self, train: Any) -> list[str]:
+        """Reasons why this component cannot run with the rest of ``train`` (the whole
+        :class:`fedplug.config.TrainConfig`); empty when it can. Checked before any work
+        starts."""
+        return []
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+class Sampler(ABC):
+    """Decides which local samples a client visits, and in which order, in one epoch."""
+
+    @abstractmethod
+    def epoch_indices(
+        self,
+        labels: np.ndarray,
+        class_counts: np.ndarray,
+        round_index: int,
+        rng: np.random.Generator,
+    ) -> np.ndarray:
+        """Return indices into the client's local training set for one local epoch.
+
+        ``labels``: the client's training labels (length n_k); ``class_counts``: their
+        C-vector of counts; ``round_index``: the 0-based global round t; ``rng``: a
+        generator seeded for this client, round and epoch.
+        """
+
+
+# ---------------------------------------------------------------------- loss transforms
+
+
+class LossTransform:
+    """Forms a client's training loss from its logits.
+
+    The default is plain cross-entropy. The loss of a batch is
+    ``sum(mask * per_sample_loss) / sum(mask) + penalty``; the mask is all ones except in
+    the vectorised engine's padded batches.
+    """
+
+    def prepare(self, federation: Any) -> "PhaseCost | None":
+        """Compute what the transform needs from the whole federation, once, before
+        round 0 (FedShift's global prior; FedDisk's density-ratio weights). ``federation``
+        is a :class:`fedplug.data.federation.Federation`. Returns the communication cost of
+        any extra phase it ran, or ``None``."""
+        return None
+
+    def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
+        """Per-client constant tensors for :meth:`per_sample_loss` and :meth:`penalty`."""
+        return {}
+
+    def per_sample_loss(
+        self, logits: Tensor, targets: Tensor, sample_ids: Tensor, context: Context
+    ) -> Tensor:
+        """Loss of each sample of the batch, shape ``[B]``. ``sample_ids`` index the
+        client's local training set."""
+        return F.cross_entropy(logits, targets, reduction="none")
+
+    def penalty(
+        self, params: dict[str, Tensor], anchor: dict[str, Tensor], context: Context
+    ) -> Tensor | None:
+        """A term added once per batch, e.g. FedProx's ``mu/2 ||w - w^t||^2``; ``anchor``
+        holds the parameters the client started the round from."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (e.g. FedDisk's computed weights)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Communication spent by a phase outside the main rounds (FedDisk's MADE training)."""
+
+    rounds: int
+    bytes_up: int
+    bytes_down: int
+
+
+# ------------------------------------------------------------------------- aggregators
+
+
+@dataclass
+class LocalTraining:
+    """What a client did in one round, as the aggregator's client side needs it."""
+
+    num_steps: int
+    learning_rate: float
+    momentum: float
+
+
+@dataclass
+class ClientUpdate:
+    """One reply to the server: the model a client (or a group chain) ended with."""
+
+    client_id: int
+    vector: Tensor
+    weight: float
+    """Aggregation weight: n_k for a client, or 1 for a uniformly weighted group."""
+    num_steps: int
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """What the aggregator's client side sends back besides the model (SCAFFOLD's
+    control-variate change)."""
+    chain: list[int] = field(default_factory=list)
+    """The clients that trained this model, in order (one unless a grouper chains them)."""
+    seconds: float = 0.0
+    """Wall time the chain's local training took."""
+
+
+class Aggregator(ABC):
+    """Server-side combination of client models, plus the client-side work it needs.
+
+    Server side: :meth:`initialize`, :meth:`server_payload`, :meth:`aggregate`.
+    Client side (runs where the client runs; ``client_state`` persists across rounds for
+    that client): :meth:`client_context`, :meth:`client_penalty`, :meth:`client_finish`.
+    """
+
+    requires_plain_sgd: ClassVar[bool] = False
+    """True when the client-side maths assumes SGD without momentum (SCAFFOLD)."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+
+    def initialize(self, global_vector: Tensor) -> None:
+        """Called once with the initial global model."""
+
+    def server_payload(self) -> dict[str, Tensor]:
+        """Tensors sent to every sampled client along with the model."""
+        return {}
+
+    def client_context(self, payload: dict[str, Tensor], client_state: dict[str, Tensor]) -> Context:
+        """Per-client tensors for :meth:`client_penalty`."""
+        return {}
+
+    def client_penalty(
+        self, params: dict[str, Tensor], anchor: dict[str, Tensor], context: Context
+    ) -> Tensor | None:
+        """A term added to every batch's loss on the client (SCAFFOLD's correction)."""
+        return None
+
+    def client_finish(
+        self,
+        start_vector: Tensor,
+        end_vector: Tensor,
+        training: LocalTraining,
+        payload: dict[str, Tensor],
+        client_state: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """After local training: update ``client_state`` in place and return the extras
+        to send with the model."""
+        return {}
+
+    @abstractmethod
+    def aggregate(self, global_vector: Tensor, updates: Iterable[ClientUpdate]) -> Tensor:
+        """Return the next global model. ``updates`` is consumed once, as a stream, so
+        the simulator never holds every client's model at once; keep running sums."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server state to checkpoint (momentum buffers, control variates)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+
+class WeightedMean:
+    """Running weighted mean of vectors: the building block of most aggregators."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, vector: Tensor, weight: float) -> None:
+        if self.total is None:
+            self.total = vector.detach().double() * weight
+        else:
+            self.total.add_(vector.detach().double(), alpha=weight)
+        self.weight += weight
+        self.count += 1
+
+    def mean(self) -> Tensor:
+        if self.total is None or self.weight <= 0:
+            raise ValueError("no client update reached the aggregator this round")
+        return (self.total / self.weight).float()
+
+
+# ---------------------------------------------------------------------------- groupers
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who trains with whom in one round.
+
+    Each chain trains in sequence (the first member starts from the global model and
+    hands its model to the next); chains are independent of each other. Every sampled
+    client training alone is a plan of chains of length one.
+    """
+
+    chains: list[list[int]]
+    weighting: Literal["samples", "uniform"] = "samples"
+    """How the aggregator weighs a chain's final model: by the samples its members
+    trained on, or equally (FedGSP's mean of group models)."""
+    groups: list[list[int]] | None = None
+    """All groups formed this round (sampled or not), for the CPD metric."""
+
+
+class Grouper(ABC):
+    """Forms the round's chains from the sampled clients."""
+
+    def prepare(self, class_counts: np.ndarray) -> None:
+        """Called once with the K x C class-count matrix of all clients."""
+
+    @abstractmethod
+    def plan(self, round_number: int, clients: np.ndarray, rng: np.random.Generator) -> RoundPlan:
+        """Return the plan of round ``round_number`` (1-based) for the sampled ``clients``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+
+def as_tensor_context(values: dict[str, np.ndarray]) -> Context:
+    """Convert numpy per-client constants to float32 tensors."""
+    return {key: torch.as_tensor(value, dtype=torch.float32) for key, value in values.items()}

@@ -1,0 +1,399 @@
+"""The experiment config: one strict pydantic model, built from the plugin registry.
+
+The algorithm slots (``sampler``, ``loss_transform``, ``aggregator``, ``grouper``) and
+the ``dataset``, ``partition`` and ``model`` entries are discriminated unions over the
+``name`` of every registered component, so a third-party plugin's parameters validate
+exactly like the built-ins'. Everything is ``extra="forbid"``: a typo is an error that
+names its path, e.g. ``train.aggregator.momentum: Input should be less than 1``.
+
+Layout of a config file (``params.yaml`` is one)::
+
+    study:      name, seeds, target accuracy          (what the pipeline compares)
+    tracking:   MLflow settings                       (read by the pipeline only)
+    data:       dataset, partition, clients           (read by the partition stage)
+    train:      model, the four slots, optimiser, ... (read by the train stage)
+    algorithms: {label: overrides of train}           (the pipeline's matrix)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from fedplug.components import ComponentConfig
+from fedplug.errors import ConfigError
+from fedplug.registry import Registry
+
+# Config field -> registry kind, for every field that selects a component by name.
+COMPONENT_FIELDS = {
+    "dataset": "datasets",
+    "partition": "partitioners",
+    "model": "models",
+    "sampler": "samplers",
+    "loss_transform": "loss_transforms",
+    "aggregator": "aggregators",
+    "grouper": "groupers",
+}
+ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class OptimizerConfig(StrictModel):
+    """The clients' local optimiser."""
+
+    name: Literal["sgd", "adam"] = "sgd"
+    """``sgd`` (with optional momentum and weight decay) or ``adam``."""
+    lr: float = Field(0.05, gt=0, le=10)
+    """Client learning rate eta."""
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum (0 = plain SGD); ignored by adam."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """L2 weight decay added to the gradient."""
+
+
+class FailurePolicy(StrictModel):
+    """What the simulator does with clients that fail."""
+
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+    """If more than this fraction of a round's updates fail, the round is retried."""
+    max_round_retries: int = Field(1, ge=0, le=10)
+    """Retries of a round with too many failures before the run stops with an error."""
+    client_timeout_seconds: float | None = Field(None, gt=0)
+    """A client whose local training takes longer than this is dropped (None = no limit)."""
+
+
+class StudyConfig(StrictModel):
+    """What a study compares; read by the pipeline and the report."""
+
+    name: str = Field("fedplug", min_length=1)
+    """MLflow experiment name."""
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """The pipeline runs every algorithm once per seed."""
+    target_accuracy: float = Field(0.9, gt=0, le=1)
+    """Accuracy for 'rounds to target' in the report."""
+
+
+class TrackingConfig(StrictModel):
+    """MLflow tracking, used by the pipeline's train and evaluate stages."""
+
+    uri: str | None = None
+    """Tracking URI; None = ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///mlflow.db``."""
+    fallback_to_local: bool = False
+    """If the server does not answer: False = stop before training; True = log to the
+    local store and say so."""
+
+
+class DataConfigBase(StrictModel):
+    """The federation: which data, split how, over how many clients."""
+
+    dataset: ComponentConfig
+    partition: ComponentConfig
+    num_clients: int = Field(10, ge=1, le=1_000_000)
+    """K, the number of clients."""
+    local_test_fraction: float = Field(0.2, ge=0, lt=1)
+    """Share of each client's samples kept as its local test split."""
+    seed: int = Field(0, ge=0)
+    """Seed of the partition and the local train/test split."""
+    root: str = "data/raw"
+    """Folder the datasets are read from (and downloaded to)."""
+
+
+class TrainConfigBase(StrictModel):
+    """Training: model, algorithm slots, schedule, optimiser, engine."""
+
+    model: ComponentConfig
+    sampler: ComponentConfig
+    loss_transform: ComponentConfig
+    aggregator: ComponentConfig
+    grouper: ComponentConfig
+    client_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of the K clients sampled each round (at least one)."""
+    rounds: int = Field(20, ge=1, le=100_000)
+    """Number of communication rounds R."""
+    local_epochs: int = Field(1, ge=1, le=1000)
+    """Local epochs E per client per round."""
+    batch_size: int = Field(10, ge=1, le=1_000_000)
+    """Local mini-batch size B."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    seed: int = Field(0, ge=0)
+    """Seed of model initialisation, client sampling and local shuffling."""
+    engine: Literal["auto", "sequential", "vectorized"] = "auto"
+    """``sequential`` (one client after another), ``vectorized`` (clients in lockstep with
+    torch.func.vmap), or ``auto`` (vectorized on CUDA when the setup allows, else
+    sequential)."""
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$")
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)."""
+    eval_batch_size: int = Field(1000, ge=1)
+    """Batch size for evaluation."""
+    failures: FailurePolicy = Field(default_factory=FailurePolicy)
+
+    @model_validator(mode="after")
+    def _components_fit_together(self) -> "TrainConfigBase":
+        reasons: list[str] = []
+        for slot in ("model",) + ALGORITHM_SLOTS:
+            component: ComponentConfig = getattr(self, slot)
+            reasons += [f"{slot} {component.name!r}: {why}" for why in component.incompatibilities(self)]
+        if self.engine == "vectorized" and self.optimizer.name != "sgd":
+            reasons.append("engine 'vectorized' implements SGD only; use optimizer.name: sgd")
+        if reasons:
+            raise ValueError("incompatible combination: " + "; ".join(reasons))
+        return self
+
+
+class ExperimentConfigBase(StrictModel):
+    study: StudyConfig = Field(default_factory=StudyConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    data: DataConfigBase
+    train: TrainConfigBase
+    algorithms: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Named overrides of ``train`` (the pipeline trains one run per entry)."""
+
+
+DEFAULT_COMPONENTS = {
+    "sampler": "uniform",
+    "loss_transform": "cross_entropy",
+    "aggregator": "fedavg",
+    "grouper": "none",
+    "model": "mlp",
+}
+
+
+def _component_field(registry: Registry, field: str) -> tuple[Any, Any]:
+    kind = COMPONENT_FIELDS[field]
+    classes = tuple(entry.config_class for entry in registry.entries(kind))
+    if not classes:
+        raise ConfigError(f"no {kind} are registered; is fedplug installed correctly?")
+    annotation: Any = classes[0] if len(classes) == 1 else Annotated[Union[classes], Field(discriminator="name")]
+    default_name = DEFAULT_COMPONENTS.get(field)
+    if default_name is not None and default_name in registry.names(kind):
+        config_class = registry.get(kind, default_name).config_class
+        return annotation, Field(default_factory=lambda: config_class(name=default_name))
+    return annotation, ...
+
+
+def _name_check(registry: Registry, field: str):
+    kind = COMPONENT_FIELDS[field]
+    noun = kind[:-1].replace("_", " ")
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str):  # shorthand: `aggregator: fedavg`
+            value = {"name": value}
+        if isinstance(value, dict):
+            name = value.get("name")
+            if name is None:
+                raise ValueError(f"missing 'name:'; choose one of: {', '.join(registry.names(kind))}")
+            if name not in registry.names(kind):
+                raise ValueError(f"unknown {noun} {name!r}; registered: {', '.join(registry.names(kind))}")
+        return value
+
+    return check
+
+
+def _with_components(base: type[StrictModel], registry: Registry, fields: tuple[str, ...]) -> type[StrictModel]:
+    from pydantic import field_validator
+
+    definitions = {field: _component_field(registry, field) for field in fields}
+    validators = {
+        f"_check_{field}": field_validator(field, mode="before")(staticmethod(_name_check(registry, field)))
+        for field in fields
+    }
+    return create_model(base.__name__.removesuffix("Base"), __base__=base, __validators__=validators, **definitions)
+
+
+@functools.lru_cache(maxsize=8)
+def config_models(registry: Registry) -> tuple[type[StrictModel], type[StrictModel], type[StrictModel]]:
+    """``(ExperimentConfig, DataConfig, TrainConfig)`` classes for this registry."""
+    data_config = _with_components(DataConfigBase, registry, ("dataset", "partition"))
+    train_config = _with_components(
+        TrainConfigBase, registry, ("model", "sampler", "loss_transform", "aggregator", "grouper")
+    )
+    experiment_config = create_model(
+        "ExperimentConfig", __base__=ExperimentConfigBase, data=(data_config, ...), train=(train_config, ...)
+    )
+    return experiment_config, data_config, train_config
+
+
+def _registry(registry: Registry | None) -> Registry:
+    if registry is None:
+        from fedplug.plugins import default_registry
+
+        registry = default_registry()
+    return registry
+
+
+# ------------------------------------------------------------------ errors and merging
+
+
+def format_validation_error(error: ValidationError, data: Any, prefix: str = "") -> str:
+    """One line per problem, each naming the exact dotted path in the user's file."""
+    lines = []
+    for item in error.errors():
+        path = _user_path(item["loc"], data)
+        if prefix:
+            path = [prefix, *path] if path else [prefix]
+        where = ".".join(str(part) for part in path) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling; see `fedplug list` for parameters)"
+        lines.append(f"{where}: {message}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _user_path(loc: tuple[Any, ...], data: Any) -> list[Any]:
+    """Drop the union tags pydantic inserts (``aggregator.fedavgm.momentum``)."""
+    path: list[Any] = []
+    node = data
+    parts = list(loc)
+    index = 0
+    while index < len(parts):
+        part = parts[index]
+        if isinstance(node, dict) and part not in node and node.get("name") == part:
+            index += 1
+            continue
+        if isinstance(node, str) and part == node:  # shorthand `aggregator: fedavg`
+            index += 1
+            continue
+        path.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+        index += 1
+    return path
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``; a component whose ``name`` changes is replaced
+    whole (its old parameters belong to another algorithm)."""
+    merged = dict(base)
+    for key, value in override.items():
+        old = merged.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) == old.get("name"):
+            merged[key] = deep_merge(old, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
+    """Apply one ``dotted.key=value`` (value parsed as YAML) to a nested dict."""
+    key, separator, raw = assignment.partition("=")
+    if not separator or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value, e.g. train.rounds=5")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({error})") from None
+    keys = key.strip().split(".")
+    override: dict[str, Any] = {}
+    node = override
+    for part in keys[:-1]:
+        node = node.setdefault(part, {})
+    node[keys[-1]] = value
+    # `--set train.aggregator=fedavgm` switches algorithm; `--set train.aggregator.momentum=0.5` tunes it.
+    if isinstance(value, str) and keys[-1] in COMPONENT_FIELDS:
+        node[keys[-1]] = {"name": value}
+    return deep_merge(data, override)
+
+
+# -------------------------------------------------------------------------- loading
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that say which file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (data:, train:, ...), got {type(data).__name__}")
+    return data
+
+
+def validate_experiment(data: dict[str, Any], registry: Registry | None = None) -> Any:
+    """Validate a whole experiment dict, including every entry of ``algorithms``."""
+    experiment_config, _, train_config = config_models(_registry(registry))
+    try:
+        config = experiment_config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError("invalid config:\n" + format_validation_error(error, data)) from None
+    for label, override in config.algorithms.items():
+        merged = deep_merge(data.get("train", {}), override)
+        try:
+            train_config.model_validate(merged)
+        except ValidationError as error:
+            raise ConfigError(
+                "invalid config:\n" + format_validation_error(error, override, prefix=f"algorithms.{label}")
+            ) from None
+    return config
+
+
+def with_algorithm(data: dict[str, Any], label: str) -> dict[str, Any]:
+    """The experiment dict with ``algorithms[label]`` applied to ``train``."""
+    algorithms = data.get("algorithms") or {}
+    if label not in algorithms:
+        known = ", ".join(algorithms) or "(none defined)"
+        raise ConfigError(f"unknown algorithm {label!r}; params file defines: {known}")
+    merged = dict(data)
+    merged["train"] = deep_merge(data.get("train", {}), algorithms[label] or {})
+    return merged
+
+
+def load_experiment(
+    path: str | os.PathLike[str],
+    overrides: list[str] | tuple[str, ...] = (),
+    algorithm: str | None = None,
+    registry: Registry | None = None,
+) -> Any:
+    """Read, override and validate an experiment config file."""
+    data = read_yaml(path)
+    for assignment in overrides:
+        data = apply_override(data, assignment)
+    if algorithm is not None:
+        data = with_algorithm(data, algorithm)
+    return validate_experiment(data, registry)
+
+
+def validate_section(section: Literal["data", "train"], data: Any, registry: Registry | None = None) -> Any:
+    """Validate one section (for pipeline stages that read only their slice)."""
+    _, data_config, train_config = config_models(_registry(registry))
+    model = data_config if section == "data" else train_config
+    try:
+        return model.model_validate(data if data is not None else {})
+    except ValidationError as error:
+        raise ConfigError("invalid config:\n" + format_validation_error(error, data, prefix=section)) from None
+
+
+def flatten(config: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train.aggregator.momentum": 0.9, ...}``: the resolved config as flat params."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat

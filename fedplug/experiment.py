@@ -1,0 +1,103 @@
+"""Run one experiment end to end and write its outputs (the I/O edge of the library)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import yaml
+
+from fedplug.data.build import build_federation
+from fedplug.plugins import default_registry
+from fedplug.registry import Registry
+from fedplug.simulation.results import RunResult
+from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
+
+REPORTED_PACKAGES = ("fedplug", "torch", "numpy", "pydantic", "pluggy", "ortools", "flwr", "mlflow", "dvc")
+
+
+def default_output_dir(config: Any) -> Path:
+    """``runs/<study>-<hash of data+train>``: the same command finds its own checkpoint."""
+    resolved = json.dumps({"data": config.data.model_dump(mode="json"), "train": config.train.model_dump(mode="json")}, sort_keys=True)
+    return Path("runs") / f"{config.study.name}-{hashlib.sha256(resolved.encode()).hexdigest()[:10]}"
+
+
+def run_experiment(
+    config: Any,
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    registry: Registry | None = None,
+    observers: Iterable[RoundObserver] = (),
+    resume: bool = True,
+    federation: Any = None,
+) -> tuple[RunResult, Simulator]:
+    """Build the federation, train, and (when ``out_dir`` is given) write
+    ``metrics.json``, ``config.yaml`` (the resolved config), ``run_info.json`` and a
+    per-round ``checkpoint.pt`` there."""
+    registry = registry or default_registry()
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_yaml(out / "config.yaml", config.model_dump(mode="json"))
+        write_json(out / "run_info.json", run_info())
+    if federation is None:
+        federation = build_federation(config.data, registry, resolve_device(config.train.device))
+    simulator = Simulator(
+        config.train,
+        federation,
+        registry,
+        target_accuracy=config.study.target_accuracy,
+        checkpoint_path=out / "checkpoint.pt" if out is not None else None,
+        observers=observers,
+    )
+    result = simulator.run(resume=resume)
+    if out is not None:
+        write_json(out / "metrics.json", result.summary())
+        torch.save(simulator.model.state_dict(), out / "model.pt")
+    return result, simulator
+
+
+def run_info() -> dict[str, Any]:
+    """Versions, machine and git commit, stored with every run for reproducibility."""
+    versions = {}
+    for package in REPORTED_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "packages": versions,
+        "git_commit": git_commit(),
+    }
+
+
+def git_commit() -> str | None:
+    try:
+        completed = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return completed.stdout.strip() or None if completed.returncode == 0 else None
+
+
+def write_json(path: Path, data: Any) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(temporary, path)
+
+
+def write_yaml(path: Path, data: Any) -> None:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))

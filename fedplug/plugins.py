@@ -1,0 +1,82 @@
+"""Loading plugins: fedplug's built-ins and third-party packages alike.
+
+Built-in components are plugins, loaded exactly like third-party ones (datasette's
+``DEFAULT_PLUGINS``). Third-party plugins are found through the entry-point group
+``fedplug``; set ``FEDPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` to skip them (as pytest's
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does), e.g. in tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Any
+
+import pluggy
+
+from fedplug import hookspecs
+from fedplug.errors import PluginError
+from fedplug.registry import KINDS, Registry
+
+AUTOLOAD_SWITCH = "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD"
+
+BUILTIN_PLUGINS = (
+    "fedplug.data.datasets",
+    "fedplug.data.partitions",
+    "fedplug.models.zoo",
+    "fedplug.algorithms.uniform",
+    "fedplug.algorithms.fedavg",
+    "fedplug.algorithms.fedprox",
+    "fedplug.algorithms.fedavgm",
+    "fedplug.algorithms.fedopt",
+    "fedplug.algorithms.fednova",
+    "fedplug.algorithms.scaffold",
+    "fedplug.algorithms.iwds",
+    "fedplug.algorithms.fedshift",
+    "fedplug.algorithms.fedgsp",
+    "fedplug.algorithms.feddisk",
+)
+
+
+def new_plugin_manager(*, autoload: bool | None = None) -> pluggy.PluginManager:
+    """A plugin manager with the built-ins and, unless switched off, installed plugins."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    for module_name in BUILTIN_PLUGINS:
+        manager.register(importlib.import_module(module_name), name=module_name)
+    if autoload is None:
+        autoload = not os.environ.get(AUTOLOAD_SWITCH)
+    if autoload:
+        manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+    try:
+        manager.check_pending()
+    except pluggy.PluginValidationError as error:
+        raise PluginError(f"plugin {error.plugin!r}: {error}") from None
+    return manager
+
+
+def collect_registry(manager: pluggy.PluginManager) -> Registry:
+    """Call every plugin's register hooks and gather what they register."""
+    registry = Registry()
+    for kind in KINDS:
+        hook_name = f"fedplug_register_{kind}"
+        for implementation in getattr(manager.hook, hook_name).get_hookimpls():
+            plugin_name = manager.get_name(implementation.plugin) or repr(implementation.plugin)
+
+            def register(name: Any, config_class: Any, factory: Any, *, _kind=kind, _plugin=plugin_name) -> None:
+                registry.register(_kind, _plugin, name, config_class, factory)
+
+            result = implementation.function(register=register)
+            if result is not None:
+                raise PluginError(
+                    f"plugin {plugin_name!r}: {hook_name} must call register(...) and return "
+                    f"None, but it returned {type(result).__name__}"
+                )
+    return registry
+
+
+@functools.cache
+def default_registry() -> Registry:
+    """The registry of the current environment, built once per process."""
+    return collect_registry(new_plugin_manager())

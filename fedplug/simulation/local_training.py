@@ -1,0 +1,121 @@
+"""A client's local training: the one loop every runtime shares.
+
+The sequential engine, the Flower ClientApp and the FedML trainer all call
+:func:`train_locally`, so an algorithm behaves the same wherever it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedplug.components import Aggregator, Context, LocalTraining, LossTransform, Sampler
+from fedplug.simulation.vectors import model_to_vector, vector_to_model
+
+
+@dataclass
+class ClientAlgorithm:
+    """The client-side pieces of an algorithm."""
+
+    sampler: Sampler
+    loss_transform: LossTransform
+    aggregator: Aggregator
+
+    def __post_init__(self) -> None:
+        self.has_penalty = (
+            type(self.loss_transform).penalty is not LossTransform.penalty
+            or type(self.aggregator).client_penalty is not Aggregator.client_penalty
+        )
+
+
+@dataclass
+class LocalSchedule:
+    """How long and how a client trains."""
+
+    local_epochs: int
+    batch_size: int
+    optimizer: Any
+    """A :class:`fedplug.config.OptimizerConfig`."""
+
+
+@dataclass
+class LocalResult:
+    vector: Tensor
+    num_steps: int
+    num_samples: int
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+def make_optimizer(parameters: Any, optimizer_config: Any) -> torch.optim.Optimizer:
+    if optimizer_config.name == "adam":
+        return torch.optim.Adam(parameters, lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay)
+    return torch.optim.SGD(
+        parameters,
+        lr=optimizer_config.lr,
+        momentum=optimizer_config.momentum,
+        weight_decay=optimizer_config.weight_decay,
+    )
+
+
+def local_rng(seed: int, round_index: int, client_id: int) -> np.random.Generator:
+    """The generator of one client in one round: independent of visiting order, so
+    engines, resumed runs and adapters draw the same samples."""
+    return np.random.default_rng([seed, round_index, client_id, 0x5EED])
+
+
+def train_locally(
+    model: nn.Module,
+    start_vector: Tensor,
+    train_x: Tensor,
+    train_y: Tensor,
+    class_counts: np.ndarray,
+    *,
+    algorithm: ClientAlgorithm,
+    loss_context: Context,
+    payload: dict[str, Tensor],
+    client_state: dict[str, Tensor],
+    schedule: LocalSchedule,
+    round_index: int,
+    rng: np.random.Generator,
+) -> LocalResult:
+    """Train ``model`` from ``start_vector`` on one client's data; return its new state.
+
+    ``client_state`` is updated in place by the aggregator's client side (SCAFFOLD's
+    control variate). ``labels`` for the sampler are read from ``train_y`` once.
+    """
+    vector_to_model(start_vector, model)
+    model.train()
+    optimizer = make_optimizer(model.parameters(), schedule.optimizer)
+    aggregator_context = algorithm.aggregator.client_context(payload, client_state)
+    anchor = {name: p.detach().clone() for name, p in model.named_parameters()} if algorithm.has_penalty else {}
+    labels = train_y.cpu().numpy()
+    loss_transform = algorithm.loss_transform
+    steps = 0
+    for _ in range(schedule.local_epochs):
+        order = algorithm.sampler.epoch_indices(labels, class_counts, round_index, rng)
+        order_tensor = torch.as_tensor(order, dtype=torch.long, device=train_x.device)
+        for batch_ids in torch.split(order_tensor, schedule.batch_size):
+            logits = model(train_x[batch_ids])
+            loss = loss_transform.per_sample_loss(logits, train_y[batch_ids], batch_ids, loss_context).mean()
+            if algorithm.has_penalty:
+                params = dict(model.named_parameters())
+                for term in (
+                    loss_transform.penalty(params, anchor, loss_context),
+                    algorithm.aggregator.client_penalty(params, anchor, aggregator_context),
+                ):
+                    if term is not None:
+                        loss = loss + term
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+    end_vector = model_to_vector(model)
+    training = LocalTraining(
+        num_steps=steps, learning_rate=schedule.optimizer.lr, momentum=schedule.optimizer.momentum
+    )
+    extras = algorithm.aggregator.client_finish(start_vector, end_vector, training, payload, client_state)
+    return LocalResult(vector=end_vector, num_steps=steps, num_samples=int(train_y.shape[0]), extras=extras)

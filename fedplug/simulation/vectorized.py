@@ -1,0 +1,559 @@
+"""The vectorised engine: many clients train in lockstep as one batched computation.
+
+Every client of a block holds its own copy of the model in one stacked matrix (a leading
+"client" dimension); one training step of all of them is a single call of
+``torch.func.vmap(torch.func.grad(loss))`` over that dimension, with
+``torch.func.functional_call`` running the shared module on each client's parameters. On
+a GPU this turns hundreds of tiny per-client kernels into a few large ones.
+
+It computes what :class:`fedplug.simulation.sequential.SequentialEngine` computes (same
+samples, same order, same SGD arithmetic), up to floating-point rounding:
+
+- **Data order.** Client k's epochs come from ``sampler.epoch_indices`` called epoch by
+  epoch with ``local_rng(seed, round, k)``, exactly as :func:`train_locally` calls it;
+  each epoch is cut into batches of ``batch_size``, the last one possibly short.
+- **Unequal clients.** Batches are padded to a common width with index 0 and a 0/1 mask;
+  a batch's loss is ``sum(mask * per_sample_loss) / sum(mask) + penalties``, which is
+  the sequential engine's mean over the real samples. Clients are sorted by their number
+  of steps, so at step s the clients that still train are a prefix of the block and the
+  step runs on that prefix only: a client that has run out of batches stops updating and
+  costs nothing.
+- **SGD** is torch.optim.SGD written out: ``d = g + weight_decay * w``; with momentum the
+  buffer starts as the first ``d`` and then ``buf = momentum * buf + d`` (no dampening,
+  no Nesterov); ``w = w - lr * buf``. Each client starts with a fresh buffer, as it gets a
+  fresh optimiser in :func:`train_locally`. Adam is refused by the config.
+- **Algorithm contexts.** The loss transform's and the aggregator's per-client contexts
+  (dicts of tensors) are stacked along the client dimension; tensors whose first
+  dimension differs between clients (per-sample weights of length n_k) are zero-padded to
+  the longest. Penalties receive one client's parameters, its anchor (the vector it
+  started from) and its context, inside ``vmap``.
+- **Chains** (FedGSP) are vectorised across chains and looped along positions: position
+  p of every chain trains in lockstep, each starting from the final vector of position
+  p - 1 of its own chain.
+
+One batch gather per step: each block keeps its clients' training data concatenated on
+the training device, plus a ``[clients, steps, width]`` matrix of indices into it.
+
+Memory (what we chose). Chains are processed in blocks of at most
+``max_clients_per_block`` (default 128) clients, further capped so that the block's
+estimated footprint fits in ``memory_fraction`` (default 0.5) of the memory available
+when the first round starts (free CUDA memory, or the host's available memory). The
+estimate per client is a few copies of the model's state (parameters, gradients,
+momentum, anchor, context) plus activations measured by one forward pass of a single
+sample times the batch width. Chains are sorted by their total number of samples before
+blocking, so a block holds clients of similar size and little padding. If a block still
+runs out of memory, the clients' states are restored, the block size halves (for the rest
+of the run) and the block is retried; any other error turns the block's chains into
+:class:`ClientFailure` values, so one bad block does not stop the round.
+
+Limits: the model must not contain BatchNorm (the simulator checks) nor draw random
+numbers in its forward pass (dropout): vmap is run with ``randomness="error"``. A
+parameter that the loss does not use gets a zero gradient here (so weight decay still
+moves it), while torch.optim.SGD would skip it; the built-in models use every parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from fedplug.components import ClientUpdate, Context, LocalTraining, RoundPlan
+from fedplug.errors import ConfigError
+from fedplug.simulation.local_training import local_rng
+from fedplug.simulation.round_context import ClientFailure, RoundContext
+
+DEFAULT_MAX_CLIENTS_PER_BLOCK = 128
+"""Most clients trained in lockstep at once."""
+
+DEFAULT_MEMORY_FRACTION = 0.5
+"""Share of the available memory a block may use (the rest is left for everything else)."""
+
+FALLBACK_HOST_MEMORY = 4 * 2**30
+"""Host memory assumed available when the operating system does not say (bytes)."""
+
+STATE_COPIES = 4
+"""Copies of the model state every client holds during a step: its vector, the gradient
+dict, the flattened gradient and one temporary of the SGD update."""
+
+ACTIVATION_COPIES = 3
+"""Activation memory per sample relative to the forward outputs: saved for backward,
+their gradients, and temporaries."""
+
+
+# ------------------------------------------------------------------------ batch plans
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Every step of a group of clients, padded to common sizes.
+
+    ``local_ids[n, s, j]`` is the j-th sample (an index into client n's own training set)
+    of client n's s-th batch, 0 where ``mask[n, s, j]`` is 0 (padding); ``steps[n]`` is
+    the number of batches of client n.
+    """
+
+    local_ids: np.ndarray
+    mask: np.ndarray
+    steps: np.ndarray
+
+
+def epoch_batches(order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut one epoch's ``order`` into batches of ``batch_size`` (the last may be short),
+    as ``torch.split`` does: returns ``(ids, mask)`` of shape ``[ceil(L / B), B]``."""
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    num_batches = math.ceil(order.size / batch_size)
+    ids = np.zeros(num_batches * batch_size, dtype=np.int64)
+    mask = np.zeros(num_batches * batch_size, dtype=np.float32)
+    ids[: order.size] = order
+    mask[: order.size] = 1.0
+    return ids.reshape(num_batches, batch_size), mask.reshape(num_batches, batch_size)
+
+
+def batch_plan(orders: Sequence[Sequence[np.ndarray]], batch_size: int) -> BatchPlan:
+    """Stack the batches of several clients; ``orders[n]`` holds client n's epoch orders.
+
+    The width is ``batch_size``, or the longest epoch when every epoch is shorter (no
+    column is all padding).
+    """
+    per_client = [[epoch_batches(order, batch_size) for order in epochs] for epochs in orders]
+    steps = np.array([sum(ids.shape[0] for ids, _ in batches) for batches in per_client], dtype=np.int64)
+    longest = max((np.asarray(order).size for epochs in orders for order in epochs), default=0)
+    width = max(1, min(batch_size, longest))
+    num_steps = int(steps.max(initial=0))
+    local_ids = np.zeros((len(orders), num_steps, width), dtype=np.int64)
+    mask = np.zeros((len(orders), num_steps, width), dtype=np.float32)
+    for n, batches in enumerate(per_client):
+        if steps[n] == 0:
+            continue
+        local_ids[n, : steps[n]] = np.concatenate([ids for ids, _ in batches])[:, :width]
+        mask[n, : steps[n]] = np.concatenate([masks for _, masks in batches])[:, :width]
+    return BatchPlan(local_ids, mask, steps)
+
+
+# ------------------------------------------------------------------------ contexts
+
+
+def stack_contexts(contexts: Sequence[Context], path: str = "context") -> Context:
+    """Stack per-client contexts along a new leading client dimension.
+
+    Every context must have the same keys; values are tensors or nested dicts of them.
+    Tensors of equal shape are stacked; tensors whose first dimension differs (per-sample
+    weights of length n_k) are zero-padded to the longest first. ``path`` names the
+    context in error messages.
+
+    Raises:
+        TypeError: keys differ, a value is not a tensor or dict, or shapes differ in
+            more than the first dimension.
+    """
+    if not contexts:
+        return {}
+    keys = list(contexts[0])
+    for other in contexts[1:]:
+        if list(other) != keys:
+            raise TypeError(f"{path}: clients returned different keys ({keys} vs {list(other)})")
+    stacked: Context = {}
+    for key in keys:
+        values = [context[key] for context in contexts]
+        where = f"{path}[{key!r}]"
+        if all(isinstance(value, dict) for value in values):
+            stacked[key] = stack_contexts(values, where)
+        elif all(isinstance(value, Tensor) for value in values):
+            stacked[key] = _stack_padded(values, where)
+        else:
+            kinds = sorted({type(value).__name__ for value in values})
+            raise TypeError(
+                f"{where} holds {', '.join(kinds)}; the vectorised engine stacks contexts "
+                "across clients, so every value must be a tensor (or a dict of tensors)"
+            )
+    return stacked
+
+
+def _stack_padded(values: list[Tensor], where: str) -> Tensor:
+    shapes = {tuple(value.shape) for value in values}
+    if len(shapes) == 1:
+        return torch.stack(values)
+    if any(value.dim() == 0 for value in values) or len({tuple(value.shape[1:]) for value in values}) > 1:
+        raise TypeError(
+            f"{where} has shapes {sorted(shapes)} across clients; only the first dimension "
+            "may differ (it is zero-padded to the longest)"
+        )
+    longest = max(int(value.shape[0]) for value in values)
+    padded = values[0].new_zeros((len(values), longest, *values[0].shape[1:]))
+    for n, value in enumerate(values):
+        padded[n, : value.shape[0]] = value
+    return padded
+
+
+def _slice_tree(tree: Any, count: int) -> Any:
+    """The first ``count`` clients of a stacked context (dicts of tensors)."""
+    if isinstance(tree, dict):
+        return {key: _slice_tree(value, count) for key, value in tree.items()}
+    return tree[:count]
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def host_available_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, or :data:`FALLBACK_HOST_MEMORY`."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return FALLBACK_HOST_MEMORY
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` (CUDA: ``torch.cuda.mem_get_info``; else the host's)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_bytes()
+
+
+@torch.no_grad()
+def activation_bytes_per_sample(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> int:
+    """Bytes of every module's forward output for one sample (a proxy for activations)."""
+    total = 0
+
+    def count(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        nonlocal total
+        if isinstance(output, Tensor):
+            total += output.numel() * output.element_size()
+
+    handles = [module.register_forward_hook(count) for module in model.modules() if module is not model]
+    try:
+        model(torch.zeros((1, *input_shape), device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total
+
+
+def estimate_bytes_per_client(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    batch_width: int,
+    device: torch.device,
+    *,
+    momentum: bool,
+    penalty: bool,
+) -> int:
+    """Rough peak memory of one client in a block (see the module docstring)."""
+    state_bytes = sum(parameter.numel() * 4 for parameter in model.parameters())
+    copies = STATE_COPIES + int(momentum) + 2 * int(penalty)  # penalty: anchor and a context vector
+    activations = ACTIVATION_COPIES * batch_width * activation_bytes_per_sample(model, input_shape, device)
+    inputs = batch_width * 4 * math.prod(input_shape)
+    return copies * state_bytes + activations + inputs
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+# ------------------------------------------------------------------------ the engine
+
+
+@dataclass
+class _Member:
+    """One client of a lockstep group: which chain it belongs to and where it starts."""
+
+    chain_index: int
+    client_id: int
+    start: Tensor
+
+
+@dataclass
+class _ChainProgress:
+    vector: Tensor
+    steps: int = 0
+    samples: int = 0
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class VectorizedEngine:
+    """Trains a round's chains in lockstep with ``torch.func.vmap`` over clients.
+
+    Args:
+        model: the module whose structure every client shares (its own values are
+            never changed). Must not contain BatchNorm.
+        max_clients_per_block: most clients trained at once (default 128).
+        memory_fraction: share of the available memory a block may use (default 0.5);
+            the block size is the smaller of this bound and ``max_clients_per_block``.
+    """
+
+    model: nn.Module
+    max_clients_per_block: int = DEFAULT_MAX_CLIENTS_PER_BLOCK
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+
+    name = "vectorized"
+
+    def __post_init__(self) -> None:
+        from fedplug.models.zoo import has_batch_norm
+
+        if has_batch_norm(self.model):
+            raise ConfigError(
+                "the vectorised engine cannot train a model with BatchNorm (its statistics "
+                "are per batch, not per client); use train.engine 'sequential'"
+            )
+        if self.max_clients_per_block < 1:
+            raise ConfigError(f"max_clients_per_block must be at least 1, got {self.max_clients_per_block}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        self.block_size: int | None = None
+        """Clients per block, fixed at the first round (halved after an out-of-memory)."""
+        self._parameter_names = [name for name, _ in self.model.named_parameters()]
+        self._parameter_shapes = [tuple(p.shape) for _, p in self.model.named_parameters()]
+        buffers = [(name, b) for name, b in self.model.named_buffers() if b.is_floating_point()]
+        self._buffer_names = [name for name, _ in buffers]
+        self._buffer_shapes = [tuple(b.shape) for _, b in buffers]
+        self._num_parameter_elements = sum(math.prod(shape) for shape in self._parameter_shapes)
+
+    # -------------------------------------------------------------------- the round
+
+    def run_round(
+        self, start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext
+    ) -> Iterator[ClientUpdate | ClientFailure]:
+        """Train every chain of ``plan``; yield one update (or failure) per chain, block
+        by block, so the aggregator can keep a running sum."""
+        if not plan.chains:
+            return
+        block_size = self._block_size(context)
+        sizes = [sum(context.federation.clients[k].num_samples for k in chain) for chain in plan.chains]
+        # Largest chains first, so that a block holds chains of similar length.
+        by_size = sorted(range(len(plan.chains)), key=lambda index: -sizes[index])
+        pending: deque[list[int]] = deque(
+            by_size[offset : offset + block_size] for offset in range(0, len(by_size), block_size)
+        )
+        while pending:
+            block = pending.popleft()
+            chains = [plan.chains[index] for index in block]
+            members = [client for chain in chains for client in chain]
+            saved_states = {k: copy.deepcopy(context.client_states[k]) for k in members if k in context.client_states}
+            started = time.perf_counter()
+            try:
+                progress = self._train_block(start_vector, chains, round_index, context)
+            except Exception as error:  # a failing block must not stop the federation
+                if _is_out_of_memory(error) and len(block) > 1:
+                    for client in members:
+                        context.client_states.pop(client, None)
+                    context.client_states.update(saved_states)
+                    half = (len(block) + 1) // 2
+                    self.block_size = min(self.block_size or half, half)
+                    pending.appendleft(block[half:])
+                    pending.appendleft(block[:half])
+                    continue
+                reason = f"{type(error).__name__} in a vectorised block of {len(block)} chains: {error}"
+                for chain in chains:
+                    yield ClientFailure(list(chain), reason)
+                continue
+            seconds = time.perf_counter() - started
+            total_steps = sum(item.steps for item in progress)
+            for chain, item in zip(chains, progress):
+                # Chains of a block run simultaneously; each is charged its share of the
+                # block's time in proportion to its steps.
+                share = item.steps / total_steps if total_steps else 1.0 / len(chains)
+                yield context.make_update(
+                    list(chain), item.vector, item.samples, item.steps, item.extras, plan, seconds * share
+                )
+
+    def _block_size(self, context: RoundContext) -> int:
+        if self.block_size is None:
+            device = context.federation.device
+            optimizer = context.schedule.optimizer
+            per_client = estimate_bytes_per_client(
+                self.model,
+                tuple(context.federation.input_shape),
+                context.schedule.batch_size,
+                device,
+                momentum=optimizer.momentum != 0,
+                penalty=context.algorithm.has_penalty,
+            )
+            fits = int(self.memory_fraction * available_bytes(device)) // max(per_client, 1)
+            self.block_size = max(1, min(self.max_clients_per_block, fits))
+        return self.block_size
+
+    def _train_block(
+        self, start_vector: Tensor, chains: list[list[int]], round_index: int, context: RoundContext
+    ) -> list[_ChainProgress]:
+        progress = [_ChainProgress(start_vector) for _ in chains]
+        for position in range(max(len(chain) for chain in chains)):
+            members = [
+                _Member(index, chain[position], progress[index].vector)
+                for index, chain in enumerate(chains)
+                if position < len(chain)
+            ]
+            end_vectors, steps = self._train_group(members, round_index, context)
+            optimizer = context.schedule.optimizer
+            for member, end_vector, num_steps in zip(members, end_vectors, steps):
+                client_id = member.client_id
+                training = LocalTraining(num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum)
+                extras = context.algorithm.aggregator.client_finish(
+                    member.start, end_vector, training, context.payload, context.client_state(client_id)
+                )
+                item = progress[member.chain_index]
+                item.vector, item.extras = end_vector, extras
+                item.steps += num_steps
+                item.samples += context.federation.clients[client_id].num_samples
+        return progress
+
+    # -------------------------------------------------------------------- one group
+
+    def _train_group(
+        self, members: Sequence[_Member], round_index: int, context: RoundContext
+    ) -> tuple[list[Tensor], list[int]]:
+        """Train each member from its own start vector on its own data, in lockstep.
+
+        Returns every member's final vector and number of steps, in ``members`` order.
+        """
+        federation, algorithm, schedule = context.federation, context.algorithm, context.schedule
+        device = federation.device
+        clients = [federation.clients[member.client_id] for member in members]
+        orders = []
+        for member, client in zip(members, clients):
+            rng = local_rng(context.seed, round_index, member.client_id)
+            labels = client.train_y.cpu().numpy()
+            orders.append(
+                [
+                    algorithm.sampler.epoch_indices(labels, client.class_counts, round_index, rng)
+                    for _ in range(schedule.local_epochs)
+                ]
+            )
+        plan = batch_plan(orders, schedule.batch_size)
+        # Most steps first: the clients still training at step s are then a prefix.
+        rank = np.argsort(-plan.steps, kind="stable")
+        steps = plan.steps[rank]
+        sorted_clients = [clients[n] for n in rank]
+        sizes = np.array([client.num_samples for client in sorted_clients], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        data_x = torch.cat([client.train_x for client in sorted_clients])
+        data_y = torch.cat([client.train_y for client in sorted_clients])
+        local_ids = torch.from_numpy(plan.local_ids[rank]).to(device)
+        global_ids = local_ids + torch.from_numpy(offsets).to(device).view(-1, 1, 1)
+        mask = torch.from_numpy(plan.mask[rank]).to(device)
+
+        vectors = torch.stack([members[n].start.to(device, torch.float32) for n in rank])
+        parameters_flat = vectors[:, : self._num_parameter_elements]
+        anchor = (
+            self._unflatten(parameters_flat.clone(), self._parameter_names, self._parameter_shapes)
+            if algorithm.has_penalty
+            else {}
+        )
+        loss_contexts = stack_contexts(
+            [context.loss_context(members[n].client_id) for n in rank], "loss_transform.client_context"
+        )
+        aggregator_contexts = stack_contexts(
+            [
+                algorithm.aggregator.client_context(context.payload, context.client_state(members[n].client_id))
+                for n in rank
+            ],
+            "aggregator.client_context",
+        )
+        optimizer = schedule.optimizer
+        momentum_buffer = torch.zeros_like(parameters_flat) if optimizer.momentum != 0 else None
+        step_gradient = self._step_gradient(context)
+        self.model.train()
+
+        active = -1
+        for step in range(int(steps[0]) if len(steps) else 0):
+            count = int(np.count_nonzero(steps > step))
+            if count != active:
+                active = count
+                params = self._unflatten(vectors[:active], self._parameter_names, self._parameter_shapes)
+                buffers = self._unflatten(
+                    vectors[:active, self._num_parameter_elements :], self._buffer_names, self._buffer_shapes
+                )
+                anchor_now = _slice_tree(anchor, active)
+                loss_now = _slice_tree(loss_contexts, active)
+                aggregator_now = _slice_tree(aggregator_contexts, active)
+            batch = global_ids[:active, step]
+            gradients = step_gradient(
+                params,
+                buffers,
+                anchor_now,
+                data_x[batch],
+                data_y[batch],
+                local_ids[:active, step],
+                mask[:active, step],
+                loss_now,
+                aggregator_now,
+            )
+            flat_gradient = torch.cat([gradients[name].reshape(active, -1) for name in self._parameter_names], dim=1)
+            weights = parameters_flat[:active]
+            if optimizer.weight_decay != 0:
+                flat_gradient = flat_gradient.add(weights, alpha=optimizer.weight_decay)
+            if momentum_buffer is not None:
+                buffer = momentum_buffer[:active]
+                if step == 0:
+                    buffer.copy_(flat_gradient)
+                else:
+                    buffer.mul_(optimizer.momentum).add_(flat_gradient)
+                flat_gradient = buffer
+            weights.add_(flat_gradient, alpha=-optimizer.lr)
+
+        end_vectors: list[Tensor] = [torch.empty(0)] * len(members)
+        step_counts = [0] * len(members)
+        for position, n in enumerate(rank):
+            end_vectors[n] = vectors[position].clone()
+            step_counts[n] = int(steps[position])
+        return end_vectors, step_counts
+
+    @staticmethod
+    def _unflatten(flat: Tensor, names: list[str], shapes: list[tuple[int, ...]]) -> dict[str, Tensor]:
+        """Views of ``flat`` (``[clients, elements]``) shaped ``[clients, *shape]`` per name."""
+        out: dict[str, Tensor] = {}
+        offset = 0
+        for name, shape in zip(names, shapes):
+            count = math.prod(shape)
+            out[name] = flat[:, offset : offset + count].view(flat.shape[0], *shape)
+            offset += count
+        return out
+
+    def _step_gradient(self, context: RoundContext) -> Callable[..., dict[str, Tensor]]:
+        """``vmap(grad(loss))``: every active client's gradient for its own batch."""
+        model = self.model
+        algorithm = context.algorithm
+        loss_transform = algorithm.loss_transform
+        aggregator = algorithm.aggregator
+        has_penalty = algorithm.has_penalty
+
+        def client_loss(
+            params: dict[str, Tensor],
+            buffers: dict[str, Tensor],
+            anchor: dict[str, Tensor],
+            inputs: Tensor,
+            targets: Tensor,
+            sample_ids: Tensor,
+            mask: Tensor,
+            loss_context: Context,
+            aggregator_context: Context,
+        ) -> Tensor:
+            logits = functional_call(model, (params, buffers), (inputs,))
+            per_sample = loss_transform.per_sample_loss(logits, targets, sample_ids, loss_context)
+            loss = (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
+            if has_penalty:
+                for term in (
+                    loss_transform.penalty(params, anchor, loss_context),
+                    aggregator.client_penalty(params, anchor, aggregator_context),
+                ):
+                    if term is not None:
+                        loss = loss + term
+            return loss
+
+        return vmap(grad(client_loss), randomness="error")

@@ -1,0 +1,49 @@
+"""Shared fixtures: small, fast experiment configs on the synthetic dataset."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+# Telemetry off for everything a test starts (subprocesses inherit this).
+for _name, _value in {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "DVC_NO_ANALYTICS": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+# One thread: two threads on two shared cores collapse when another process is busy.
+torch.set_num_threads(1)
+
+SMALL_EXPERIMENT: dict[str, Any] = {
+    "study": {"name": "test", "target_accuracy": 0.5},
+    "data": {
+        "dataset": {"name": "synthetic", "num_train": 600, "num_test": 200, "num_features": 12, "num_classes": 4},
+        "partition": {"name": "dirichlet_class", "alpha": 0.5, "min_size": 10},
+        "num_clients": 6,
+        "local_test_fraction": 0.2,
+        "seed": 0,
+    },
+    "train": {
+        "model": {"name": "mlp", "hidden": [16]},
+        "client_fraction": 0.5,
+        "rounds": 3,
+        "local_epochs": 1,
+        "batch_size": 16,
+        "optimizer": {"name": "sgd", "lr": 0.5},
+        "seed": 0,
+    },
+}
+
+
+@pytest.fixture
+def small_experiment() -> dict[str, Any]:
+    """A deep copy of a tiny synthetic experiment (6 clients, 3 rounds)."""
+    return copy.deepcopy(SMALL_EXPERIMENT)
