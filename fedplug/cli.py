@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
-from fedplug.errors import FedplugError
+from fedplug.errors import ConfigError, FedplugError
 from fedplug.registry import KINDS, Registration
 
 
@@ -36,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FedplugError as error:
         print(f"fedplug: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        # A path the user gave (data.root, --out, a file under them) cannot be read or
+        # written: disk full, no permission, a file where a folder should be. Say which
+        # path and why, as pip does, instead of a traceback.
+        print(f"fedplug: error: {describe_os_error(error)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fedplug: interrupted; run the same command again to resume from the last round", file=sys.stderr)
         return 130
@@ -51,6 +58,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     config = load_experiment(args.config, args.overrides, args.algorithm)
     out = Path(args.out) if args.out else default_output_dir(config)
+    check_output_folder(out)
     progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)
 
     def show(record: Any) -> None:
@@ -68,6 +76,40 @@ def run_command(args: argparse.Namespace) -> int:
         f"after {summary['rounds']} rounds; wrote {out / 'metrics.json'}"
     )
     return 0
+
+
+def check_output_folder(out: str | os.PathLike[str]) -> None:
+    """Refuse an output folder that cannot be created or written, before any work starts.
+
+    Raises :class:`ConfigError` when ``out`` is an existing file, when the nearest
+    existing folder above it is a file, or when that folder is not writable.
+    """
+    from pathlib import Path
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file, not a folder; choose another --out")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"--out {str(out)!r} cannot be created: {str(existing)!r} is a file, not a folder; "
+            "choose another --out"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--out {str(out)!r} cannot be created: no permission to write in {str(existing)!r}; "
+            "choose another --out"
+        )
+
+
+def describe_os_error(error: OSError) -> str:
+    """``<what went wrong>: <path>`` for an operating-system error, with the fix to try."""
+    reason = error.strerror or type(error).__name__
+    paths = [str(name) for name in (error.filename, error.filename2) if name is not None]
+    where = f": {' -> '.join(repr(path) for path in paths)}" if paths else f" ({error})"
+    return f"{reason}{where}; check data.root, --out and the files under them (free space, permissions)"
 
 
 def describe_components(kind: str | None = None) -> str:
@@ -99,7 +141,7 @@ def describe_parameters(entry: Registration) -> list[str]:
         if bounds:
             text += f"  ({', '.join(bounds)})"
         if field.description:
-            text += f"  {field.description}"
+            text += "  " + " ".join(field.description.split())
         lines.append(text)
     return lines
 

@@ -119,7 +119,9 @@ def num_groups(
 # ------------------------------------------------------------------- balanced k-means
 
 
-def _kmeans_plus_plus(vectors: np.ndarray, num_clusters: int, rng: np.random.Generator) -> np.ndarray:
+def _kmeans_plus_plus(
+    vectors: np.ndarray, num_clusters: int, rng: np.random.Generator
+) -> np.ndarray:
     """k-means++ seeding (D^2 sampling): a start that usually needs few iterations."""
     num_points = vectors.shape[0]
     centroids = np.empty((num_clusters, vectors.shape[1]))
@@ -128,9 +130,9 @@ def _kmeans_plus_plus(vectors: np.ndarray, num_clusters: int, rng: np.random.Gen
     for index in range(1, num_clusters):
         total = nearest.sum()
         if total > 0:
-            choice = rng.choice(num_points, p=nearest / total)
+            choice = int(rng.choice(num_points, p=nearest / total))
         else:  # every point coincides with a centroid already
-            choice = rng.integers(num_points)
+            choice = int(rng.integers(num_points))
         centroids[index] = vectors[choice]
         np.minimum(nearest, ((vectors - centroids[index]) ** 2).sum(axis=1), out=nearest)
     return centroids
@@ -178,13 +180,13 @@ def _solve_flow(unit_costs: np.ndarray, allowed: np.ndarray | None) -> np.ndarra
     """
     num_points, num_clusters = unit_costs.shape
     if allowed is None:
-        points = np.repeat(np.arange(num_points, dtype=np.int32), num_clusters)
-        clusters = np.tile(np.arange(num_clusters, dtype=np.int32), num_points)
-        arc_costs = unit_costs.ravel()
+        points = np.repeat(np.arange(num_points), num_clusters)
+        clusters = np.tile(np.arange(num_clusters), num_points)
     else:
         points, clusters = np.nonzero(allowed)
-        points, clusters = points.astype(np.int32), clusters.astype(np.int32)
-        arc_costs = unit_costs[points, clusters]
+    points, clusters = points.astype(np.int32), clusters.astype(np.int32)
+    # Row-major arcs, so the full problem's costs are the flattened matrix.
+    arc_costs = unit_costs.ravel() if allowed is None else unit_costs[points, clusters]
     flow = SimpleMinCostFlow()
     arcs = flow.add_arcs_with_capacity_and_unit_cost(
         points, clusters + num_points, np.ones(points.size, dtype=np.int64), arc_costs
@@ -208,7 +210,10 @@ def _solve_flow(unit_costs: np.ndarray, allowed: np.ndarray | None) -> np.ndarra
 
 
 def cluster_potentials(
-    unit_costs: np.ndarray, labels: np.ndarray, allowed: np.ndarray | None = None
+    unit_costs: np.ndarray,
+    labels: np.ndarray,
+    allowed: np.ndarray | None = None,
+    start: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """Dual prices of the clusters for a balanced assignment, or ``None`` if not optimal.
 
@@ -218,22 +223,30 @@ def cluster_potentials(
     i.e. when the L x L graph with arc weights ``W[a, b] = min_{k in a} c_kb - c_ka``
     (over the ``allowed`` arcs only, if given) has no negative cycle. Bellman-Ford from
     a virtual source then yields potentials d with ``c_ka - d_a <= c_kb - d_b`` for
-    every point k of cluster a and every allowed b; it needs at most L + 1 passes.
+    every point k of cluster a and every allowed b. Started from any potentials it
+    settles within L + 1 passes when no negative cycle exists (shortest paths are then
+    simple), and a good start (the previous solve's potentials) settles in a few.
 
     Args:
         unit_costs: K' x L integer costs (exact arithmetic, no tolerance needed).
         labels: a balanced assignment.
         allowed: K' x L mask of the arcs of a restricted problem (default: all).
+        start: integer potentials to start from (default: zeros).
     """
     num_points, num_clusters = unit_costs.shape
-    unreachable = np.iinfo(np.int64).max // 4
-    move = unit_costs - unit_costs[np.arange(num_points), labels][:, None]
-    if allowed is not None:
-        move = np.where(allowed, move, unreachable)
-    # Balanced clusters: sorting the points by cluster gives an L x (K'/L) x L block.
-    order = np.argsort(labels, kind="stable")
-    weights = move[order].reshape(num_clusters, num_points // num_clusters, num_clusters).min(axis=1)
-    distances = np.zeros(num_clusters, dtype=np.int64)
+    own = unit_costs[np.arange(num_points), labels]
+    if allowed is None:
+        # Balanced clusters: sorting the points by cluster gives an L x (K'/L) x L block.
+        order = np.argsort(labels, kind="stable")
+        move = unit_costs[order] - own[order, None]
+        weights = move.reshape(num_clusters, -1, num_clusters).min(axis=1)
+    else:
+        points, clusters = np.nonzero(allowed)
+        weights = np.full((num_clusters, num_clusters), np.iinfo(np.int64).max // 4)
+        np.minimum.at(
+            weights, (labels[points], clusters), unit_costs[points, clusters] - own[points]
+        )
+    distances = np.zeros(num_clusters, dtype=np.int64) if start is None else start.copy()
     for _ in range(num_clusters + 1):
         relaxed = np.minimum(distances, (distances[:, None] + weights).min(axis=0))
         if np.array_equal(relaxed, distances):
@@ -281,10 +294,10 @@ class BalancedAssigner:
     Args:
         candidates: clusters first offered to each point (default 8).
         max_rounds: restricted solves per call before falling back to the full flow
-            (default 20).
+            (default 10; the arcs added per point double every round).
     """
 
-    def __init__(self, candidates: int = 8, max_rounds: int = 20) -> None:
+    def __init__(self, candidates: int = 8, max_rounds: int = 10) -> None:
         self.candidates = candidates
         self.max_rounds = max_rounds
         self.prices: np.ndarray | None = None
@@ -298,10 +311,14 @@ class BalancedAssigner:
         num_points, num_clusters = costs.shape
         _check_balanced(num_points, num_clusters)
         unit_costs, scale = integer_costs(costs)
-        labels, potentials = self._column_generation(costs, unit_costs)
+        prices = self.prices
+        if prices is not None and prices.shape != (num_clusters,):
+            prices = None
+        start = None if prices is None else np.rint(-prices * scale).astype(np.int64)
+        labels, potentials = self._column_generation(costs, unit_costs, prices, start)
         if labels is None:
             labels = balanced_assignment(costs)
-            potentials = cluster_potentials(unit_costs, labels)
+            potentials = cluster_potentials(unit_costs, labels, start=start)
             self.full_solves += 1
         # Potentials are in integer units; prices are in the units of ``costs``.
         self.prices = None if potentials is None or scale == 0 else -potentials / scale
@@ -309,13 +326,18 @@ class BalancedAssigner:
         return labels
 
     def _column_generation(
-        self, costs: np.ndarray, unit_costs: np.ndarray
+        self,
+        costs: np.ndarray,
+        unit_costs: np.ndarray,
+        prices: np.ndarray | None,
+        start: np.ndarray | None,
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Labels and potentials of the certified optimum, or ``(None, None)``."""
         num_points, num_clusters = costs.shape
         rows = np.arange(num_points)
         if num_clusters <= 2 * self.candidates:
             return None, None  # the full flow is small already
-        priced = costs if self.prices is None else costs + self.prices
+        priced = costs if prices is None else costs + prices
         nearest = np.argpartition(priced, self.candidates - 1, axis=1)[:, : self.candidates]
         allowed = np.zeros((num_points, num_clusters), dtype=bool)
         allowed[rows[:, None], nearest] = True
@@ -323,12 +345,13 @@ class BalancedAssigner:
         if feasible is None or feasible.shape != (num_points,):
             feasible = rows % num_clusters
         allowed[rows, feasible] = True
-        for _ in range(self.max_rounds):
+        potentials = start
+        for round_index in range(self.max_rounds):
             labels = _solve_flow(unit_costs, allowed)
             self.restricted_solves += 1
             if labels is None:  # unreachable: the feasible assignment's arcs are allowed
                 return None, None
-            potentials = cluster_potentials(unit_costs, labels, allowed)
+            potentials = cluster_potentials(unit_costs, labels, allowed, potentials)
             if potentials is None:  # unreachable: a restricted optimum has no negative cycle
                 return None, None
             reduced = unit_costs - potentials[None, :]
@@ -336,9 +359,10 @@ class BalancedAssigner:
             violators = np.flatnonzero((reduced < 0).any(axis=1))
             if violators.size == 0:
                 return labels, potentials
-            # Partial pricing: each violating point gains its most negative arcs only.
-            best = np.argpartition(reduced[violators], self.candidates - 1, axis=1)
-            best = best[:, : self.candidates]
+            # Partial pricing: each violating point gains its most negative arcs only,
+            # twice as many each round so that long tails of rounds cannot happen.
+            added = min(self.candidates << round_index, num_clusters)
+            best = np.argpartition(reduced[violators], added - 1, axis=1)[:, :added]
             allowed[violators[:, None], best] |= reduced[violators[:, None], best] < 0
         return None, None
 
@@ -369,10 +393,7 @@ def balanced_kmeans(
     if vectors.ndim != 2:
         raise ValueError(f"vectors must be a K' x C matrix, got shape {vectors.shape}")
     num_points = vectors.shape[0]
-    if not 1 <= num_clusters <= num_points or num_points % num_clusters != 0:
-        raise ValueError(
-            f"{num_points} points cannot form {num_clusters} clusters of equal size"
-        )
+    _check_balanced(num_points, num_clusters)
     if max_iterations < 1:
         raise ValueError(f"max_iterations must be at least 1, got {max_iterations}")
     if num_clusters == 1:
@@ -438,7 +459,9 @@ def inter_cluster_groups(
     return [[int(client) for client in column] for column in members.T]
 
 
-def random_groups(clients: np.ndarray, num_groups: int, rng: np.random.Generator) -> list[list[int]]:
+def random_groups(
+    clients: np.ndarray, num_groups: int, rng: np.random.Generator
+) -> list[list[int]]:
     """NaiveGSP's grouping: shuffle ``clients`` and cut them into exactly ``num_groups``
     groups whose sizes differ by at most one (the paper's constraint 6); every client
     takes part.
@@ -501,13 +524,12 @@ def cpd_summary(
         block_rows: rows of the pair matrix computed at once (default 512).
 
     Returns:
-        ``(median, mean)``; ``(0.0, 0.0)`` with fewer than two groups, where no pair
-        exists and no divergence between groups either.
+        ``(median, mean)``. Groups without samples have no class distribution and are
+        left out; with fewer than two groups left there is no pair, and no divergence
+        between groups either, so ``(0.0, 0.0)``.
     """
     if sigma <= 0:
         raise ValueError(f"sigma must be positive, got {sigma}")
-    if len(groups) < 2:
-        return 0.0, 0.0
     class_counts = np.asarray(class_counts, dtype=np.float64)
     sizes = np.fromiter((len(group) for group in groups), dtype=np.int64, count=len(groups))
     members = np.fromiter(
@@ -517,12 +539,11 @@ def cpd_summary(
     totals = np.zeros((len(groups), class_counts.shape[1]))
     np.add.at(totals, group_of_member, class_counts[members])
     mass = totals.sum(axis=1, keepdims=True)
-    if np.any(mass <= 0):
-        raise ValueError("every group must hold at least one sample")
-    distributions = totals / mass
+    distributions = totals[mass[:, 0] > 0] / mass[mass[:, 0] > 0]
+    count = distributions.shape[0]
+    if count < 2:
+        return 0.0, 0.0
     norms = (distributions**2).sum(axis=1)
-
-    count = len(groups)
     pairs = np.empty(count * (count - 1) // 2)
     filled = 0
     columns = np.arange(count)
@@ -555,17 +576,18 @@ class FedGSPConfig(ComponentConfig):
     (NaiveGSP+ICG); ``naive``: random groups, M fixed (NaiveGSP)."""
     growth: GrowthKind = "log"
     """Growth function f of the ``fedgsp`` mode: linear, log or exp (paper's best: log)."""
-    alpha: float = Field(2.0, ge=0.0, le=100.0)
+    alpha: float = Field(default=2.0, ge=0.0, le=100.0)
     """Growth rate of f (paper default 2.0)."""
-    beta: float = Field(10.0, gt=0.0, le=1_000_000.0)
+    beta: float = Field(default=10.0, gt=0.0, le=1_000_000.0)
     """Initial number of groups and growth span of f (paper default 10)."""
-    fixed_groups: int = Field(10, ge=1, le=1_000_000)
+    fixed_groups: int = Field(default=10, ge=1, le=1_000_000)
     """M of the naive modes, clipped to the number of sampled clients."""
-    group_fraction: float = Field(0.3, gt=0.0, le=1.0)
-    """kappa: fraction of the groups that train each round (paper default 0.3)."""
-    max_iterations: int = Field(10, ge=1, le=1000)
+    group_fraction: float = Field(default=0.3, gt=0.0, le=1.0)
+    """kappa: fraction of the groups formed that train each round, ceil(kappa x groups)
+    and at least one (paper default 0.3)."""
+    max_iterations: int = Field(default=10, ge=1, le=1000)
     """tau: most balanced k-means iterations of ICG (paper: 10)."""
-    cpd_sigma: float = Field(1.0, gt=0.0, le=1000.0)
+    cpd_sigma: float = Field(default=1.0, gt=0.0, le=1000.0)
     """Kernel width of the CPD metric reported every round."""
 
     def incompatibilities(self, train: Any) -> list[str]:
@@ -574,10 +596,11 @@ class FedGSPConfig(ComponentConfig):
         reason = INCOMPATIBLE_AGGREGATORS.get(aggregator)
         if reason is None:
             return []
-        return [
+        message = (
             f"grouper 'fedgsp' cannot run with aggregator {aggregator!r}: {reason}; "
             "use fedavg, fedavgm, fedadam, fedyogi or fedadagrad"
-        ]
+        )
+        return [message]
 
 
 class FedGSPGrouper(Grouper):

@@ -189,13 +189,16 @@ class Simulator:
         return result
 
     def derived_params(self) -> dict[str, Any]:
-        derived: dict[str, Any] = {"train_flops_per_sample": None}
+        """Values computed from the config, logged with the run's params."""
+        derived: dict[str, Any] = {
+            "train_flops_per_sample": int(self.train_flops),
+            "model_bytes": int(model_to_vector(self.model).numel() * 4),
+            "engine": self.engine.name,
+        }
         aggregator_config = self.config.aggregator
         if hasattr(aggregator_config, "effective_learning_rate"):
-            derived["effective_learning_rate"] = aggregator_config.effective_learning_rate()
-        derived["train_flops_per_sample"] = int(training_flops_per_sample(self.model, self.federation.input_shape))
-        derived["model_bytes"] = int(model_to_vector(self.model).numel() * 4)
-        derived["engine"] = self.engine.name
+            # Hsu et al. report eta / (1 - beta), eta being the clients' learning rate.
+            derived["effective_learning_rate"] = aggregator_config.effective_learning_rate(self.config.optimizer.lr)
         return derived
 
     def _run_round(

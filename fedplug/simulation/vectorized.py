@@ -1,7 +1,7 @@
 """The vectorised engine: many clients train in lockstep as one batched computation.
 
-Every client of a block holds its own copy of the model in one stacked matrix (a leading
-"client" dimension); one training step of all of them is a single call of
+Every client of a block holds its own copy of the model: each parameter is one tensor with
+a leading "client" dimension. One training step of all of them is a single call of
 ``torch.func.vmap(torch.func.grad(loss))`` over that dimension, with
 ``torch.func.functional_call`` running the shared module on each client's parameters. On
 a GPU this turns hundreds of tiny per-client kernels into a few large ones.
@@ -58,8 +58,9 @@ import copy
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,8 +82,8 @@ FALLBACK_HOST_MEMORY = 4 * 2**30
 """Host memory assumed available when the operating system does not say (bytes)."""
 
 STATE_COPIES = 4
-"""Copies of the model state every client holds during a step: its vector, the gradient
-dict, the flattened gradient and one temporary of the SGD update."""
+"""Copies of the model state every client holds during a group: its parameters, their
+gradients, the weight-decayed gradient, and the stacked start / final vectors."""
 
 ACTIVATION_COPIES = 3
 """Activation memory per sample relative to the forward outputs: saved for backward,
@@ -125,7 +126,9 @@ def batch_plan(orders: Sequence[Sequence[np.ndarray]], batch_size: int) -> Batch
     column is all padding).
     """
     per_client = [[epoch_batches(order, batch_size) for order in epochs] for epochs in orders]
-    steps = np.array([sum(ids.shape[0] for ids, _ in batches) for batches in per_client], dtype=np.int64)
+    steps = np.array(
+        [sum(ids.shape[0] for ids, _ in batches) for batches in per_client], dtype=np.int64
+    )
     longest = max((np.asarray(order).size for epochs in orders for order in epochs), default=0)
     width = max(1, min(batch_size, longest))
     num_steps = int(steps.max(initial=0))
@@ -181,7 +184,10 @@ def _stack_padded(values: list[Tensor], where: str) -> Tensor:
     shapes = {tuple(value.shape) for value in values}
     if len(shapes) == 1:
         return torch.stack(values)
-    if any(value.dim() == 0 for value in values) or len({tuple(value.shape[1:]) for value in values}) > 1:
+    if (
+        any(value.dim() == 0 for value in values)
+        or len({tuple(value.shape[1:]) for value in values}) > 1
+    ):
         raise TypeError(
             f"{where} has shapes {sorted(shapes)} across clients; only the first dimension "
             "may differ (it is zero-padded to the longest)"
@@ -224,7 +230,9 @@ def available_bytes(device: torch.device) -> int:
 
 
 @torch.no_grad()
-def activation_bytes_per_sample(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> int:
+def activation_bytes_per_sample(
+    model: nn.Module, input_shape: tuple[int, ...], device: torch.device
+) -> int:
     """Bytes of every module's forward output for one sample (a proxy for activations)."""
     total = 0
 
@@ -233,7 +241,9 @@ def activation_bytes_per_sample(model: nn.Module, input_shape: tuple[int, ...], 
         if isinstance(output, Tensor):
             total += output.numel() * output.element_size()
 
-    handles = [module.register_forward_hook(count) for module in model.modules() if module is not model]
+    handles = [
+        module.register_forward_hook(count) for module in model.modules() if module is not model
+    ]
     try:
         model(torch.zeros((1, *input_shape), device=device))
     finally:
@@ -254,7 +264,9 @@ def estimate_bytes_per_client(
     """Rough peak memory of one client in a block (see the module docstring)."""
     state_bytes = sum(parameter.numel() * 4 for parameter in model.parameters())
     copies = STATE_COPIES + int(momentum) + 2 * int(penalty)  # penalty: anchor and a context vector
-    activations = ACTIVATION_COPIES * batch_width * activation_bytes_per_sample(model, input_shape, device)
+    activations = (
+        ACTIVATION_COPIES * batch_width * activation_bytes_per_sample(model, input_shape, device)
+    )
     inputs = batch_width * 4 * math.prod(input_shape)
     return copies * state_bytes + activations + inputs
 
@@ -263,7 +275,9 @@ def _is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return True
     message = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in message or "can't allocate memory" in message
+    )
 
 
 # ------------------------------------------------------------------------ the engine
@@ -313,7 +327,9 @@ class VectorizedEngine:
                 "are per batch, not per client); use train.engine 'sequential'"
             )
         if self.max_clients_per_block < 1:
-            raise ConfigError(f"max_clients_per_block must be at least 1, got {self.max_clients_per_block}")
+            raise ConfigError(
+                f"max_clients_per_block must be at least 1, got {self.max_clients_per_block}"
+            )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         self.block_size: int | None = None
@@ -335,7 +351,9 @@ class VectorizedEngine:
         if not plan.chains:
             return
         block_size = self._block_size(context)
-        sizes = [sum(context.federation.clients[k].num_samples for k in chain) for chain in plan.chains]
+        sizes = [
+            sum(context.federation.clients[k].num_samples for k in chain) for chain in plan.chains
+        ]
         # Largest chains first, so that a block holds chains of similar length.
         by_size = sorted(range(len(plan.chains)), key=lambda index: -sizes[index])
         pending: deque[list[int]] = deque(
@@ -345,11 +363,15 @@ class VectorizedEngine:
             block = pending.popleft()
             chains = [plan.chains[index] for index in block]
             members = [client for chain in chains for client in chain]
-            saved_states = {k: copy.deepcopy(context.client_states[k]) for k in members if k in context.client_states}
+            saved_states = {
+                k: copy.deepcopy(context.client_states[k])
+                for k in members
+                if k in context.client_states
+            }
             started = time.perf_counter()
             try:
                 progress = self._train_block(start_vector, chains, round_index, context)
-            except Exception as error:  # a failing block must not stop the federation
+            except Exception as error:  # noqa: BLE001 (a failing block must not stop the round)
                 if _is_out_of_memory(error) and len(block) > 1:
                     for client in members:
                         context.client_states.pop(client, None)
@@ -359,7 +381,9 @@ class VectorizedEngine:
                     pending.appendleft(block[half:])
                     pending.appendleft(block[:half])
                     continue
-                reason = f"{type(error).__name__} in a vectorised block of {len(block)} chains: {error}"
+                reason = (
+                    f"{type(error).__name__} in a vectorised block of {len(block)} chains: {error}"
+                )
                 for chain in chains:
                     yield ClientFailure(list(chain), reason)
                 continue
@@ -370,7 +394,13 @@ class VectorizedEngine:
                 # block's time in proportion to its steps.
                 share = item.steps / total_steps if total_steps else 1.0 / len(chains)
                 yield context.make_update(
-                    list(chain), item.vector, item.samples, item.steps, item.extras, plan, seconds * share
+                    list(chain),
+                    item.vector,
+                    item.samples,
+                    item.steps,
+                    item.extras,
+                    plan,
+                    seconds * share,
                 )
 
     def _block_size(self, context: RoundContext) -> int:
@@ -403,9 +433,15 @@ class VectorizedEngine:
             optimizer = context.schedule.optimizer
             for member, end_vector, num_steps in zip(members, end_vectors, steps):
                 client_id = member.client_id
-                training = LocalTraining(num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum)
+                training = LocalTraining(
+                    num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum
+                )
                 extras = context.algorithm.aggregator.client_finish(
-                    member.start, end_vector, training, context.payload, context.client_state(client_id)
+                    member.start,
+                    end_vector,
+                    training,
+                    context.payload,
+                    context.client_state(client_id),
                 )
                 item = progress[member.chain_index]
                 item.vector, item.extras = end_vector, extras
@@ -449,24 +485,37 @@ class VectorizedEngine:
         mask = torch.from_numpy(plan.mask[rank]).to(device)
 
         vectors = torch.stack([members[n].start.to(device, torch.float32) for n in rank])
-        parameters_flat = vectors[:, : self._num_parameter_elements]
+        # One contiguous [clients, *shape] tensor per parameter: batched matmuls run on
+        # contiguous weights, and the SGD update is a handful of foreach ops on them.
+        params = self._unflatten(vectors, self._parameter_names, self._parameter_shapes, 0)
+        buffers = self._unflatten(
+            vectors, self._buffer_names, self._buffer_shapes, self._num_parameter_elements
+        )
+        del vectors
         anchor = (
-            self._unflatten(parameters_flat.clone(), self._parameter_names, self._parameter_shapes)
+            {name: tensor.clone() for name, tensor in params.items()}
             if algorithm.has_penalty
             else {}
         )
         loss_contexts = stack_contexts(
-            [context.loss_context(members[n].client_id) for n in rank], "loss_transform.client_context"
+            [context.loss_context(members[n].client_id) for n in rank],
+            "loss_transform.client_context",
         )
         aggregator_contexts = stack_contexts(
             [
-                algorithm.aggregator.client_context(context.payload, context.client_state(members[n].client_id))
+                algorithm.aggregator.client_context(
+                    context.payload, context.client_state(members[n].client_id)
+                )
                 for n in rank
             ],
             "aggregator.client_context",
         )
         optimizer = schedule.optimizer
-        momentum_buffer = torch.zeros_like(parameters_flat) if optimizer.momentum != 0 else None
+        momentum_buffers = (
+            [torch.zeros_like(tensor) for tensor in params.values()]
+            if optimizer.momentum != 0
+            else None
+        )
         step_gradient = self._step_gradient(context)
         self.model.train()
 
@@ -475,17 +524,21 @@ class VectorizedEngine:
             count = int(np.count_nonzero(steps > step))
             if count != active:
                 active = count
-                params = self._unflatten(vectors[:active], self._parameter_names, self._parameter_shapes)
-                buffers = self._unflatten(
-                    vectors[:active, self._num_parameter_elements :], self._buffer_names, self._buffer_shapes
-                )
+                params_now = _slice_tree(params, active)
+                buffers_now = _slice_tree(buffers, active)
                 anchor_now = _slice_tree(anchor, active)
                 loss_now = _slice_tree(loss_contexts, active)
                 aggregator_now = _slice_tree(aggregator_contexts, active)
+                weights = list(params_now.values())
+                buffers_list = (
+                    [buffer[:active] for buffer in momentum_buffers]
+                    if momentum_buffers is not None
+                    else []
+                )
             batch = global_ids[:active, step]
             gradients = step_gradient(
-                params,
-                buffers,
+                params_now,
+                buffers_now,
                 anchor_now,
                 data_x[batch],
                 data_y[batch],
@@ -494,34 +547,43 @@ class VectorizedEngine:
                 loss_now,
                 aggregator_now,
             )
-            flat_gradient = torch.cat([gradients[name].reshape(active, -1) for name in self._parameter_names], dim=1)
-            weights = parameters_flat[:active]
+            # torch.optim.SGD's arithmetic (no dampening, no Nesterov), per client.
+            updates = [gradients[name] for name in self._parameter_names]
             if optimizer.weight_decay != 0:
-                flat_gradient = flat_gradient.add(weights, alpha=optimizer.weight_decay)
-            if momentum_buffer is not None:
-                buffer = momentum_buffer[:active]
-                if step == 0:
-                    buffer.copy_(flat_gradient)
+                updates = list(torch._foreach_add(updates, weights, alpha=optimizer.weight_decay))
+            if momentum_buffers is not None:
+                if step == 0:  # the buffer starts as the first gradient
+                    torch._foreach_copy_(buffers_list, updates)
                 else:
-                    buffer.mul_(optimizer.momentum).add_(flat_gradient)
-                flat_gradient = buffer
-            weights.add_(flat_gradient, alpha=-optimizer.lr)
+                    torch._foreach_mul_(buffers_list, optimizer.momentum)
+                    torch._foreach_add_(buffers_list, updates)
+                updates = buffers_list
+            torch._foreach_add_(weights, updates, alpha=-optimizer.lr)
 
-        end_vectors: list[Tensor] = [torch.empty(0)] * len(members)
-        step_counts = [0] * len(members)
+        num_members = len(members)
+        flat = [tensor.reshape(num_members, -1) for tensor in (*params.values(), *buffers.values())]
+        end = torch.cat(flat, dim=1) if flat else torch.zeros((num_members, 0), device=device)
+        end_vectors: list[Tensor] = [end[0]] * num_members
+        step_counts = [0] * num_members
         for position, n in enumerate(rank):
-            end_vectors[n] = vectors[position].clone()
+            end_vectors[n] = end[position].clone()
             step_counts[n] = int(steps[position])
         return end_vectors, step_counts
 
     @staticmethod
-    def _unflatten(flat: Tensor, names: list[str], shapes: list[tuple[int, ...]]) -> dict[str, Tensor]:
-        """Views of ``flat`` (``[clients, elements]``) shaped ``[clients, *shape]`` per name."""
+    def _unflatten(
+        flat: Tensor, names: list[str], shapes: list[tuple[int, ...]], offset: int
+    ) -> dict[str, Tensor]:
+        """Contiguous copies of ``flat[:, offset:]`` (``[clients, elements]``), one
+        ``[clients, *shape]`` tensor per name."""
         out: dict[str, Tensor] = {}
-        offset = 0
         for name, shape in zip(names, shapes):
             count = math.prod(shape)
-            out[name] = flat[:, offset : offset + count].view(flat.shape[0], *shape)
+            out[name] = (
+                flat[:, offset : offset + count]
+                .reshape(flat.shape[0], *shape)
+                .clone(memory_format=torch.contiguous_format)
+            )
             offset += count
         return out
 

@@ -1,0 +1,208 @@
+"""Training throughput of the sequential and the vectorised engine, K = 100 clients.
+
+One round of FedAvg local training (one local epoch, plain SGD) of every client on an
+MNIST-sized federation: K clients of ``--samples-per-client`` random 1x28x28 inputs with
+10 classes (MNIST's 60,000 training samples over 100 clients is 600 each), for the ``mlp``
+(McMahan et al.'s 2NN) and ``cnn_mnist`` models at batch sizes 10 and 50. Random inputs
+cost exactly what real ones do; only the accuracy would differ, and it is not measured.
+
+Each case runs one untimed warm-up round on a few clients, then times ``--repeats``
+rounds of each engine (consuming the yielded updates as the simulator does) and reports
+the best. Printed: device, torch threads, samples/s of each engine, their ratio, the
+vectorised engine's block size, and its peak memory per client: on CUDA
+``torch.cuda.max_memory_allocated() / K`` during the round (and the increment over the
+memory held before it, per client); on CPU the engine's own estimate
+(:func:`fedplug.simulation.vectorized.estimate_bytes_per_client`), as the process-wide
+peak RSS cannot be attributed to one engine.
+
+Run: ``.venv/bin/python benchmarks/bench_engines.py [--device cuda] [--threads 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.config import OptimizerConfig
+from fedplug.data.federation import ClientData, Federation
+from fedplug.plugins import default_registry
+from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.simulation.round_context import ClientFailure, RoundContext
+from fedplug.simulation.sequential import SequentialEngine
+from fedplug.simulation.simulator import resolve_device
+from fedplug.simulation.vectorized import VectorizedEngine, estimate_bytes_per_client
+from fedplug.simulation.vectors import model_to_vector
+
+INPUT_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
+WARMUP_CLIENTS = 4
+
+
+def random_federation(
+    num_clients: int, samples_per_client: int, device: torch.device, seed: int
+) -> Federation:
+    """K clients of MNIST-shaped uniform noise with random labels, on ``device``."""
+    generator = torch.Generator().manual_seed(seed)
+    clients = []
+    for client_id in range(num_clients):
+        x = torch.rand((samples_per_client, *INPUT_SHAPE), generator=generator)
+        y = torch.randint(0, NUM_CLASSES, (samples_per_client,), generator=generator)
+        clients.append(
+            ClientData(
+                client_id=client_id,
+                train_x=x.to(device),
+                train_y=y.to(device),
+                test_x=x[:1].to(device),
+                test_y=y[:1].to(device),
+                class_counts=np.bincount(y.numpy(), minlength=NUM_CLASSES),
+            )
+        )
+    return Federation(
+        clients=clients,
+        test_x=clients[0].test_x,
+        test_y=clients[0].test_y,
+        num_classes=NUM_CLASSES,
+        input_shape=INPUT_SHAPE,
+        dataset_name="random-mnist-shaped",
+    )
+
+
+def build_context(federation: Federation, batch_size: int, lr: float) -> RoundContext:
+    registry = default_registry()
+    sampler_config = registry.get("samplers", "uniform").config_class(name="uniform")
+    loss_config = registry.get("loss_transforms", "cross_entropy").config_class(
+        name="cross_entropy"
+    )
+    aggregator_config = registry.get("aggregators", "fedavg").config_class(name="fedavg")
+    algorithm = ClientAlgorithm(
+        sampler=registry.build("samplers", sampler_config),
+        loss_transform=registry.build("loss_transforms", loss_config),
+        aggregator=registry.build("aggregators", aggregator_config, federation.num_clients),
+    )
+    schedule = LocalSchedule(
+        local_epochs=1,
+        batch_size=batch_size,
+        optimizer=OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0),
+    )
+    return RoundContext(federation, algorithm, schedule, seed=0, client_states={})
+
+
+def build_model(name: str, device: torch.device) -> torch.nn.Module:
+    registry = default_registry()
+    config = registry.get("models", name).config_class(name=name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = registry.build("models", config, INPUT_SHAPE, NUM_CLASSES)
+    return model.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_round(engine: Any, start: torch.Tensor, clients: list[int], context: RoundContext) -> None:
+    """One round, keeping a running sum of the updates as an aggregator would."""
+    total = torch.zeros_like(start, dtype=torch.float64)
+    for outcome in engine.run_round(start, RoundPlan([[k] for k in clients]), 0, context):
+        failure = outcome.reason if isinstance(outcome, ClientFailure) else None
+        if failure is not None:
+            raise RuntimeError(f"client {outcome.chain} failed: {failure}")
+        assert isinstance(outcome, ClientUpdate)
+        total.add_(outcome.vector.double(), alpha=outcome.weight)
+
+
+def time_engine(
+    engine: Any, start: torch.Tensor, context: RoundContext, repeats: int, device: torch.device
+) -> tuple[float, float, float]:
+    """Best seconds per round, peak CUDA bytes, and CUDA bytes held before the round."""
+    clients = list(range(context.federation.num_clients))
+    run_round(engine, start, clients[:WARMUP_CLIENTS], context)
+    synchronize(device)
+    best, peak, baseline = float("inf"), 0.0, 0.0
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            baseline = float(torch.cuda.memory_allocated(device))
+        started = time.perf_counter()
+        run_round(engine, start, clients, context)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        if device.type == "cuda":
+            peak = max(peak, float(torch.cuda.max_memory_allocated(device)))
+    return best, peak, baseline
+
+
+def bench_case(
+    model_name: str,
+    batch_size: int,
+    federation: Federation,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> None:
+    model = build_model(model_name, device)
+    context = build_context(federation, batch_size, args.lr)
+    start = model_to_vector(model)
+    num_clients = federation.num_clients
+    samples = sum(client.num_samples for client in federation.clients)
+    seconds: dict[str, float] = {}
+    memory = ""
+    for engine in (SequentialEngine(model), VectorizedEngine(model)):
+        best, peak, baseline = time_engine(engine, start, context, args.repeats, device)
+        seconds[engine.name] = best
+        if isinstance(engine, VectorizedEngine):
+            if device.type == "cuda":
+                memory = (
+                    f"peak/K {peak / num_clients / 2**20:7.1f} MiB "
+                    f"(increment/K {(peak - baseline) / num_clients / 2**20:.1f} MiB)"
+                )
+            else:
+                estimate = estimate_bytes_per_client(
+                    model, INPUT_SHAPE, batch_size, device, momentum=False, penalty=False
+                )
+                memory = f"estimate/K {estimate / 2**20:7.1f} MiB"
+            memory += f", block size {engine.block_size}"
+    sequential_rate = samples / seconds["sequential"]
+    vectorized_rate = samples / seconds["vectorized"]
+    print(
+        f"{model_name:9s} B={batch_size:3d}: sequential {sequential_rate:10.0f} samples/s, "
+        f"vectorized {vectorized_rate:10.0f} samples/s, ratio {vectorized_rate / sequential_rate:5.2f}; "
+        f"{memory}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    parser.add_argument("--clients", type=int, default=100, help="K (default 100)")
+    parser.add_argument(
+        "--samples-per-client", type=int, default=600, help="n_k (default 600: MNIST / 100)"
+    )
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn_mnist"], help="models")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[10, 50], help="B values")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds per engine (best)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--lr", type=float, default=0.05, help="client learning rate")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device {device} ({name}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"K={args.clients}, n_k={args.samples_per_client}, 1 local epoch, SGD lr {args.lr}"
+    )
+    federation = random_federation(args.clients, args.samples_per_client, device, seed=0)
+    for model_name in args.models:
+        for batch_size in args.batch_sizes:
+            bench_case(model_name, batch_size, federation, args, device)
+
+
+if __name__ == "__main__":
+    main()

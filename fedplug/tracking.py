@@ -1,0 +1,412 @@
+"""MLflow tracking for the pipeline's train stage: one MLflow run per algorithm and seed.
+
+Layout in MLflow:
+
+- one **experiment** per study (``study.name``);
+- one **run** per algorithm label and seed (run name ``<label>-seed<seed>``);
+- **params**: the resolved config flattened to dotted keys (:func:`fedplug.config.flatten`,
+  e.g. ``train.aggregator.momentum``) plus the run's derived values under ``derived.``
+  (FedAvgM's effective learning rate, model bytes, FLOPs per sample);
+- **metrics** per round with ``step = round``: every numeric field of
+  :class:`~fedplug.simulation.results.RoundRecord` (accuracy, loss,
+  client_accuracy_mean/std, bytes_up/down, cumulative_bytes, cpd_median/mean, seconds,
+  failures, ...), and at the end the run's summary (final_accuracy, best_accuracy,
+  rounds_to_target, total_bytes, total_seconds);
+- **tags**: dataset, partition and the four algorithm slots (sampler, loss_transform,
+  aggregator, grouper), plus ``fedplug.algorithm`` and ``fedplug.seed``;
+- **artifacts**: whatever the caller hands to :meth:`MlflowTracker.log_artifacts` (the
+  train stage sends the resolved config, the partition heatmap, the learning curves and the
+  final model).
+
+Where runs go (:func:`resolve_tracking_uri`): ``tracking.uri`` when set, else the
+``MLFLOW_TRACKING_URI`` environment variable, else ``sqlite:///<project>/mlflow.db``. A
+remote (``http(s)://``) server is probed before any training (:func:`check_server`): when it
+does not answer within a few seconds, :func:`choose_tracking_uri` raises
+:class:`~fedplug.errors.TrackingError`, or, with ``tracking.fallback_to_local: true``, uses
+the local store and says so.
+
+Resuming: the tracker writes ``{run_id, fingerprint, tracking_uri}`` to a small state file
+in the run's output folder. A re-run with the same fingerprint (the same training config on
+the same federation) re-opens that MLflow run instead of starting a second one and logs only
+the rounds it does not hold yet (:attr:`MlflowTracker.logged_rounds`). The caller deletes
+the state file once the run is complete (:meth:`MlflowTracker.finish` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from fedplug.errors import TrackingError
+from fedplug.simulation.results import RoundRecord, RunResult
+
+LOCAL_STORE_NAME = "mlflow.db"
+HEALTH_TIMEOUT_SECONDS = 3.0
+ROUND_METRICS = tuple(field.name for field in fields(RoundRecord) if field.name != "round")
+"""The per-round metric keys: every field of RoundRecord except the step itself."""
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VALUE_LENGTH = 6000
+REMOTE_SCHEMES = ("http://", "https://")
+
+
+# ----------------------------------------------------------------------------- URIs
+
+
+def local_tracking_uri(project_root: str | os.PathLike[str]) -> str:
+    """``sqlite:///<absolute project root>/mlflow.db``, the default local store."""
+    return f"sqlite:///{(Path(project_root) / LOCAL_STORE_NAME).resolve()}"
+
+
+def resolve_tracking_uri(
+    configured: str | None,
+    project_root: str | os.PathLike[str],
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """The tracking URI to use.
+
+    Args:
+        configured: ``tracking.uri`` from the params (default None: not set).
+        project_root: folder of the local store ``mlflow.db``.
+        environ: environment to read ``MLFLOW_TRACKING_URI`` from (default None:
+            ``os.environ``).
+
+    Returns:
+        ``configured`` when set, else ``MLFLOW_TRACKING_URI`` when set and not empty, else
+        :func:`local_tracking_uri`.
+    """
+    environ = os.environ if environ is None else environ
+    if configured:
+        return configured
+    from_environment = environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if from_environment:
+        return from_environment
+    return local_tracking_uri(project_root)
+
+
+def is_remote(uri: str) -> bool:
+    """True for an MLflow tracking server (``http://`` or ``https://``)."""
+    return uri.lower().startswith(REMOTE_SCHEMES)
+
+
+def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_SECONDS) -> None:
+    """Probe ``<uri>/health`` of a tracking server.
+
+    Args:
+        uri: an ``http(s)://`` tracking URI; other schemes are not probed.
+        timeout: seconds to wait for the answer (default 3).
+
+    Raises:
+        TrackingError: no answer within ``timeout`` seconds, a refused connection, or a
+            status other than 200.
+    """
+    if not is_remote(uri):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) only)
+            status = response.status
+    except urllib.error.HTTPError as error:
+        status = error.code
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        raise TrackingError(
+            f"the MLflow tracking server {uri} does not answer ({reason}); start it, fix "
+            "tracking.uri or MLFLOW_TRACKING_URI, or set tracking.fallback_to_local: true to "
+            "log to the local store instead"
+        ) from None
+    if status != 200:
+        raise TrackingError(
+            f"the MLflow tracking server {uri} answered {url} with HTTP {status}; is it an "
+            "MLflow server? Fix tracking.uri or MLFLOW_TRACKING_URI, or set "
+            "tracking.fallback_to_local: true"
+        )
+
+
+@dataclass(frozen=True)
+class TrackingTarget:
+    """Where a run will be logged, decided before training starts."""
+
+    uri: str
+    """The tracking URI to log to."""
+    requested_uri: str
+    """The URI the config or environment asked for."""
+    fallback_reason: str | None = None
+    """Why the local store is used instead of ``requested_uri`` (None: no fallback)."""
+
+
+def choose_tracking_uri(
+    configured: str | None,
+    fallback_to_local: bool,
+    project_root: str | os.PathLike[str],
+    environ: Mapping[str, str] | None = None,
+    timeout: float = HEALTH_TIMEOUT_SECONDS,
+) -> TrackingTarget:
+    """Resolve the URI and make sure it can be used, before any training.
+
+    Args:
+        configured: ``tracking.uri`` (default None).
+        fallback_to_local: ``tracking.fallback_to_local``: on an unreachable server, use
+            the local store (True) or raise (False).
+        project_root: folder of the local store.
+        environ: environment for ``MLFLOW_TRACKING_URI`` (default ``os.environ``).
+        timeout: seconds to wait for the server's health check (default 3).
+
+    Raises:
+        TrackingError: the server is unreachable and ``fallback_to_local`` is False, or a
+            local ``sqlite:`` store's folder does not exist.
+    """
+    requested = resolve_tracking_uri(configured, project_root, environ)
+    try:
+        check_server(requested, timeout)
+    except TrackingError as error:
+        if not fallback_to_local:
+            raise
+        return TrackingTarget(local_tracking_uri(project_root), requested, fallback_reason=str(error))
+    if requested.startswith("sqlite:///"):
+        folder = Path(requested.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise TrackingError(
+                f"the tracking store {requested} lies in {folder}, which does not exist; "
+                "create the folder or fix tracking.uri / MLFLOW_TRACKING_URI"
+            )
+    return TrackingTarget(requested, requested)
+
+
+# ------------------------------------------------------------------------ payloads
+
+
+def round_metrics(record: RoundRecord) -> dict[str, float]:
+    """The metrics logged for one round: every finite numeric RoundRecord field."""
+    values = {key: getattr(record, key) for key in ROUND_METRICS}
+    return {key: float(value) for key, value in values.items() if _finite_number(value)}
+
+
+def summary_metrics(result: RunResult) -> dict[str, float]:
+    """The run's final metrics (logged without a step): final and best accuracy, rounds
+    to target (only when reached), total bytes and seconds, setup rounds."""
+    summary = result.summary()
+    keys = ("final_accuracy", "best_accuracy", "rounds_to_target", "total_bytes", "total_seconds",
+            "setup_rounds", "effective_rounds")
+    return {key: float(summary[key]) for key in keys if _finite_number(summary.get(key))}
+
+
+def params_payload(flat: Mapping[str, Any]) -> dict[str, str]:
+    """MLflow param values as strings (lists as JSON, None as ``"None"``), cut to the
+    6000 characters MLflow stores."""
+    payload = {}
+    for key, value in flat.items():
+        text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+        payload[key] = text[:MAX_PARAM_VALUE_LENGTH]
+    return payload
+
+
+def run_tags(config: Any, algorithm: str, seed: int) -> dict[str, str]:
+    """Tags of a run: dataset, partition, the four algorithm slots, label and seed.
+
+    ``config`` is the resolved experiment config (``config.data``, ``config.train``).
+    """
+    tags = {
+        "dataset": config.data.dataset.name,
+        "partition": config.data.partition.name,
+        "fedplug.algorithm": algorithm,
+        "fedplug.seed": str(seed),
+    }
+    for slot in ("sampler", "loss_transform", "aggregator", "grouper"):
+        tags[slot] = getattr(config.train, slot).name
+    return tags
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# -------------------------------------------------------------------------- tracker
+
+
+class MlflowTracker:
+    """Logs one training run to MLflow, resuming the same MLflow run after a restart.
+
+    Use :meth:`open`; then :meth:`log_params`, :meth:`log_round` (an observer for
+    ``run_experiment(..., observers=[tracker.log_round])``), :meth:`log_history`,
+    :meth:`log_result`, :meth:`log_artifacts` and :meth:`finish` (or :meth:`fail`).
+    Every MLflow failure surfaces as :class:`~fedplug.errors.TrackingError`.
+    """
+
+    def __init__(self, client: Any, run_id: str, state_path: Path | None, resumed: bool, logged_rounds: set[int]) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.state_path = state_path
+        self.resumed = resumed
+        """True when an earlier, interrupted MLflow run was re-opened."""
+        self.logged_rounds = logged_rounds
+        """Rounds (steps) whose metrics the MLflow run already holds."""
+
+    @classmethod
+    def open(
+        cls,
+        uri: str,
+        experiment_name: str,
+        run_name: str,
+        *,
+        tags: Mapping[str, str] | None = None,
+        state_path: str | os.PathLike[str] | None = None,
+        fingerprint: str | None = None,
+    ) -> MlflowTracker:
+        """Start a run in ``experiment_name`` (created if missing), or re-open the run
+        recorded in ``state_path`` when its fingerprint and URI match.
+
+        Args:
+            uri: tracking URI (from :func:`choose_tracking_uri`).
+            experiment_name: the study's name.
+            run_name: e.g. ``fedavg-seed0``.
+            tags: set on a new run (default none).
+            state_path: file that remembers the run id for resuming (default None: never
+                resume).
+            fingerprint: identifies the training run (the simulator's config fingerprint);
+                a state file with another fingerprint is replaced, and the interrupted run
+                it names is marked KILLED.
+        """
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        state_file = Path(state_path) if state_path is not None else None
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            previous = _read_state(state_file)
+            if previous and previous.get("tracking_uri") == uri:
+                run_id: str | None = previous["run_id"]
+                try:
+                    client.get_run(run_id)
+                except MlflowException:
+                    run_id = None
+                if run_id is not None and previous.get("fingerprint") == fingerprint:
+                    client.update_run(run_id, status="RUNNING")
+                    steps = {int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")}
+                    return cls(client, run_id, state_file, resumed=True, logged_rounds=steps)
+                if run_id is not None:
+                    # An interrupted run of another config: it will never be continued.
+                    client.set_terminated(run_id, "KILLED")
+            experiment = client.get_experiment_by_name(experiment_name)
+            if experiment is None:
+                experiment_id = client.create_experiment(experiment_name)
+            elif experiment.lifecycle_stage == "deleted":
+                raise TrackingError(
+                    f"MLflow experiment {experiment_name!r} was deleted; restore it "
+                    "(`mlflow experiments restore`) or choose another study.name"
+                )
+            else:
+                experiment_id = experiment.experiment_id
+            run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
+        except MlflowException as error:
+            raise TrackingError(f"MLflow at {uri} refused to start the run: {error.message}") from None
+        run_id = run.info.run_id
+        if state_file is not None:
+            _write_state(state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri})
+        return cls(client, run_id, state_file, resumed=False, logged_rounds=set())
+
+    # ---------------------------------------------------------------- logging
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params (values converted by :func:`params_payload`), 100 per request."""
+        from mlflow.entities import Param
+
+        items = [Param(key, value) for key, value in params_payload(params).items()]
+        for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
+            self._call("log params", self.client.log_batch, self.run_id, params=chunk)
+
+    def log_round(self, record: RoundRecord) -> None:
+        """Log one round's metrics at ``step = record.round`` unless already logged."""
+        self.log_history([record])
+
+    def log_history(self, records: Iterable[RoundRecord]) -> None:
+        """Log every record whose round the MLflow run does not hold yet."""
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        pending = [record for record in records if record.round not in self.logged_rounds]
+        metrics = [
+            Metric(key, value, timestamp, record.round)
+            for record in pending
+            for key, value in round_metrics(record).items()
+        ]
+        for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+            self._call("log round metrics", self.client.log_batch, self.run_id, metrics=chunk)
+        self.logged_rounds.update(record.round for record in pending)
+
+    def log_result(self, result: RunResult) -> None:
+        """Log the rounds not yet logged, the summary metrics and the derived params
+        (under ``derived.``)."""
+        from mlflow.entities import Metric
+
+        self.log_history(result.history)
+        timestamp = int(time.time() * 1000)
+        final_step = len(result.history)
+        metrics = [Metric(key, value, timestamp, final_step) for key, value in summary_metrics(result).items()]
+        self._call("log summary metrics", self.client.log_batch, self.run_id, metrics=metrics)
+        self.log_params({f"derived.{key}": value for key, value in result.derived_params.items()})
+
+    def log_artifacts(self, paths: Mapping[str, str | os.PathLike[str]]) -> None:
+        """Upload files: ``{artifact folder: local file}`` (folder ``""`` = the root)."""
+        for folder, path in paths.items():
+            if not Path(path).is_file():
+                raise TrackingError(f"cannot log {path} to MLflow: the file does not exist")
+            self._call(f"upload {path}", self.client.log_artifact, self.run_id, str(path), folder or None)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the run (overwriting tags of the same name)."""
+        from mlflow.entities import RunTag
+
+        items = [RunTag(key, str(value)) for key, value in tags.items()]
+        self._call("set tags", self.client.log_batch, self.run_id, tags=items)
+
+    def finish(self) -> None:
+        """Mark the run FINISHED and forget the resume state."""
+        self._call("finish the run", self.client.set_terminated, self.run_id, "FINISHED")
+        if self.state_path is not None:
+            self.state_path.unlink(missing_ok=True)
+
+    def fail(self) -> None:
+        """Mark the run FAILED but keep the resume state, so a re-run continues it.
+        Never raises: it is called while another error is on its way up."""
+        try:
+            self.client.set_terminated(self.run_id, "FAILED")
+        except Exception:  # the original error matters more than this one
+            pass
+
+    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return method(*args, **kwargs)
+        except MlflowException as error:
+            raise TrackingError(f"MLflow could not {what} for run {self.run_id}: {error.message}") from None
+
+
+def _read_state(path: Path | None) -> dict[str, Any] | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("run_id"), str) else None
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(temporary, path)
