@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal
+from typing import Any, ClassVar, Iterable, Literal, get_args
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -34,14 +35,42 @@ Context = dict[str, Any]
 the vectorised engine."""
 
 
-class ComponentConfig(BaseModel):
+class StrictConfig(BaseModel):
+    """Base of every config model: a typo is an error, values are immutable, numbers are
+    finite (``.nan`` and ``.inf`` are refused as such, not as "out of range"), and a YAML
+    boolean (``yes``, ``on``, ``true``) is not taken for the number 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        # A model validator: pydantic forbids field "before" validators on the `name`
+        # discriminator. Raising ValidationError keeps each problem at its field's path.
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for key, value in data.items():
+            field = cls.model_fields.get(key) if isinstance(key, str) else None
+            if isinstance(value, bool) and field is not None:
+                accepted = set(get_args(field.annotation)) or {field.annotation}
+                if bool not in accepted and accepted & {int, float}:
+                    error = PydanticCustomError(
+                        "boolean_for_number",
+                        "expected a number, got a boolean (YAML reads yes/no/on/off/true/false as booleans)",
+                    )
+                    errors.append(InitErrorDetails(type=error, loc=(key,), input=value))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+
+class ComponentConfig(StrictConfig):
     """Base of every component config: strict (a typo is an error) and immutable.
 
     Subclasses narrow ``name`` to ``Literal["their-name"]`` and add their parameters,
     each with a range and a docstring under it.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str
 

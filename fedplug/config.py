@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
-from fedplug.components import ComponentConfig
+from fedplug.components import ComponentConfig, StrictConfig
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
 
@@ -42,8 +42,8 @@ COMPONENT_FIELDS = {
 ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+class StrictModel(StrictConfig):
+    """Base of the config sections (see :class:`fedplug.components.StrictConfig`)."""
 
 
 class OptimizerConfig(StrictModel):
@@ -191,10 +191,24 @@ def _name_check(registry: Registry, field: str):
             if name is None:
                 raise ValueError(f"missing 'name:'; choose one of: {', '.join(registry.names(kind))}")
             if name not in registry.names(kind):
-                raise ValueError(f"unknown {noun} {name!r}; registered: {', '.join(registry.names(kind))}")
+                raise ValueError(
+                    f"unknown {noun} {name!r}; registered: {', '.join(registry.names(kind))}"
+                    + _registered_elsewhere(registry, name, field)
+                )
         return value
 
     return check
+
+
+def _registered_elsewhere(registry: Registry, name: str, field: str) -> str:
+    """`` ('fedprox' is a loss_transform: set train.loss_transform: fedprox)`` when ``name``
+    is registered for another config field than ``field``; else ``""``."""
+    hints = [
+        f"{name!r} is a {other}: set {'data' if other in ('dataset', 'partition') else 'train'}.{other}: {name}"
+        for other, kind in COMPONENT_FIELDS.items()
+        if other != field and name in registry.names(kind)
+    ]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _with_components(base: type[StrictModel], registry: Registry, fields: tuple[str, ...]) -> type[StrictModel]:
@@ -309,6 +323,28 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
 # -------------------------------------------------------------------------- loading
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, where PyYAML
+    would silently keep the last value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first_line = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first_line is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given at line {first_line + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML mapping, with errors that say which file and line."""
     path = Path(path)
@@ -316,10 +352,14 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
+        ) from None
     except OSError as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -372,6 +412,9 @@ def load_experiment(
     for assignment in overrides:
         data = apply_override(data, assignment)
     if algorithm is not None:
+        # Validate the file as written first, so that a bad value in algorithms.<label> is
+        # reported at that path (not at the train.* path it is merged into).
+        validate_experiment(data, registry)
         data = with_algorithm(data, algorithm)
     return validate_experiment(data, registry)
 

@@ -18,6 +18,7 @@ import yaml
 from fedplug.data.build import build_federation
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
+from fedplug.simulation.checkpoint import load_checkpoint
 from fedplug.simulation.results import RunResult
 from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
 
@@ -44,10 +45,7 @@ def run_experiment(
     per-round ``checkpoint.pt`` there."""
     registry = registry or default_registry()
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_yaml(out / "config.yaml", config.model_dump(mode="json"))
-        write_json(out / "run_info.json", run_info())
+    checkpoint = out / "checkpoint.pt" if out is not None else None
     if federation is None:
         federation = build_federation(config.data, registry, resolve_device(config.train.device))
     simulator = Simulator(
@@ -55,9 +53,17 @@ def run_experiment(
         federation,
         registry,
         target_accuracy=config.study.target_accuracy,
-        checkpoint_path=out / "checkpoint.pt" if out is not None else None,
+        checkpoint_path=checkpoint,
         observers=observers,
     )
+    if checkpoint is not None and resume:
+        # Refuse a corrupt checkpoint, or one of another config, before writing anything:
+        # out_dir keeps the config.yaml that belongs to its checkpoint.
+        load_checkpoint(checkpoint, simulator.fingerprint)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_yaml(out / "config.yaml", config.model_dump(mode="json"))
+        write_json(out / "run_info.json", run_info())
     result = simulator.run(resume=resume)
     if out is not None:
         write_json(out / "metrics.json", result.summary())

@@ -16,7 +16,7 @@ from typing import Any
 import pluggy
 
 from fedplug import hookspecs
-from fedplug.errors import PluginError
+from fedplug.errors import FedplugError, PluginError
 from fedplug.registry import KINDS, Registry
 
 AUTOLOAD_SWITCH = "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -48,7 +48,13 @@ def new_plugin_manager(*, autoload: bool | None = None) -> pluggy.PluginManager:
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_SWITCH)
     if autoload:
-        manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+        try:
+            manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+        except Exception as error:  # an installed package that cannot be imported
+            raise PluginError(
+                f"an installed fedplug plugin failed to load ({type(error).__name__}: {error}); fix or "
+                f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+            ) from error
     try:
         manager.check_pending()
     except pluggy.PluginValidationError as error:
@@ -67,7 +73,15 @@ def collect_registry(manager: pluggy.PluginManager) -> Registry:
             def register(name: Any, config_class: Any, factory: Any, *, _kind=kind, _plugin=plugin_name) -> None:
                 registry.register(_kind, _plugin, name, config_class, factory)
 
-            result = implementation.function(register=register)
+            try:
+                result = implementation.function(register=register)
+            except FedplugError:
+                raise
+            except Exception as error:  # a bug or a missing resource in the plugin
+                raise PluginError(
+                    f"plugin {plugin_name!r}: {hook_name} raised {type(error).__name__}: {error}; fix or "
+                    f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+                ) from error
             if result is not None:
                 raise PluginError(
                     f"plugin {plugin_name!r}: {hook_name} must call register(...) and return "

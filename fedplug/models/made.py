@@ -29,8 +29,9 @@ explicit ``torch.Generator``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from itertools import pairwise
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,8 @@ class MaskedLinear(nn.Linear):
             ``[-1/sqrt(in_features), 1/sqrt(in_features)]`` as ``nn.Linear`` does.
     """
 
+    mask: Tensor
+
     def __init__(
         self, in_features: int, out_features: int, mask: Tensor, generator: torch.Generator
     ) -> None:
@@ -63,8 +66,14 @@ class MaskedLinear(nn.Linear):
         self.register_buffer("mask", mask.to(torch.float32))
         bound = 1.0 / math.sqrt(in_features)
         with torch.no_grad():
-            self.weight.copy_(torch.rand(self.weight.shape, generator=generator) * 2 * bound - bound)
+            self.weight.copy_(
+                torch.rand(self.weight.shape, generator=generator) * 2 * bound - bound
+            )
             self.bias.copy_(torch.rand(self.bias.shape, generator=generator) * 2 * bound - bound)
+
+    def reset_parameters(self) -> None:
+        """No-op: ``nn.Linear.__init__`` would draw from torch's global generator; the
+        weights are drawn from the explicit generator in ``__init__`` instead."""
 
     def forward(self, inputs: Tensor) -> Tensor:
         return F.linear(inputs, self.weight * self.mask, self.bias)
@@ -92,7 +101,7 @@ def made_masks(degrees: Sequence[Tensor]) -> list[Tensor]:
     """
     masks = [
         (current[:, None] >= previous[None, :]).to(torch.float32)
-        for previous, current in zip(degrees[:-1], degrees[1:])
+        for previous, current in pairwise(degrees)
     ]
     output_degrees = degrees[0]
     masks.append((output_degrees[:, None] > degrees[-1][None, :]).to(torch.float32))
@@ -142,9 +151,14 @@ class MADE(nn.Module):
         self.register_buffer("hidden_degrees", degrees[1])
 
     @property
+    def linear_layers(self) -> list[MaskedLinear]:
+        """The masked layers, input side first."""
+        return [layer for layer in self.layers if isinstance(layer, MaskedLinear)]
+
+    @property
     def masks(self) -> list[Tensor]:
         """The layers' masks, ``[out, in]`` each, the output mask last."""
-        return [layer.mask for layer in self.layers]
+        return [layer.mask for layer in self.linear_layers]
 
     def forward(self, inputs: Tensor) -> Tensor:
         """Bernoulli logits ``[B, D]``; output d depends only on inputs before d."""
@@ -315,7 +329,9 @@ class StackedAdam:
             on = expand_slices(active, parameter)
             grad = parameter.grad
             first.copy_(torch.where(on, first.lerp(grad, 1.0 - self.beta1), first))
-            second.copy_(torch.where(on, second * self.beta2 + (1.0 - self.beta2) * grad * grad, second))
+            second.copy_(
+                torch.where(on, second * self.beta2 + (1.0 - self.beta2) * grad * grad, second)
+            )
             denominator = second.sqrt() / expand_slices(correction2_sqrt, parameter) + self.eps
             update = first / denominator * expand_slices(step_size, parameter)
             parameter.sub_(torch.where(on, update, torch.zeros_like(update)))
@@ -351,11 +367,15 @@ class StackedMLP:
         self.masks = list(masks)
 
     @classmethod
-    def from_linear_layers(cls, models: Sequence[Sequence[nn.Linear]]) -> "StackedMLP":
+    def from_linear_layers(cls, models: Sequence[Sequence[nn.Linear]]) -> StackedMLP:
         """Stack K models given as their lists of linear (or masked linear) layers."""
         masks = [getattr(layer, "mask", None) for layer in models[0]]
-        weights = [torch.stack([layers[i].weight.detach() for layers in models]) for i in range(len(masks))]
-        biases = [torch.stack([layers[i].bias.detach() for layers in models]) for i in range(len(masks))]
+        weights = [
+            torch.stack([layers[i].weight.detach() for layers in models]) for i in range(len(masks))
+        ]
+        biases = [
+            torch.stack([layers[i].bias.detach() for layers in models]) for i in range(len(masks))
+        ]
         return cls(weights, biases, masks)
 
     @property
@@ -402,12 +422,14 @@ def stack_mades(models: Sequence[MADE]) -> StackedMLP:
             not torch.equal(a, b) for a, b in zip(model.masks, first.masks)
         ):
             raise ValueError("stacked MADEs must share input size, hidden sizes and masks")
-    return StackedMLP.from_linear_layers([list(model.layers) for model in models])
+    return StackedMLP.from_linear_layers([model.linear_layers for model in models])
 
 
 def stacked_nll(stack: StackedMLP, inputs: Tensor) -> Tensor:
     """``[K, B]`` per-sample NLL of MADE k on ``inputs[k]``."""
-    return F.binary_cross_entropy_with_logits(stack.logits(inputs), inputs, reduction="none").sum(dim=2)
+    return F.binary_cross_entropy_with_logits(stack.logits(inputs), inputs, reduction="none").sum(
+        dim=2
+    )
 
 
 @torch.no_grad()
@@ -463,8 +485,10 @@ def train_epochs_stacked(
     sets = PaddedSets(datasets)
     last = [math.nan] * len(models)
     for _ in range(epochs):
-        last = _run_stacked_epoch(stack, optimizer, sets, batch_size, generators, [True] * len(models))
-    stack.write_back([list(model.layers) for model in models])
+        last = _run_stacked_epoch(
+            stack, optimizer, sets, batch_size, generators, [True] * len(models)
+        )
+    stack.write_back([model.linear_layers for model in models])
     return last
 
 
@@ -519,7 +543,7 @@ def train_made_stacked(
                 for now, best in zip(stack.state(), best_state)
             ]
     stack.load_slices(best_state, torch.ones(len(models), dtype=torch.bool))
-    stack.write_back([list(model.layers) for model in models])
+    stack.write_back([model.linear_layers for model in models])
     return histories
 
 

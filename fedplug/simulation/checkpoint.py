@@ -33,6 +33,10 @@ def load_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
         raise TrainingError(
             f"checkpoint {str(path)!r} is unreadable ({type(error).__name__}); delete it to start over"
         ) from None
+    if not isinstance(state, dict) or "fingerprint" not in state:
+        raise TrainingError(
+            f"checkpoint {str(path)!r} is not a fedplug checkpoint; delete it to start over or choose another --out"
+        )
     if state.get("version") != CHECKPOINT_VERSION or state.get("fingerprint") != fingerprint:
         raise TrainingError(
             f"checkpoint {str(path)!r} belongs to a different config; delete it or choose another --out"

@@ -1,0 +1,481 @@
+"""FedDisk and FedDiskAb: density-ratio weights, their cost, caching and the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pluggy
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.nn import functional as F
+
+from fedplug import hookspecs
+from fedplug.algorithms import feddisk
+from fedplug.algorithms.feddisk import (
+    FedDisk,
+    FedDiskAb,
+    FedDiskAbConfig,
+    FedDiskConfig,
+    FedDiskWeights,
+    cache_key,
+    compute_feddisk_ab_weights,
+    compute_feddisk_weights,
+    density_ratios,
+    load_weights,
+    made_phase_cost,
+    normalise_weights,
+    parameter_bytes,
+    partition_fingerprint,
+    save_weights,
+    train_classifiers,
+    train_global_made,
+    unit_interval_inputs,
+)
+from fedplug.components import PhaseCost
+from fedplug.data.federation import ClientData, Federation
+from fedplug.errors import DataError
+from fedplug.models.made import MADE, PaddedSets
+from fedplug.plugins import collect_registry
+
+DIM = 16
+
+# A classifier trained long enough to separate what can be separated on these small
+# synthetic clients (the defaults are tuned for MNIST-sized clients).
+STRONG = {
+    "made_hidden": 20,
+    "made_batch_size": 50,
+    "classifier_lr": 0.1,
+    "classifier_epochs": 30,
+    "classifier_tolerance": 0.0,
+}
+
+
+def two_mode_samples(
+    num_samples: int, share_of_a: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Binary rows from two modes: A lights the first half of the pixels (p = 0.85, else
+    0.15), B the second half. Returns the rows and whether each row is from mode A."""
+    is_a = rng.random(num_samples) < share_of_a
+    high_first = np.r_[np.full(DIM // 2, 0.85), np.full(DIM - DIM // 2, 0.15)]
+    probabilities = np.where(is_a[:, None], high_first, high_first[::-1])
+    return (rng.random((num_samples, DIM)) < probabilities).astype(np.float32), is_a
+
+
+def make_federation(inputs: list[np.ndarray], name: str = "synthetic") -> Federation:
+    clients = []
+    for client_id, x in enumerate(inputs):
+        labels = torch.as_tensor((x[:, 0] > 0.5).astype(np.int64))
+        clients.append(
+            ClientData(
+                client_id=client_id,
+                train_x=torch.as_tensor(x),
+                train_y=labels,
+                test_x=torch.as_tensor(x[:2]),
+                test_y=labels[:2],
+                class_counts=np.bincount(labels.numpy(), minlength=2),
+            )
+        )
+    return Federation(
+        clients=clients,
+        test_x=torch.as_tensor(inputs[0][:4]),
+        test_y=torch.zeros(4, dtype=torch.long),
+        num_classes=2,
+        input_shape=(DIM,),
+        dataset_name=name,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_mode_clients() -> tuple[Federation, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    (x0, a0), (x1, a1) = two_mode_samples(400, 0.9, rng), two_mode_samples(400, 0.1, rng)
+    return make_federation([x0, x1]), [a0, a1]
+
+
+# ------------------------------------------------------------------ the weights
+
+
+def test_weights_stay_near_one_on_iid_clients_and_spread_on_skewed_ones() -> None:
+    rng = np.random.default_rng(1)
+    iid = make_federation([two_mode_samples(400, 0.5, rng)[0] for _ in range(4)])
+    skewed = make_federation([two_mode_samples(400, s, rng)[0] for s in (0.05, 0.35, 0.65, 0.95)])
+    config = FedDiskConfig(**STRONG)
+
+    iid_weights = compute_feddisk_weights(iid, config, np.random.default_rng(1)).weights
+    skewed_weights = compute_feddisk_weights(skewed, config, np.random.default_rng(1)).weights
+
+    for weights in iid_weights:
+        assert weights.shape == (400,) and weights.dtype == np.float32
+        assert weights.mean() == pytest.approx(1.0, abs=0.01)
+        assert weights.std() < 0.1
+    iid_spread = np.mean([w.std() for w in iid_weights])
+    skewed_spread = np.mean([w.std() for w in skewed_weights])
+    assert skewed_spread > 3 * iid_spread
+
+
+@pytest.mark.parametrize("method", ["feddisk", "feddisk_ab"])
+def test_locally_rare_mode_is_up_weighted(
+    two_mode_clients: tuple[Federation, list[np.ndarray]], method: str
+) -> None:
+    federation, is_a = two_mode_clients
+    if method == "feddisk":
+        result = compute_feddisk_weights(
+            federation, FedDiskConfig(**STRONG), np.random.default_rng(2)
+        )
+    else:
+        config = FedDiskAbConfig(classifier_lr=0.1, classifier_epochs=30, classifier_tolerance=0.0)
+        result = compute_feddisk_ab_weights(federation, config, np.random.default_rng(2))
+    w0, w1 = result.weights
+
+    # Client 0 holds 90% mode A and client 1 90% mode B, the pool 50/50: the true ratios
+    # p / p_k are 0.5 / 0.9 = 0.56 for the common mode and 0.5 / 0.1 = 5 for the rare one.
+    assert w0[~is_a[0]].mean() > w0[is_a[0]].mean() + 1.0
+    assert w1[is_a[1]].mean() > w1[~is_a[1]].mean() + 1.0
+    assert w0[is_a[0]].mean() < 1.0 and w1[~is_a[1]].mean() < 1.0
+
+
+def test_classifier_probability_is_that_of_the_global_class() -> None:
+    generator = torch.Generator().manual_seed(0)
+    global_like = torch.randn(300, 4, generator=generator) + 2.0
+    local_like = torch.randn(300, 4, generator=generator) - 2.0
+    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=20, classifier_tolerance=0.0)
+
+    [classifier] = train_classifiers([global_like], [local_like], config, [generator])
+
+    ratios = density_ratios(
+        classifier, torch.stack([torch.full((4,), 2.0), torch.full((4,), -2.0)])
+    )
+    assert ratios[0] > 10.0  # looks like a global-model output: D > 1/2, weight > 1
+    assert ratios[1] < 0.1
+
+
+def test_identical_global_and_local_outputs_give_unit_weights() -> None:
+    features = torch.rand(400, 8, generator=torch.Generator().manual_seed(1))
+    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=30, classifier_tolerance=0.0)
+
+    [classifier] = train_classifiers(
+        [features], [features], config, [torch.Generator().manual_seed(2)]
+    )
+
+    # Each row appears once with each label, so the best D is 1/2 everywhere; what is
+    # left is the noise of mini-batch SGD.
+    ratios = density_ratios(classifier, features)
+    assert np.all(np.abs(ratios - 1.0) < 0.2)
+    assert ratios.mean() == pytest.approx(1.0, abs=0.05)
+    assert np.all(np.abs(normalise_weights(ratios, "mean") - 1.0) < 0.2)
+
+
+def test_phase_one_is_a_function_of_its_rng_and_leaves_the_global_generator_alone() -> None:
+    rng = np.random.default_rng(5)
+    federation = make_federation([two_mode_samples(60, share, rng)[0] for share in (0.3, 0.7)])
+    config = FedDiskConfig(made_max_epochs=2, global_rounds=2, classifier_epochs=2)
+    global_state = torch.random.get_rng_state()
+
+    first = compute_feddisk_weights(federation, config, np.random.default_rng(7))
+    second = compute_feddisk_weights(federation, config, np.random.default_rng(7))
+    compute_feddisk_ab_weights(federation, FedDiskAbConfig(), np.random.default_rng(7))
+
+    assert torch.equal(torch.random.get_rng_state(), global_state)
+    assert first.cost == second.cost
+    for ours, theirs in zip(first.weights, second.weights):
+        assert np.array_equal(ours, theirs)
+
+
+# ------------------------------------------------------------------ normalisation
+
+
+def test_normalisation_by_hand() -> None:
+    ratios = np.array([1.0, 2.0, 3.0])
+    assert normalise_weights(ratios, "minmax").tolist() == [0.0, 1.0, 2.0]
+    assert normalise_weights(ratios, "mean").tolist() == [0.5, 1.0, 1.5]
+    clipped = normalise_weights(ratios, "mean", clip_min=0.6, clip_max=1.2)
+    assert clipped == pytest.approx([0.6, 1.0, 1.2])
+    assert normalise_weights(np.full(5, 0.3), "minmax").tolist() == [1.0] * 5
+    assert normalise_weights(np.full(5, 0.3), "mean").tolist() == [1.0] * 5
+
+
+def test_minmax_weights_land_in_zero_two(
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    federation, _ = two_mode_clients
+    config = FedDiskConfig(**STRONG, normalisation="minmax", global_rounds=2)
+
+    result = compute_feddisk_weights(federation, config, np.random.default_rng(3))
+
+    for weights in result.weights:
+        assert weights.min() == pytest.approx(0.0) and weights.max() == pytest.approx(2.0)
+
+
+def test_clip_bounds_are_validated() -> None:
+    with pytest.raises(ValidationError, match="clip_min"):
+        FedDiskConfig(clip_min=1.0, clip_max=1.0)
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        FedDiskConfig(made_hiden=30)
+    with pytest.raises(ValidationError):
+        FedDiskConfig(validation_fraction=1.0)
+
+
+# ------------------------------------------------------------------ the loss
+
+
+def test_per_sample_loss_is_weight_times_cross_entropy() -> None:
+    transform = FedDisk(FedDiskConfig())
+    transform.load_state_dict(
+        {
+            "sample_weights": [torch.tensor([0.5, 2.0, 1.5]), torch.tensor([3.0, 0.0])],
+            "cost": [1, 2, 3],
+        }
+    )
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    targets = torch.tensor([0, 0])
+    sample_ids = torch.tensor([2, 1])
+    context = transform.client_context(0, np.array([1, 2]))
+
+    loss = transform.per_sample_loss(logits, targets, sample_ids, context)
+
+    # CE of [2, 0] with target 0 is ln(1 + e^-2); of [0, 1] with target 0 is ln(1 + e).
+    expected = torch.tensor(
+        [1.5 * np.log1p(np.exp(-2.0)), 2.0 * np.log1p(np.e)], dtype=torch.float32
+    )
+    assert torch.allclose(loss, expected, atol=1e-6)
+
+
+def test_per_sample_loss_runs_under_vmap_over_clients() -> None:
+    transform = FedDisk(FedDiskConfig())
+    weights = torch.tensor([[0.5, 2.0, 1.5], [3.0, 0.0, 1.0]])
+    logits = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]])
+    sample_ids = torch.tensor([[0, 1, 2, 2], [1, 0, 0, 2]])
+
+    batched = torch.func.vmap(
+        lambda z, y, ids, w: transform.per_sample_loss(z, y, ids, {"sample_weight": w})
+    )(logits, targets, sample_ids, weights)
+
+    for k in range(2):
+        ce = F.cross_entropy(logits[k], targets[k], reduction="none")
+        assert torch.allclose(batched[k], weights[k][sample_ids[k]] * ce)
+
+
+def test_prepare_before_context_is_required() -> None:
+    with pytest.raises(RuntimeError, match="prepare"):
+        FedDisk(FedDiskConfig()).client_context(0, np.array([1]))
+
+
+def test_state_dict_restores_the_weights(
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    federation, _ = two_mode_clients
+    transform = FedDiskAb(FedDiskAbConfig(classifier_epochs=2))
+    cost = transform.prepare(federation)
+
+    restored = FedDiskAb(FedDiskAbConfig(classifier_epochs=2))
+    restored.load_state_dict(transform.state_dict())
+
+    assert restored.cost == cost
+    for client in federation.clients:
+        ours = restored.client_context(client.client_id, client.class_counts)["sample_weight"]
+        theirs = transform.client_context(client.client_id, client.class_counts)["sample_weight"]
+        assert ours.shape == (client.num_samples,) and torch.equal(ours, theirs)
+
+
+# ------------------------------------------------------------------ communication
+
+
+def test_made_phase_cost_by_hand() -> None:
+    # 3 rounds, 4 clients, 100-byte model: 3 * 4 * 100 up; 4 downloads per client.
+    assert made_phase_cost(3, 4, 100) == PhaseCost(rounds=3, bytes_up=1200, bytes_down=1600)
+
+
+def test_feddisk_cost_counts_made_rounds_and_bytes(
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    federation, _ = two_mode_clients
+    config = FedDiskConfig(made_hidden=5, global_rounds=1, made_max_epochs=2, classifier_epochs=1)
+
+    cost = compute_feddisk_weights(federation, config, np.random.default_rng(0)).cost
+
+    # MADE(16, [5]): W 5 x 16 + b 5 + V 16 x 5 + c 16 = 181 float32 parameters = 724 bytes.
+    assert parameter_bytes(MADE(DIM, (5,))) == 724
+    assert cost == PhaseCost(rounds=1, bytes_up=2 * 724, bytes_down=2 * 2 * 724)
+
+
+def test_feddisk_ab_cost_counts_the_pooled_raw_data(
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    federation, _ = two_mode_clients
+    cost = compute_feddisk_ab_weights(
+        federation, FedDiskAbConfig(classifier_epochs=1), np.random.default_rng(0)
+    ).cost
+    assert cost == PhaseCost(rounds=0, bytes_up=800 * DIM * 4, bytes_down=800 * DIM * 4)
+
+
+def test_global_made_stops_at_the_first_rise_and_keeps_the_best() -> None:
+    rng = np.random.default_rng(4)
+    data = [torch.as_tensor(two_mode_samples(300, s, rng)[0]) for s in (0.2, 0.8)]
+    train, validation = [x[:240] for x in data], [x[240:] for x in data]
+    template = MADE(DIM, (10,), generator=torch.Generator().manual_seed(0))
+    # A large learning rate makes the validation NLL turn up within a few rounds.
+    config = FedDiskConfig(global_rounds=12, made_lr=0.3, made_batch_size=20)
+
+    model, rounds, history = train_global_made(
+        template,
+        train,
+        validation,
+        [300, 300],
+        config,
+        [torch.Generator().manual_seed(k) for k in range(2)],
+    )
+
+    assert len(history) == rounds + 1
+    assert all(history[t + 1] <= history[t] for t in range(rounds - 1))
+    if rounds < 12:
+        assert history[-1] > history[-2]
+    kept = feddisk.federated_validation_nll(model, PaddedSets(validation), [300, 300])
+    assert kept == pytest.approx(min(history), rel=1e-5)
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def test_inputs_outside_the_unit_interval_are_rescaled() -> None:
+    federation = make_federation(
+        [
+            np.array([[-1.0] * DIM, [3.0] * DIM], np.float32),
+            np.array([[1.0] * DIM, [0.0] * DIM], np.float32),
+        ]
+    )
+
+    scaled = unit_interval_inputs(federation)
+
+    assert scaled[0][:, 0].tolist() == [0.0, 1.0]
+    assert scaled[1][:, 0].tolist() == [0.5, 0.25]
+
+
+def test_a_client_with_one_sample_is_a_data_error() -> None:
+    federation = make_federation([np.zeros((1, DIM), np.float32), np.zeros((3, DIM), np.float32)])
+    with pytest.raises(DataError, match="client 0 has 1"):
+        unit_interval_inputs(federation)
+
+
+# ------------------------------------------------------------------ caching
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    result = FedDiskWeights(
+        weights=[np.array([0.5, 1.5], np.float32), np.array([1.0], np.float32)],
+        cost=PhaseCost(rounds=7, bytes_up=10, bytes_down=12),
+    )
+    path = tmp_path / "weights.npz"
+
+    save_weights(path, result)
+    loaded = load_weights(path)
+
+    assert loaded.cost == result.cost
+    assert [w.tolist() for w in loaded.weights] == [[0.5, 1.5], [1.0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.npz"]  # no temporary left
+
+
+@pytest.mark.parametrize("content", [b"not a zip file", b""])
+def test_corrupt_cache_file_is_a_data_error_naming_it(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "broken.npz"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match="broken.npz"):
+        load_weights(path)
+
+
+def test_cache_file_with_negative_weights_is_a_data_error(tmp_path: Path) -> None:
+    path = tmp_path / "negative.npz"
+    np.savez(
+        path,
+        weights_0=np.array([-1.0], np.float32),
+        num_clients=np.int64(1),
+        cost=np.zeros(3, np.int64),
+    )
+    with pytest.raises(DataError, match="negative.npz"):
+        load_weights(path)
+
+
+def test_cache_key_tracks_what_changes_the_weights() -> None:
+    config = FedDiskConfig()
+    key = cache_key("mnist", "abc", 0, config)
+
+    assert key.startswith("feddisk-mnist-")
+    assert cache_key("mnist", "abc", 0, FedDiskConfig(cache_dir="/elsewhere")) == key
+    assert cache_key("mnist", "abc", 1, config) != key
+    assert cache_key("mnist", "abd", 0, config) != key
+    assert cache_key("femnist", "abc", 0, config) != key
+    assert cache_key("mnist", "abc", 0, FedDiskConfig(made_hidden=31)) != key
+    assert cache_key("mnist", "abc", 0, FedDiskAbConfig()) != key
+
+
+def test_partition_fingerprint_sees_sizes_and_inputs() -> None:
+    base = [np.zeros((4, DIM), np.float32), np.ones((3, DIM), np.float32)]
+    noisy = [base[0].copy(), base[1].copy()]
+    noisy[1][1, 5] = 0.5  # the middle sample of client 1
+
+    fingerprint = partition_fingerprint(make_federation(base))
+
+    assert fingerprint == partition_fingerprint(make_federation([x.copy() for x in base]))
+    assert fingerprint != partition_fingerprint(make_federation(noisy))
+    assert fingerprint != partition_fingerprint(make_federation([base[0], base[1][:2]]))
+
+
+def test_prepare_computes_once_then_loads_from_the_cache(
+    tmp_path: Path,
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    federation, _ = two_mode_clients
+    config = FedDiskAbConfig(classifier_epochs=2, cache_dir=str(tmp_path))
+    first = FedDiskAb(config)
+    cost = first.prepare(federation)
+    [cached] = list(tmp_path.iterdir())
+    assert (
+        cached.name == cache_key("synthetic", partition_fingerprint(federation), 0, config) + ".npz"
+    )
+
+    def must_not_run(*args: object) -> None:
+        raise AssertionError("phase 1 ran although its result was cached")
+
+    second = FedDiskAb(config)
+    monkeypatch.setattr(second, "_compute", must_not_run)
+
+    assert second.prepare(federation) == cost
+    for client in federation.clients:
+        assert torch.equal(
+            second.client_context(client.client_id, client.class_counts)["sample_weight"],
+            first.client_context(client.client_id, client.class_counts)["sample_weight"],
+        )
+
+
+def test_cache_for_other_client_sizes_is_a_data_error(
+    tmp_path: Path,
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    federation, _ = two_mode_clients
+    config = FedDiskAbConfig(cache_dir=str(tmp_path))
+    key = cache_key("synthetic", partition_fingerprint(federation), 0, config)
+    save_weights(
+        tmp_path / f"{key}.npz", FedDiskWeights([np.ones(3, np.float32)], PhaseCost(0, 0, 0))
+    )
+
+    with pytest.raises(DataError, match="delete"):
+        FedDiskAb(config).prepare(federation)
+
+
+# ------------------------------------------------------------------ registration
+
+
+def test_both_transforms_register_through_the_hook() -> None:
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    manager.register(feddisk, name="fedplug.algorithms.feddisk")
+
+    registry = collect_registry(manager)
+
+    assert registry.names("loss_transforms") == ["feddisk", "feddisk_ab"]
+    built = registry.build("loss_transforms", FedDiskAbConfig())
+    assert isinstance(built, FedDiskAb)
+    assert isinstance(registry.build("loss_transforms", FedDiskConfig()), FedDisk)

@@ -1,0 +1,193 @@
+"""A fedplug experiment on a real Flower deployment on loopback: one ``flower-superlink``,
+two ``flower-supernode`` processes and ``flwr run`` of ``examples/flower_app``.
+
+Every process is started here and stopped here by its PID (with the SuperExec helpers
+Flower starts under them). Runtime dependency installation and telemetry are off.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+import torch
+import yaml
+from conftest import SMALL_EXPERIMENT
+
+from fedplug.config import validate_experiment
+from fedplug.experiment import run_experiment
+from fedplug.simulation.vectors import model_to_vector
+
+pytestmark = pytest.mark.slow
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+APP_DIR = REPOSITORY / "examples" / "flower_app"
+BIN = Path(sys.executable).parent
+NUM_NODES = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], seconds: float, log: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited early:\n{log.read_text()[-3000:]}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"nothing listens on port {port} after {seconds}s:\n{log.read_text()[-3000:]}"
+    )
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process we started and every process it started, by PID; SIGKILL
+    what is still alive after 20 seconds."""
+    targets: list[psutil.Process] = []
+    for process in processes:
+        try:
+            parent = psutil.Process(process.pid)
+            targets += [*parent.children(recursive=True), parent]
+        except psutil.NoSuchProcess:
+            continue
+    for target in targets:
+        try:
+            os.kill(target.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    _, alive = psutil.wait_procs(targets, timeout=20)
+    for target in alive:
+        try:
+            os.kill(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for process in processes:
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A SuperLink and two SuperNodes on free loopback ports; a Flower home that names
+    the SuperLink ``local-test``."""
+    link_port = free_port()
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "local-test"\n\n[superlink.local-test]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
+    )
+    environment = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = {name: tmp_path / f"{name}.log" for name in ("superlink", "node0", "node1")}
+    try:
+        link_log = logs["superlink"].open("wb")
+        processes.append(
+            subprocess.Popen(
+                [
+                    str(BIN / "flower-superlink"),
+                    "--insecure",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(link_port),
+                    "--disable-runtime-dependency-installation",
+                ],
+                stdout=link_log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                cwd=tmp_path,
+            )
+        )
+        wait_for_port(link_port, processes[0], 120, logs["superlink"])
+        for partition in range(NUM_NODES):
+            node_log = logs[f"node{partition}"].open("wb")
+            processes.append(
+                subprocess.Popen(
+                    [
+                        str(BIN / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link_port}",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        f"partition-id={partition} num-partitions={NUM_NODES}",
+                    ],
+                    stdout=node_log,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                    cwd=tmp_path,
+                )
+            )
+        yield {"environment": environment, "logs": logs, "processes": processes}
+    finally:
+        stop(processes)
+
+
+def test_flwr_run_on_superlink_and_two_supernodes(
+    deployment: dict[str, Any], tmp_path: Path
+) -> None:
+    # Prepare: a SCAFFOLD experiment over the two nodes, so c_k must persist in each
+    # SuperNode's context.state from round 1 to round 2.
+    data = copy.deepcopy(SMALL_EXPERIMENT)
+    data["data"]["num_clients"] = NUM_NODES
+    data["train"].update({"rounds": 2, "client_fraction": 1.0, "aggregator": {"name": "scaffold"}})
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    run_config = (
+        f"fedplug-config='{config_path}' fedplug-out='{out}' fedplug-federated-evaluation=false"
+    )
+    # Execute
+    completed = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(APP_DIR),
+            "local-test",
+            "--stream",
+            "--run-config",
+            run_config,
+        ],
+        capture_output=True,
+        env=deployment["environment"],
+        cwd=tmp_path,
+        timeout=540,
+    )
+    # Assert: the ServerApp wrote the run's metrics and model, equal to the simulator's.
+    logs = "\n".join(
+        f"--- {name}\n{path.read_text()[-2000:]}" for name, path in deployment["logs"].items()
+    )
+    assert completed.returncode == 0, completed.stdout.decode()[-3000:] + logs
+    assert (out / "metrics.json").exists(), completed.stdout.decode()[-3000:] + logs
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [entry["round"] for entry in metrics["history"]] == [1, 2]
+    assert [entry["failures"] for entry in metrics["history"]] == [0, 0]
+    assert metrics["derived"]["engine"] == "flower"
+    simulated, simulator = run_experiment(validate_experiment(data), None)
+    model = copy.deepcopy(simulator.model)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    torch.testing.assert_close(model_to_vector(model), simulator.final_vector, rtol=0, atol=1e-5)
+    assert metrics["final_accuracy"] == pytest.approx(simulated.final_accuracy, abs=1e-6)
