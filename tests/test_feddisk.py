@@ -35,7 +35,7 @@ from fedplug.algorithms.feddisk import (
 )
 from fedplug.components import PhaseCost
 from fedplug.data.federation import ClientData, Federation
-from fedplug.errors import DataError
+from fedplug.errors import DataError, TrainingError
 from fedplug.models.made import MADE, PaddedSets
 from fedplug.plugins import collect_registry
 
@@ -194,6 +194,11 @@ def test_normalisation_by_hand() -> None:
     assert clipped == pytest.approx([0.6, 1.0, 1.2])
     assert normalise_weights(np.full(5, 0.3), "minmax").tolist() == [1.0] * 5
     assert normalise_weights(np.full(5, 0.3), "mean").tolist() == [1.0] * 5
+
+
+def test_diverged_ratios_are_a_training_error() -> None:
+    with pytest.raises(TrainingError, match="lower classifier_lr"):
+        normalise_weights(np.array([1.0, np.nan]), "mean")
 
 
 def test_minmax_weights_land_in_zero_two(

@@ -106,7 +106,7 @@ from torch.nn.utils import skip_init
 
 from fedplug.components import ComponentConfig, Context, LossTransform, PhaseCost
 from fedplug.data.federation import Federation
-from fedplug.errors import DataError
+from fedplug.errors import DataError, TrainingError
 from fedplug.hookspecs import Register, hookimpl
 from fedplug.models.made import (
     MADE,
@@ -403,8 +403,16 @@ def normalise_weights(
         clip_min (default 0.0), clip_max (default 5.0): bounds of the ``"mean"`` weights.
 
     All-equal ratios give weights of 1 under both methods (min-max would divide by 0).
+
+    Raises:
+        TrainingError: a ratio is NaN, infinite or negative (training diverged).
     """
     values = np.asarray(ratios, dtype=np.float64)
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise TrainingError(
+            "FedDisk's density ratios are not finite and non-negative: the classifier (or a "
+            "MADE) diverged; lower classifier_lr or made_lr"
+        )
     if values.size == 0:
         return values.astype(np.float32)
     low, high = float(values.min()), float(values.max())
@@ -474,7 +482,7 @@ def train_global_made(
         global_model.load_state_dict(average_state_dicts(states, client_sizes))
         rounds += 1
         history.append(federated_validation_nll(global_model, validation, client_sizes))
-        if history[-1] > history[-2]:
+        if not history[-1] <= history[-2]:  # a rise, or NaN from a diverged round
             break
         best_state = copy.deepcopy(global_model.state_dict())
     global_model.load_state_dict(best_state)
