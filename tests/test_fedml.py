@@ -24,20 +24,21 @@ import torch
 fedml = pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-fedml`")
 pytest.importorskip("mpi4py", reason="FedML's MPI backend needs mpi4py: run `make test-fedml`")
 
-from fedplug.adapters.fedml import guard  # noqa: E402
-from fedplug.adapters.fedml.coordinator import Coordinator  # noqa: E402
-from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer, FedplugServerAggregator  # noqa: E402
-from fedplug.adapters.fedml.launcher import run_fedml  # noqa: E402
-from fedplug.adapters.fedml.protocol import Schedule, TaskResult, owner_of, plan_rounds, reply  # noqa: E402
-from fedplug.adapters.fedml.runtime import check_supported, fedml_config, fedml_dataset  # noqa: E402
-from fedplug.adapters.fedml.worker import Worker  # noqa: E402
-from fedplug.components import RoundPlan, WeightedMean  # noqa: E402
-from fedplug.config import validate_experiment  # noqa: E402
-from fedplug.data.build import build_federation  # noqa: E402
-from fedplug.errors import ConfigError, TrainingError  # noqa: E402
-from fedplug.plugins import default_registry  # noqa: E402
-from fedplug.simulation.results import RunResult  # noqa: E402
-from fedplug.simulation.simulator import Simulator, build_model  # noqa: E402
+from fedplug.adapters.fedml import guard
+from fedplug.adapters.fedml.coordinator import Coordinator
+from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer, FedplugServerAggregator
+from fedplug.adapters.fedml.launcher import run_fedml
+from fedplug.adapters.fedml.protocol import Schedule, TaskResult, owner_of, plan_rounds, reply
+from fedplug.adapters.fedml.runtime import check_supported, fedml_config, fedml_dataset
+from fedplug.adapters.fedml.worker import Worker
+
+from fedplug.components import RoundPlan, WeightedMean
+from fedplug.config import validate_experiment
+from fedplug.data.build import build_federation
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.plugins import default_registry
+from fedplug.simulation.results import RunResult
+from fedplug.simulation.simulator import Simulator, build_model
 
 FEDGSP = {
     "name": "fedgsp",

@@ -1,0 +1,281 @@
+"""Start a fedplug experiment on FedML: ``mpirun`` with one server and W worker ranks.
+
+From the FedML environment (``make fedml-venv``)::
+
+    .venv-fedml/bin/python -m fedplug.adapters.fedml run examples/fedml/experiment.yaml \\
+        --workers 2 --out runs/fedml-example
+
+or from Python, :func:`run_fedml`. The run folder gets what ``fedplug run`` writes
+(``config.yaml``, ``run_info.json``, ``metrics.json``, ``model.pt``) plus FedML's config
+(``fedml_config.yaml``), its log (``fedml.log``) and FedML's home folder
+(``fedml_home/``, FedML's own logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedplug.errors import ConfigError, FedplugError, TrainingError
+from fedplug.simulation.results import RoundRecord, RunResult
+
+from . import guard
+from .runtime import check_supported, fedml_config
+
+logger = logging.getLogger("fedplug.adapters.fedml")
+
+DEFAULT_WORKERS = 2
+DEFAULT_TIMEOUT_SECONDS = 3600.0
+LOG_TAIL_CHARACTERS = 4000
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class FedMLRun:
+    """The outcome of :func:`run_fedml`."""
+
+    result: RunResult
+    out_dir: Path
+    blocked_network: dict[int, list[str]]
+    """Per rank, the connections the loopback guard refused (empty when FedML stayed on
+    this machine)."""
+    seconds: float
+    """Wall time of the ``mpirun`` command, process start-up included."""
+
+
+def find_mpirun() -> str:
+    """The ``mpirun`` on ``PATH``.
+
+    Raises:
+        FedplugError: Open MPI is not installed.
+    """
+    path = shutil.which("mpirun")
+    if path is None:
+        raise FedplugError(
+            "mpirun not found: the FedML adapter runs FedML over MPI; install Open MPI "
+            "(Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev, or `make fedml-venv` as root)"
+        )
+    return path
+
+
+def run_fedml(
+    config: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    workers: int = DEFAULT_WORKERS,
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    threads_per_rank: int = 1,
+    python: str | None = None,
+) -> FedMLRun:
+    """Run a validated experiment ``config`` on FedML and return its result.
+
+    Args:
+        config: a validated experiment (:func:`fedplug.config.load_experiment`).
+        out_dir: the run folder (created).
+        workers: worker ranks W (default 2); client ``k`` trains on worker ``k mod W``.
+        timeout: seconds before the whole MPI job is killed (default 3600).
+        threads_per_rank: torch/OpenMP threads of each rank (default 1; the ranks share
+            the machine's cores).
+        python: the interpreter of the FedML environment (default: this one).
+
+    Raises:
+        ConfigError: the config asks for something FedML cannot run.
+        TrainingError: a rank failed or the job timed out; the message quotes the
+            failing rank's error and the log's tail.
+    """
+    from fedplug.experiment import run_info, write_json, write_yaml
+
+    check_supported(config)
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    if threads_per_rank < 1:
+        raise ConfigError(f"--threads-per-rank must be at least 1, got {threads_per_rank}")
+    if config.train.failures.max_round_retries > 0:
+        logger.warning(
+            "train.failures.max_round_retries = %d is not used on FedML: FedML cannot replay a round, so a "
+            "round with too many failed clients stops the run",
+            config.train.failures.max_round_retries,
+        )
+    if python is None and importlib.util.find_spec("fedml") is None:
+        raise FedplugError(
+            "FedML is not installed in this Python environment; build the FedML one with `make fedml-venv` "
+            "and run .venv-fedml/bin/python -m fedplug.adapters.fedml"
+        )
+    mpirun = find_mpirun()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [
+        *out.glob("error-rank*.json"),
+        *out.glob("network-rank*.json"),
+        out / "metrics.json",
+        out / "run_result.json",
+    ]:
+        stale.unlink(missing_ok=True)
+    resolved = config.model_dump(mode="json")
+    write_yaml(out / "config.yaml", resolved)
+    write_json(out / "experiment.json", resolved)
+    write_yaml(out / "fedml_config.yaml", fedml_config(config, workers))
+    write_json(out / "run_info.json", run_info())
+    home = out / "fedml_home"
+    home.mkdir(exist_ok=True)
+    environment = {**os.environ, **guard.fedml_environment(str(home.resolve()), threads_per_rank)}
+    command = [
+        mpirun,
+        "-np",
+        str(workers + 1),
+        python or sys.executable,
+        "-m",
+        "fedplug.adapters.fedml.rank",
+        "--experiment",
+        str(out / "experiment.json"),
+        "--fedml-config",
+        str(out / "fedml_config.yaml"),
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+    ]
+    log_path = out / "fedml.log"
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            raise TrainingError(
+                f"the FedML run did not finish within {timeout:.0f} s and was stopped; "
+                f"log {log_path}:\n{_tail(log_path)}"
+            ) from None
+    seconds = time.perf_counter() - started
+    if returncode != 0:
+        raise _rank_failure(out, returncode, log_path)
+    summary_path = out / "run_result.json"
+    if not summary_path.exists() or not (out / "model.pt").exists():
+        raise TrainingError(
+            f"mpirun exited 0 but the server wrote no result; log {log_path}:\n{_tail(log_path)}"
+        )
+    return FedMLRun(
+        result=_load_result(summary_path),
+        out_dir=out,
+        blocked_network=_blocked_network(out),
+        seconds=seconds,
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """End ``mpirun`` and its ranks: SIGTERM (mpirun forwards it to every rank and cleans
+    up), then SIGKILL to the whole process group after a grace period."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        process.wait()
+
+
+def _load_result(path: Path) -> RunResult:
+    data = json.loads(path.read_text())
+    data["history"] = [RoundRecord(**record) for record in data["history"]]
+    return RunResult(**data)
+
+
+def _blocked_network(out: Path) -> dict[int, list[str]]:
+    found = {}
+    for path in sorted(out.glob("network-rank*.json")):
+        found[int(path.stem.removeprefix("network-rank"))] = json.loads(path.read_text())
+    return found
+
+
+def _rank_failure(out: Path, returncode: int, log_path: Path) -> FedplugError:
+    errors = [json.loads(path.read_text()) for path in sorted(out.glob("error-rank*.json"))]
+    if not errors:
+        return TrainingError(
+            f"mpirun exited with code {returncode}; log {log_path}:\n{_tail(log_path)}"
+        )
+    first = errors[0]
+    message = f"rank {first['rank']} failed: {first['type']}: {first['message']}"
+    if first["type"] == "ConfigError":
+        return ConfigError(message)
+    traceback_file = out / f"error-rank{first['rank']}.json"
+    return TrainingError(f"{message}\n(full traceback in {traceback_file}, log {log_path})")
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:]
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fedplug.adapters.fedml run CONFIG --out DIR [--workers W] ...``"""
+    parser = argparse.ArgumentParser(
+        prog="python -m fedplug.adapters.fedml",
+        description="Run a fedplug experiment on FedML over MPI.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run an experiment config on FedML")
+    run_parser.add_argument("config", help="fedplug experiment YAML (params.yaml is one)")
+    run_parser.add_argument("--out", required=True, help="run folder")
+    run_parser.add_argument(
+        "--workers", type=int, default=DEFAULT_WORKERS, help="worker ranks (default 2)"
+    )
+    run_parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value, e.g. --set train.rounds=5",
+    )
+    run_parser.add_argument("--algorithm", help="apply the file's algorithms.<NAME> entry to train")
+    run_parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        help="seconds before the job is killed (default 3600)",
+    )
+    run_parser.add_argument(
+        "--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)"
+    )
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fedplug.config import load_experiment
+
+    try:
+        config = load_experiment(options.config, options.overrides, options.algorithm)
+        run = run_fedml(
+            config,
+            options.out,
+            workers=options.workers,
+            timeout=options.timeout,
+            threads_per_rank=options.threads_per_rank,
+        )
+    except FedplugError as error:
+        print(f"fedplug (FedML): error: {error}", file=sys.stderr)
+        return 2
+    summary = run.result.summary()
+    refused = sum(len(attempts) for attempts in run.blocked_network.values())
+    print(
+        f"final accuracy {summary['final_accuracy']:.4f} after {summary['rounds']} rounds on FedML "
+        f"({options.workers} workers, {run.seconds:.0f} s); refused outside connections: {refused}; "
+        f"wrote {run.out_dir / 'metrics.json'}"
+    )
+    return 0
