@@ -18,9 +18,10 @@ import csv
 import json
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,9 +63,14 @@ def run_metrics_from_summary(
     """
     history = summary.get("history")
     if not isinstance(history, list):
-        raise DataError(f"metrics of {algorithm} seed {seed} have no 'history' list; re-run its train stage")
+        raise DataError(
+            f"metrics of {algorithm} seed {seed} have no 'history' list; re-run its train stage"
+        )
     for record in history:
-        if not isinstance(record, dict) or not {"round", "accuracy", "cumulative_bytes"} <= record.keys():
+        if (
+            not isinstance(record, dict)
+            or not {"round", "accuracy", "cumulative_bytes"} <= record.keys()
+        ):
             raise DataError(
                 f"metrics of {algorithm} seed {seed}: a history entry lacks round, accuracy or "
                 "cumulative_bytes; re-run its train stage"
@@ -80,7 +86,9 @@ def run_metrics_from_summary(
     )
 
 
-def load_run_metrics(path: str | os.PathLike[str], algorithm: str, seed: int, setup_seconds: float = 0.0) -> RunMetrics:
+def load_run_metrics(
+    path: str | os.PathLike[str], algorithm: str, seed: int, setup_seconds: float = 0.0
+) -> RunMetrics:
     """Read one run's ``metrics.json``.
 
     Raises:
@@ -90,7 +98,9 @@ def load_run_metrics(path: str | os.PathLike[str], algorithm: str, seed: int, se
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{path} does not exist; run the train stage of {algorithm} seed {seed} first") from None
+        raise DataError(
+            f"{path} does not exist; run the train stage of {algorithm} seed {seed} first"
+        ) from None
     except (OSError, ValueError) as error:
         raise DataError(f"{path} is not readable JSON ({error}); re-run its train stage") from None
     return run_metrics_from_summary(algorithm, seed, summary, setup_seconds)
@@ -127,9 +137,13 @@ class AlgorithmSummary:
         return [rounds for rounds in self.rounds_to_target if rounds is not None]
 
 
-def _accuracy(record: dict[str, Any]) -> float:
-    value = record.get("accuracy")
+def _number(value: Any) -> float:
+    """A metric value as float; None (how metrics.json writes NaN) becomes NaN."""
     return float(value) if value is not None else float("nan")
+
+
+def _accuracy(record: dict[str, Any]) -> float:
+    return _number(record.get("accuracy"))
 
 
 def summarize(runs: Iterable[RunMetrics], target: float) -> list[AlgorithmSummary]:
@@ -144,9 +158,12 @@ def summarize(runs: Iterable[RunMetrics], target: float) -> list[AlgorithmSummar
             AlgorithmSummary(
                 algorithm=algorithm,
                 seeds=[run.seed for run in members],
-                final_accuracy=[_accuracy(run.history[-1]) if run.history else float("nan") for run in members],
+                final_accuracy=[
+                    _accuracy(run.history[-1]) if run.history else float("nan") for run in members
+                ],
                 best_accuracy=[
-                    max((_accuracy(record) for record in run.history), default=float("nan")) for run in members
+                    max((_accuracy(record) for record in run.history), default=float("nan"))
+                    for run in members
                 ],
                 rounds_to_target=[rounds_to_target(run.history, target) for run in members],
                 total_bytes=[run.total_bytes for run in members],
@@ -175,6 +192,14 @@ def format_bytes(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count:.0f} B"
+
+
+def tick_bytes(count: float) -> str:
+    """Short axis label: ``tick_bytes(2e7) == "20 MB"``, ``tick_bytes(1.5e9) == "1.5 GB"``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:g} {unit}"
+    return f"{count:g} B"
 
 
 def format_rounds(summary: AlgorithmSummary) -> str:
@@ -212,19 +237,20 @@ def comparison_markdown(summaries: Sequence[AlgorithmSummary], target: float, ti
             f"| {_mean_std(summary.best_accuracy)} | {rounds} "
             f"| {format_bytes(_mean(summary.total_bytes))} | {_mean(summary.wall_seconds):.1f} s |"
         )
-    lines += [
-        "",
+    note = (
         "Accuracy is on the global test set after each round; with several seeds, mean ± std "
-        "over the seeds. Rounds to target count training rounds; \"+N setup\" are rounds spent "
+        'over the seeds. Rounds to target count training rounds; "+N setup" are rounds spent '
         "before training (FedDisk's density models). Total bytes are all model traffic up and "
         "down, setup included (mean over seeds). Wall time is the training rounds' time plus, for "
-        "FedDisk, the density-model stage (mean over seeds).",
-        "",
-    ]
+        "FedDisk, the density-model stage (mean over seeds)."
+    )
+    lines += ["", note, ""]
     return "\n".join(lines)
 
 
-def summary_metrics(summaries: Sequence[AlgorithmSummary]) -> dict[str, dict[str, float | int | None]]:
+def summary_metrics(
+    summaries: Sequence[AlgorithmSummary],
+) -> dict[str, dict[str, float | int | None]]:
     """``{algorithm: {final_accuracy, best_accuracy, rounds_to_target, total_bytes,
     wall_seconds}}`` (means over seeds; rounds_to_target None when no seed reached it),
     for ``dvc metrics show``."""
@@ -235,7 +261,7 @@ def summary_metrics(summaries: Sequence[AlgorithmSummary]) -> dict[str, dict[str
             "final_accuracy": _json_float(_mean(summary.final_accuracy)),
             "best_accuracy": _json_float(_mean(summary.best_accuracy)),
             "rounds_to_target": _json_float(float(np.mean(reached))) if reached else None,
-            "total_bytes": int(round(_mean(summary.total_bytes))),
+            "total_bytes": round(_mean(summary.total_bytes)),
             "wall_seconds": _json_float(round(_mean(summary.wall_seconds), 2)),
         }
     return metrics
@@ -267,11 +293,13 @@ def curve_rows(runs: Iterable[RunMetrics]) -> list[dict[str, Any]]:
     return rows
 
 
-def mean_curve(runs: Sequence[RunMetrics], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def mean_curve(
+    runs: Sequence[RunMetrics], key: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(rounds, mean, low, high)`` of ``key`` over seeds, on the rounds all runs have."""
     length = min(len(run.history) for run in runs)
     values = np.array(
-        [[float(record.get(key) if record.get(key) is not None else np.nan) for record in run.history[:length]] for run in runs]
+        [[_number(record.get(key)) for record in run.history[:length]] for run in runs]
     )
     rounds = np.array([int(record["round"]) for record in runs[0].history[:length]])
     return rounds, values.mean(axis=0), values.min(axis=0), values.max(axis=0)
@@ -289,7 +317,12 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_comparison(runs: Sequence[RunMetrics], path: str | os.PathLike[str], title: str, target: float | None = None) -> None:
+def plot_comparison(
+    runs: Sequence[RunMetrics],
+    path: str | os.PathLike[str],
+    title: str,
+    target: float | None = None,
+) -> None:
     """Two panels, every algorithm on each: accuracy vs round, and accuracy vs cumulative
     bytes (log scale). Several seeds: the mean with a min-max band."""
     plt = _pyplot()
@@ -314,12 +347,19 @@ def plot_comparison(runs: Sequence[RunMetrics], path: str | os.PathLike[str], ti
         axes.set_ylabel("test accuracy")
         axes.grid(True, alpha=0.3)
         if target is not None:
-            axes.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
+            axes.axhline(
+                target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}"
+            )
     by_round.set_xlabel("communication round")
     by_round.set_title("accuracy vs round")
     by_round.xaxis.get_major_locator().set_params(integer=True)
-    by_bytes.set_xlabel("cumulative bytes communicated (log scale, setup included)")
+    by_bytes.set_xlabel("cumulative bytes communicated, up and down (log scale, setup included)")
     by_bytes.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    by_bytes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    by_bytes.xaxis.set_major_formatter(FuncFormatter(lambda value, _position: tick_bytes(value)))
+    by_bytes.xaxis.set_minor_formatter(NullFormatter())
     by_bytes.set_title("accuracy vs communication")
     by_round.legend(loc="lower right", fontsize="small")
     figure.suptitle(title)
@@ -327,20 +367,39 @@ def plot_comparison(runs: Sequence[RunMetrics], path: str | os.PathLike[str], ti
     plt.close(figure)
 
 
-def plot_run_curves(history: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str) -> None:
+def plot_run_curves(
+    history: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str
+) -> None:
     """One run's learning curves: accuracy (global and mean client) and loss vs round."""
     plt = _pyplot()
     rounds = [int(record["round"]) for record in history]
-    figure, (accuracy_axes, loss_axes) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    accuracy_axes.plot(rounds, [record.get("accuracy") for record in history], marker="o", markersize=3, label="global test set")
+    figure, (accuracy_axes, loss_axes) = plt.subplots(
+        1, 2, figsize=(10, 4), constrained_layout=True
+    )
     accuracy_axes.plot(
-        rounds, [record.get("client_accuracy_mean") for record in history], marker="s", markersize=3,
+        rounds,
+        [record.get("accuracy") for record in history],
+        marker="o",
+        markersize=3,
+        label="global test set",
+    )
+    accuracy_axes.plot(
+        rounds,
+        [record.get("client_accuracy_mean") for record in history],
+        marker="s",
+        markersize=3,
         label="mean over clients' local test sets",
     )
     accuracy_axes.set_xlabel("communication round")
     accuracy_axes.set_ylabel("accuracy")
     accuracy_axes.legend(loc="lower right", fontsize="small")
-    loss_axes.plot(rounds, [record.get("loss") for record in history], marker="o", markersize=3, color="tab:red")
+    loss_axes.plot(
+        rounds,
+        [record.get("loss") for record in history],
+        marker="o",
+        markersize=3,
+        color="tab:red",
+    )
     loss_axes.set_xlabel("communication round")
     loss_axes.set_ylabel("global test loss")
     for axes in (accuracy_axes, loss_axes):
@@ -351,7 +410,9 @@ def plot_run_curves(history: Sequence[dict[str, Any]], path: str | os.PathLike[s
     plt.close(figure)
 
 
-def plot_partition_heatmap(class_counts: np.ndarray, path: str | os.PathLike[str], title: str) -> None:
+def plot_partition_heatmap(
+    class_counts: np.ndarray, path: str | os.PathLike[str], title: str
+) -> None:
     """The K x C class-count matrix as a heatmap (clients down, classes across), with the
     counts written in the cells when the matrix is small enough to read them."""
     plt = _pyplot()
@@ -373,9 +434,16 @@ def plot_partition_heatmap(class_counts: np.ndarray, path: str | os.PathLike[str
         for client in range(num_clients):
             for label in range(num_classes):
                 value = int(counts[client, label])
-                axes.text(label, client, str(value), ha="center", va="center", fontsize=7,
-                          color="black" if value > threshold else "white")
-    axes.set_title(title)
+                axes.text(
+                    label,
+                    client,
+                    str(value),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if value > threshold else "white",
+                )
+    axes.set_title(title, fontsize="medium")
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
@@ -383,7 +451,11 @@ def plot_partition_heatmap(class_counts: np.ndarray, path: str | os.PathLike[str
 # ----------------------------------------------------------------------------- writer
 
 
-def write_curve_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str], fields: Sequence[str] = CURVE_FIELDS) -> None:
+def write_curve_csv(
+    rows: Sequence[dict[str, Any]],
+    path: str | os.PathLike[str],
+    fields: Sequence[str] = CURVE_FIELDS,
+) -> None:
     """Write rows as CSV with a header (missing values as empty cells)."""
     with open(path, "w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=list(fields), extrasaction="ignore")
@@ -402,7 +474,9 @@ class ReportFiles:
     summary: Path
 
 
-def write_report(runs: Sequence[RunMetrics], out_dir: str | os.PathLike[str], target: float, title: str) -> ReportFiles:
+def write_report(
+    runs: Sequence[RunMetrics], out_dir: str | os.PathLike[str], target: float, title: str
+) -> ReportFiles:
     """Write ``comparison.md``, ``curves.png``, ``curves.csv`` and ``summary.json`` into
     ``out_dir`` (created if missing).
 
@@ -414,7 +488,9 @@ def write_report(runs: Sequence[RunMetrics], out_dir: str | os.PathLike[str], ta
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summaries = summarize(runs, target)
-    files = ReportFiles(out / "comparison.md", out / "curves.png", out / "curves.csv", out / "summary.json")
+    files = ReportFiles(
+        out / "comparison.md", out / "curves.png", out / "curves.csv", out / "summary.json"
+    )
     files.comparison.write_text(comparison_markdown(summaries, target, title))
     files.summary.write_text(json.dumps(summary_metrics(summaries), indent=2) + "\n")
     write_curve_csv(curve_rows(runs), files.curves_csv)

@@ -35,17 +35,21 @@ the state file once the run is complete (:meth:`MlflowTracker.finish` does).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.simulation.results import RoundRecord, RunResult
+
+logger = logging.getLogger("fedplug.tracking")
 
 LOCAL_STORE_NAME = "mlflow.db"
 HEALTH_TIMEOUT_SECONDS = 3.0
@@ -111,7 +115,7 @@ def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_SECONDS) -> None:
         return
     url = uri.rstrip("/") + "/health"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) only)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             status = response.status
     except urllib.error.HTTPError as error:
         status = error.code
@@ -169,7 +173,9 @@ def choose_tracking_uri(
     except TrackingError as error:
         if not fallback_to_local:
             raise
-        return TrackingTarget(local_tracking_uri(project_root), requested, fallback_reason=str(error))
+        return TrackingTarget(
+            local_tracking_uri(project_root), requested, fallback_reason=str(error)
+        )
     if requested.startswith("sqlite:///"):
         folder = Path(requested.removeprefix("sqlite:///")).parent
         if not folder.is_dir():
@@ -193,8 +199,15 @@ def summary_metrics(result: RunResult) -> dict[str, float]:
     """The run's final metrics (logged without a step): final and best accuracy, rounds
     to target (only when reached), total bytes and seconds, setup rounds."""
     summary = result.summary()
-    keys = ("final_accuracy", "best_accuracy", "rounds_to_target", "total_bytes", "total_seconds",
-            "setup_rounds", "effective_rounds")
+    keys = (
+        "final_accuracy",
+        "best_accuracy",
+        "rounds_to_target",
+        "total_bytes",
+        "total_seconds",
+        "setup_rounds",
+        "effective_rounds",
+    )
     return {key: float(summary[key]) for key in keys if _finite_number(summary.get(key))}
 
 
@@ -245,7 +258,14 @@ class MlflowTracker:
     Every MLflow failure surfaces as :class:`~fedplug.errors.TrackingError`.
     """
 
-    def __init__(self, client: Any, run_id: str, state_path: Path | None, resumed: bool, logged_rounds: set[int]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        run_id: str,
+        state_path: Path | None,
+        resumed: bool,
+        logged_rounds: set[int],
+    ) -> None:
         self.client = client
         self.run_id = run_id
         self.state_path = state_path
@@ -294,7 +314,9 @@ class MlflowTracker:
                     run_id = None
                 if run_id is not None and previous.get("fingerprint") == fingerprint:
                     client.update_run(run_id, status="RUNNING")
-                    steps = {int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")}
+                    steps = {
+                        int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")
+                    }
                     return cls(client, run_id, state_file, resumed=True, logged_rounds=steps)
                 if run_id is not None:
                     # An interrupted run of another config: it will never be continued.
@@ -311,10 +333,14 @@ class MlflowTracker:
                 experiment_id = experiment.experiment_id
             run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
         except MlflowException as error:
-            raise TrackingError(f"MLflow at {uri} refused to start the run: {error.message}") from None
+            raise TrackingError(
+                f"MLflow at {uri} refused to start the run: {error.message}"
+            ) from None
         run_id = run.info.run_id
         if state_file is not None:
-            _write_state(state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri})
+            _write_state(
+                state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri}
+            )
         return cls(client, run_id, state_file, resumed=False, logged_rounds=set())
 
     # ---------------------------------------------------------------- logging
@@ -354,7 +380,10 @@ class MlflowTracker:
         self.log_history(result.history)
         timestamp = int(time.time() * 1000)
         final_step = len(result.history)
-        metrics = [Metric(key, value, timestamp, final_step) for key, value in summary_metrics(result).items()]
+        metrics = [
+            Metric(key, value, timestamp, final_step)
+            for key, value in summary_metrics(result).items()
+        ]
         self._call("log summary metrics", self.client.log_batch, self.run_id, metrics=metrics)
         self.log_params({f"derived.{key}": value for key, value in result.derived_params.items()})
 
@@ -363,7 +392,9 @@ class MlflowTracker:
         for folder, path in paths.items():
             if not Path(path).is_file():
                 raise TrackingError(f"cannot log {path} to MLflow: the file does not exist")
-            self._call(f"upload {path}", self.client.log_artifact, self.run_id, str(path), folder or None)
+            self._call(
+                f"upload {path}", self.client.log_artifact, self.run_id, str(path), folder or None
+            )
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (overwriting tags of the same name)."""
@@ -381,10 +412,12 @@ class MlflowTracker:
     def fail(self) -> None:
         """Mark the run FAILED but keep the resume state, so a re-run continues it.
         Never raises: it is called while another error is on its way up."""
+        from mlflow.exceptions import MlflowException
+
         try:
             self.client.set_terminated(self.run_id, "FAILED")
-        except Exception:  # the original error matters more than this one
-            pass
+        except (MlflowException, OSError) as error:  # the original error matters more
+            logger.warning("could not mark MLflow run %s as FAILED: %s", self.run_id, error)
 
     def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
         from mlflow.exceptions import MlflowException
@@ -392,7 +425,9 @@ class MlflowTracker:
         try:
             return method(*args, **kwargs)
         except MlflowException as error:
-            raise TrackingError(f"MLflow could not {what} for run {self.run_id}: {error.message}") from None
+            raise TrackingError(
+                f"MLflow could not {what} for run {self.run_id}: {error.message}"
+            ) from None
 
 
 def _read_state(path: Path | None) -> dict[str, Any] | None:

@@ -5,12 +5,12 @@ which stages a params change reruns. Plus the report's pure functions (fast)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -29,10 +29,12 @@ from fedplug.report import (
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
+# The pipeline's files; of pipelines/ only the stage scripts (other pipelines, such as the
+# paper studies in pipelines/studies/, have their own dvc.yaml and are not part of it).
 PROJECT_FILES = (
     "dvc.yaml",
     ".dvcignore",
-    "pipelines",
+    *(f"pipelines/{path.name}" for path in sorted((REPO / "pipelines").glob("*.py"))),
     "fedplug",
     ".dvc/config",
     ".dvc/.gitignore",
@@ -365,12 +367,10 @@ def test_one_algorithms_params_rerun_only_its_training(repo: Path) -> None:
 @pytest.mark.slow
 def test_partition_change_reruns_everything_after_it(repo: Path) -> None:
     set_params(repo, lambda params: params["data"]["partition"].update(alpha=0.3))
+    # Every stage after the partition reads `data` (it builds the federation), so all of
+    # them are out of date at once; `evaluate` follows when the runs change (see the
+    # experiment test above). The download stage reads only data.dataset and data.root.
     assert changed(repo) == {"partition", "pretrain_density"} | TRAIN_STAGES
-    output = dvc(repo, "repro", "--dry")
-    assert ran(output) == {"partition", "pretrain_density", "evaluate"} | TRAIN_STAGES
-    assert "download" not in ran(output)
+    assert ran(dvc(repo, "repro", "--dry")) == {"partition", "pretrain_density"} | TRAIN_STAGES
     set_params(repo, lambda params: params["data"]["dataset"].update(num_train=500))
-    assert "download" in changed(repo)
-    assert math.isclose(
-        yaml.safe_load((repo / "params.yaml").read_text())["data"]["partition"]["alpha"], 0.3
-    )
+    assert changed(repo) == {"download", "partition", "pretrain_density"} | TRAIN_STAGES

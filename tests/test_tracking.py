@@ -15,9 +15,10 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -375,15 +376,15 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         "--workers",
         "1",
     ]
-    log = open(tmp_path / "server.log", "wb")
     # Its own process group: `mlflow server` starts uvicorn/gunicorn workers, and stopping
     # the group by our child's PID stops exactly what this test started.
-    server = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    with open(tmp_path / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while True:
             try:
                 check_server(base, timeout=1)
@@ -393,7 +394,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
                     raise RuntimeError(
                         "mlflow server did not start:\n"
                         + (tmp_path / "server.log").read_text()[-3000:]
-                    )
+                    ) from None
                 time.sleep(0.5)
         yield base
     finally:
@@ -403,7 +404,6 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=10)
-        log.close()
 
 
 @pytest.mark.slow

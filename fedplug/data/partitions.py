@@ -1,0 +1,746 @@
+"""Partitioners: how a dataset's training samples are spread over K federated clients.
+
+Every partitioner is a pure function of ``(labels, num_classes, num_clients, config, rng,
+users)``: the same ``numpy.random.Generator`` state gives the same split, every sample
+lands on exactly one client (``natural`` with fewer clients than writers drops the
+smallest writers), and the K x C class-count matrix travels with the split
+(:class:`Partition`). The maths lives in small pure helpers (``*_counts``, ``*_shares``,
+``*_assignment``); the registered factories only unpack their config and call them.
+
+Sources (the exact definitions are in ``shared/ALGORITHMS.md``, section "Partitions"):
+
+- ``iid``: shuffle and cut into K parts of sizes differing by at most one.
+- ``dirichlet_class`` ("LDA"): per class c, p_c ~ Dir_K(alpha), redrawn until every client
+  holds ``min_size`` samples. M. Yurochkin et al., "Bayesian Nonparametric Federated
+  Learning of Neural Networks", ICML 2019, arXiv:1905.12022; the redraw rule is the
+  NIID-Bench/FedML convention of Q. Li, Y. Diao, Q. Chen, B. He, "Federated Learning on
+  Non-IID Data Silos: An Experimental Study", ICDE 2022, arXiv:2102.02079. Used by FedShift
+  (Y. Shen, H. Wang, H. Lv, "Federated Learning with Classifier Shift for Class Imbalance",
+  2023, arXiv:2304.04972) and IWDS.
+- ``dirichlet_client``: equal client sizes, q_k ~ Dir(alpha * p). T.-M. H. Hsu, H. Qi,
+  M. Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
+  Classification", 2019, arXiv:1909.06335, section 3.
+- ``shards``: sort by label, 2 shards per client. H. B. McMahan, E. Moore, D. Ramage,
+  S. Hampson, B. Agüera y Arcas, "Communication-Efficient Learning of Deep Networks from
+  Decentralized Data", AISTATS 2017, arXiv:1602.05629.
+- ``llt``: label long-tail partition of the IWDS paper ("Imbalanced Weight Decay Sampling",
+  ``shared/papers/iwds-imbalanced-weight-decay-sampling.txt``; its authors' FedML-derived
+  code), see :func:`llt_shares`.
+- ``feature_noise``: feature skew by per-client Gaussian input noise, from "Federated
+  Learning for distribution skewed data using sample weights" (FedDisk), section 7.1.1,
+  after NIID-Bench (arXiv:2102.02079); see :func:`feature_noise_std`.
+- ``natural``: the dataset's own writers, as in LEAF (S. Caldas et al., "LEAF: A Benchmark
+  for Federated Settings", 2018, arXiv:1812.01097), used by FedGSP and FedDisk.
+
+Within each client the indices are in a random order (drawn from ``rng``), so a later cut
+of a client into local train and test parts is never class-sorted.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+from pydantic import Field
+
+from fedplug.components import ComponentConfig
+from fedplug.errors import DataError
+from fedplug.hookspecs import Register, hookimpl
+
+# ------------------------------------------------------------------------------ result
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """A split of a training set over K clients.
+
+    ``eq=False`` because numpy arrays have no single truth value; compare partitions
+    field by field.
+    """
+
+    client_indices: list[np.ndarray]
+    """One int64 array per client: the indices into the training set it holds."""
+    class_counts: np.ndarray
+    """K x C int64 matrix N: ``class_counts[k, c]`` samples of class c on client k."""
+    noise_std: np.ndarray | None = None
+    """Per-client standard deviation of Gaussian input noise (length K), set only by
+    ``feature_noise``; ``None`` means clean inputs."""
+
+    @property
+    def num_clients(self) -> int:
+        """K, the number of clients."""
+        return len(self.client_indices)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """n_k of every client (length K, int64)."""
+        return np.array([len(indices) for indices in self.client_indices], dtype=np.int64)
+
+    def validate(self, num_samples: int) -> None:
+        """Check the partition against a training set of ``num_samples`` samples.
+
+        Raises :class:`DataError` when an index is out of range, a sample sits on two
+        clients, or ``class_counts``/``noise_std`` disagree with the client lists.
+        """
+        regenerate = "re-run the partition stage to regenerate it"
+        if self.class_counts.ndim != 2 or self.class_counts.shape[0] != self.num_clients:
+            raise DataError(
+                f"partition has {self.num_clients} clients but class_counts has shape "
+                f"{self.class_counts.shape}; {regenerate}"
+            )
+        if not np.array_equal(self.class_counts.sum(axis=1), self.sizes):
+            raise DataError(
+                f"partition class_counts rows do not add up to client sizes; {regenerate}"
+            )
+        if self.noise_std is not None and self.noise_std.shape != (self.num_clients,):
+            raise DataError(
+                f"partition noise_std has shape {self.noise_std.shape}, expected "
+                f"({self.num_clients},); {regenerate}"
+            )
+        every = (
+            np.concatenate(self.client_indices)
+            if self.client_indices
+            else np.empty(0, dtype=np.int64)
+        )
+        if every.size and (every.min() < 0 or every.max() >= num_samples):
+            raise DataError(
+                f"partition indexes samples outside 0..{num_samples - 1}: it was made for "
+                f"another dataset; {regenerate}"
+            )
+        if np.bincount(every, minlength=num_samples).max(initial=0) > 1:
+            raise DataError(f"partition puts a sample on more than one client; {regenerate}")
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+class IidConfig(ComponentConfig):
+    """IID: shuffle the training set and cut it into K parts of (almost) equal size."""
+
+    name: Literal["iid"] = "iid"
+
+
+class DirichletClassConfig(ComponentConfig):
+    """Label skew by class ("LDA"): each class is spread over clients by p_c ~ Dir_K(alpha)."""
+
+    name: Literal["dirichlet_class"] = "dirichlet_class"
+    alpha: float = Field(0.5, gt=0, le=1e6)
+    """Dirichlet concentration (default 0.5); smaller is more skewed (0.1 is strong skew)."""
+    min_size: int = Field(10, ge=0, le=1_000_000)
+    """Redraw until every client holds at least this many samples (default 10, the
+    FedML/NIID-Bench convention; 0 accepts the first draw)."""
+    max_attempts: int = Field(1000, ge=1, le=1_000_000)
+    """Give up with a DataError after this many draws (default 1000)."""
+
+
+class DirichletClientConfig(ComponentConfig):
+    """Label skew by client (Hsu et al.): equal sizes, label mix q_k ~ Dir(alpha * prior)."""
+
+    name: Literal["dirichlet_client"] = "dirichlet_client"
+    alpha: float = Field(1.0, gt=0, le=1e6)
+    """Concentration (default 1.0): large makes every client look like the prior, near 0
+    gives one class per client."""
+
+
+class ShardsConfig(ComponentConfig):
+    """Pathological split (McMahan et al.): sort by label, deal out equal shards."""
+
+    name: Literal["shards"] = "shards"
+    shards_per_client: int = Field(2, ge=1, le=10_000)
+    """Shards each client receives (default 2, McMahan et al.'s setting)."""
+
+
+class LltConfig(ComponentConfig):
+    """Label long-tail (IWDS): each class mostly on its "main" clients, a thin tail elsewhere."""
+
+    name: Literal["llt"] = "llt"
+    alpha_l: float = Field(0.9, gt=0, lt=1)
+    """Share of each class given to its main clients (default 0.9; the IWDS paper uses
+    0.9 and 0.99). Needs num_clients to be a multiple of the number of classes."""
+
+
+class FeatureNoiseConfig(ComponentConfig):
+    """Feature skew (FedDisk/NIID-Bench): IID labels, client k's inputs get noise std sigma*k/K."""
+
+    name: Literal["feature_noise"] = "feature_noise"
+    sigma: float = Field(0.1, ge=0, le=10)
+    """Noise std of the last client (default 0.1, NIID-Bench's noise level); 0 means no
+    noise. Inputs are assumed scaled to [0, 1]."""
+
+
+class NaturalConfig(ComponentConfig):
+    """Natural split: one client per writer of the dataset (FEMNIST/LEAF)."""
+
+    name: Literal["natural"] = "natural"
+
+
+# ---------------------------------------------------------------------- shared helpers
+
+
+def _check_request(labels: np.ndarray, num_classes: int, num_clients: int) -> np.ndarray:
+    """Validate the inputs common to every partitioner; return labels as int64."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise DataError(f"labels must be a 1-D array of class ids, got shape {labels.shape}")
+    if labels.size and not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"labels must be integer class ids, got dtype {labels.dtype}")
+    labels = labels.astype(np.int64, copy=False)
+    if num_classes < 1:
+        raise DataError(f"num_classes must be at least 1, got {num_classes}")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DataError(
+            f"labels must lie in 0..{num_classes - 1}, found {labels.min()}..{labels.max()}: "
+            "check the dataset's num_classes"
+        )
+    if num_clients < 1:
+        raise DataError(f"num_clients must be at least 1, got {num_clients}")
+    if num_clients > labels.size:
+        raise DataError(
+            f"cannot split {labels.size} samples over {num_clients} clients: set "
+            f"num_clients to at most {labels.size}"
+        )
+    return labels
+
+
+def class_counts_of(
+    labels: np.ndarray, client_indices: list[np.ndarray], num_classes: int
+) -> np.ndarray:
+    """The K x C int64 matrix of class counts of ``client_indices`` under ``labels``."""
+    labels = np.asarray(labels, dtype=np.int64)
+    num_clients = len(client_indices)
+    if num_clients == 0:
+        return np.zeros((0, num_classes), dtype=np.int64)
+    sizes = np.array([len(indices) for indices in client_indices], dtype=np.int64)
+    owners = np.repeat(np.arange(num_clients, dtype=np.int64), sizes)
+    every = np.concatenate(client_indices).astype(np.int64, copy=False)
+    flat = np.bincount(owners * num_classes + labels[every], minlength=num_clients * num_classes)
+    return flat.reshape(num_clients, num_classes).astype(np.int64)
+
+
+def equal_sizes(num_samples: int, num_clients: int) -> np.ndarray:
+    """K sizes adding up to ``num_samples``: n // K each, one more for the first n mod K."""
+    sizes = np.full(num_clients, num_samples // num_clients, dtype=np.int64)
+    sizes[: num_samples % num_clients] += 1
+    return sizes
+
+
+def _stable_order(keys: np.ndarray, largest: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for non-negative keys up to ``largest``; keys
+    are narrowed to the smallest unsigned dtype first, which lets numpy radix-sort 8- and
+    16-bit keys (about 4x faster than sorting int64 at a million samples)."""
+    return np.argsort(keys.astype(np.min_scalar_type(max(largest, 0)), copy=False), kind="stable")
+
+
+def indices_from_assignment(
+    assignment: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Turn ``assignment[i]`` (client of sample i, or -1 for none) into per-client index
+    arrays, each in a random order drawn from ``rng``. O(n log n), no per-sample loop."""
+    order = rng.permutation(assignment.size)
+    owners = assignment[order]
+    kept = owners >= 0
+    order, owners = order[kept], owners[kept]
+    # A stable sort by owner keeps the random order within each client.
+    grouped = order[_stable_order(owners, num_clients - 1)].astype(np.int64, copy=False)
+    sizes = np.bincount(owners, minlength=num_clients)
+    return np.split(grouped, np.cumsum(sizes)[:-1])
+
+
+def assignment_from_counts(
+    labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """Give client k ``counts[k, c]`` samples of class c, chosen at random.
+
+    Each class's indices are shuffled once and dealt out in client order, i.e. the
+    class's shuffled list is cut at the cumulative sums of ``counts[:, c]``. The column
+    sums of ``counts`` must equal the class sizes.
+    """
+    num_clients, num_classes = counts.shape
+    shuffled = rng.permutation(labels.size)
+    by_class = shuffled[_stable_order(labels[shuffled], num_classes - 1)]
+    # by_class lists class 0's samples (shuffled), then class 1's, ...; the owners in
+    # that order are client 0 repeated counts[0, 0] times, client 1 counts[1, 0] times, ...
+    owners = np.repeat(
+        np.tile(np.arange(num_clients, dtype=np.int64), num_classes), counts.T.ravel()
+    )
+    assignment = np.empty(labels.size, dtype=np.int64)
+    assignment[by_class] = owners
+    return assignment
+
+
+def counts_from_shares(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
+    """Cut each class by cumulative shares, as ``np.split(idx, (cumsum(p) * n_c)[:-1])``.
+
+    ``shares`` is C x K (row c: how class c is spread over clients, summing to 1);
+    returns the K x C int64 count matrix. Client k of class c receives
+    ``floor(S_k n_c) - floor(S_{k-1} n_c)`` with S the cumulative shares and the last cut
+    pinned to n_c, so every sample is placed despite rounding.
+    """
+    class_sizes = np.asarray(class_sizes, dtype=np.int64)
+    cuts = np.floor(np.cumsum(shares, axis=1) * class_sizes[:, None]).astype(np.int64)
+    cuts = np.minimum(cuts, class_sizes[:, None])
+    cuts[:, -1] = class_sizes
+    counts = np.diff(cuts, axis=1, prepend=0)
+    return counts.T.astype(np.int64)
+
+
+def _partition(
+    labels: np.ndarray,
+    num_classes: int,
+    assignment: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    noise_std: np.ndarray | None = None,
+) -> Partition:
+    client_indices = indices_from_assignment(assignment, num_clients, rng)
+    return Partition(
+        client_indices=client_indices,
+        class_counts=class_counts_of(labels, client_indices, num_classes),
+        noise_std=noise_std,
+    )
+
+
+# ------------------------------------------------------------------------------- maths
+
+
+def iid_assignment(num_samples: int, num_clients: int, rng: np.random.Generator) -> np.ndarray:
+    """Client of each sample for a uniform random split into :func:`equal_sizes` parts."""
+    assignment = np.empty(num_samples, dtype=np.int64)
+    assignment[rng.permutation(num_samples)] = np.repeat(
+        np.arange(num_clients, dtype=np.int64), equal_sizes(num_samples, num_clients)
+    )
+    return assignment
+
+
+def dirichlet_class_counts(
+    class_sizes: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    min_size: int,
+    max_attempts: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """K x C counts of the LDA partition: for each class c, p_c ~ Dir_K(alpha) and client
+    k gets the share p_{c,k} of class c (cut by :func:`counts_from_shares`). Redrawn
+    until every client holds at least ``min_size`` samples; after ``max_attempts``
+    draws raise :class:`DataError`.
+    """
+    class_sizes = np.asarray(class_sizes, dtype=np.int64)
+    num_samples = int(class_sizes.sum())
+    if min_size * num_clients > num_samples:
+        raise DataError(
+            f"dirichlet_class cannot give each of {num_clients} clients min_size={min_size} "
+            f"samples out of {num_samples}: lower min_size or num_clients"
+        )
+    concentration = np.full(num_clients, alpha)
+    for _ in range(max_attempts):
+        shares = rng.dirichlet(concentration, size=class_sizes.size)
+        counts = counts_from_shares(shares, class_sizes)
+        if counts.sum(axis=1).min() >= min_size:
+            return counts
+    raise DataError(
+        f"dirichlet_class found no split with every one of {num_clients} clients holding "
+        f"at least min_size={min_size} samples in {max_attempts} draws at alpha={alpha}: "
+        "raise alpha, or lower min_size or num_clients (or raise max_attempts)"
+    )
+
+
+def dirichlet_client_counts(
+    class_sizes: np.ndarray,
+    client_sizes: np.ndarray,
+    alpha: float,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """K x C counts of Hsu et al.'s partition.
+
+    Client k (in order 0..K-1) draws q_k ~ Dir(alpha * p), p = ``class_sizes / n``, and
+    fills its ``client_sizes[k]`` slots with classes drawn from q_k without replacement
+    from the shared pool; once a class runs out, q_k is renormalised over the classes
+    left. Drawing the slots one by one is the same, in distribution, as drawing them in
+    batches: a multinomial over the open classes, capping each class at what is left and
+    redrawing the overflow over the classes still open (at most C batches per client).
+    Should q_k put no mass at all on the classes left (possible at tiny alpha), the client
+    is filled in proportion to the pool instead, where the one-by-one process would never
+    finish.
+    """
+    class_sizes = np.asarray(class_sizes, dtype=np.int64)
+    present = class_sizes > 0
+    prior = class_sizes[present] / class_sizes.sum()
+    remaining = class_sizes.copy()
+    counts = np.zeros((len(client_sizes), class_sizes.size), dtype=np.int64)
+    for client, size in enumerate(client_sizes):
+        label_mix = np.zeros(class_sizes.size)
+        label_mix[present] = rng.dirichlet(alpha * prior)
+        counts[client] = draw_without_replacement(int(size), label_mix, remaining, rng)
+        remaining -= counts[client]
+    return counts
+
+
+def draw_without_replacement(
+    needed: int, label_mix: np.ndarray, remaining: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """Class counts of ``needed`` draws from ``label_mix``, renormalised over the classes
+    with ``remaining`` samples each time one runs out (``remaining`` is not modified).
+
+    Batched: a multinomial over the open classes, each class capped at what is left, the
+    overflow redrawn over the classes still open; this has the distribution of drawing one
+    sample at a time. Falls back to the pool's proportions when ``label_mix`` has no mass
+    on the open classes. ``needed`` must not exceed ``remaining.sum()``.
+    """
+    left = remaining.astype(np.int64).copy()
+    taken_total = np.zeros_like(left)
+    while needed > 0:
+        weights = np.where(left > 0, label_mix, 0.0)
+        total = weights.sum()
+        if not np.isfinite(total) or total <= 0:
+            weights = left.astype(np.float64)
+            total = weights.sum()
+        taken = np.minimum(rng.multinomial(needed, weights / total), left)
+        taken_total += taken
+        left -= taken
+        needed -= int(taken.sum())
+    return taken_total
+
+
+def shards_assignment(
+    labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Client of each sample for McMahan et al.'s split: order the samples by label
+    (random order within a label), cut them into ``num_clients * shards_per_client``
+    contiguous shards of sizes differing by at most one, and deal the shards out at
+    random, ``shards_per_client`` to each client."""
+    num_shards = num_clients * shards_per_client
+    if num_shards > labels.size:
+        raise DataError(
+            f"shards needs {num_shards} shards ({num_clients} clients x {shards_per_client}) "
+            f"but there are only {labels.size} samples: lower num_clients or shards_per_client"
+        )
+    shuffled = rng.permutation(labels.size)
+    by_label = shuffled[_stable_order(labels[shuffled], int(labels.max()))]
+    shard_of_position = np.repeat(
+        np.arange(num_shards, dtype=np.int64), equal_sizes(labels.size, num_shards)
+    )
+    owner_of_shard = rng.permutation(num_shards) // shards_per_client
+    assignment = np.empty(labels.size, dtype=np.int64)
+    assignment[by_label] = owner_of_shard[shard_of_position]
+    return assignment
+
+
+def llt_shares(num_clients: int, num_classes: int, alpha_l: float) -> np.ndarray:
+    """C x K shares of the label long-tail partition (IWDS authors' code).
+
+    ``main_prop = alpha_l / (K // C)``, ``tail_prop = (1 - main_prop) / (K - K // C)``;
+    class c gives ``main_prop`` to each of its main clients ``c + i*C`` (i = 0..K//C-1)
+    and ``tail_prop`` to every other client, and the row is normalised to sum to 1.
+
+    Quirk kept from the original: ``tail_prop`` spreads what *one* main client leaves
+    (``1 - main_prop``) rather than what all of them leave (``1 - alpha_l``), so a row sums
+    to ``1 + alpha_l * (1 - C / K)`` before normalising (exactly 1 only when K = C). At
+    K = 100, C = 10 that is ``1 + 0.9 * alpha_l``, so the ten main clients together hold
+    only ``alpha_l / (1 + 0.9 * alpha_l)`` of their class, about 52-53% at alpha_l = 0.99,
+    not 99%. With a single class every client is a main client and the split is even.
+    """
+    if num_clients % num_classes:
+        raise DataError(
+            f"llt needs num_clients to be a multiple of the number of classes ({num_classes}), "
+            f"got {num_clients}: set num_clients to a multiple of {num_classes}"
+        )
+    mains_per_class = num_clients // num_classes
+    main_prop = alpha_l / mains_per_class
+    tail_clients = num_clients - mains_per_class
+    tail_prop = (1.0 - main_prop) / tail_clients if tail_clients else 0.0
+    shares = np.full((num_classes, num_clients), tail_prop)
+    clients = np.arange(num_clients)
+    shares[clients % num_classes, clients] = main_prop
+    return shares / shares.sum(axis=1, keepdims=True)
+
+
+def feature_noise_std(num_clients: int, sigma: float) -> np.ndarray:
+    """Per-client input-noise std ``sigma * k / K`` for k = 1..K (entry k-1 is client k).
+
+    Reconstruction: the FedDisk paper (section 7.1.1) says each client's inputs get
+    Gaussian noise of a different variance, but its formula was lost in text extraction;
+    this linear ramp is NIID-Bench's feature-skew setting (Li et al. 2021, x + N(0,
+    (sigma * k / K)^2)), which FedDisk cites as its inspiration.
+    """
+    return sigma * np.arange(1, num_clients + 1, dtype=np.float64) / num_clients
+
+
+def add_feature_noise(
+    inputs: np.ndarray, noise_std: float, rng: np.random.Generator
+) -> np.ndarray:
+    """``clip(inputs + N(0, noise_std^2), 0, 1)`` as float32: one client's noisy inputs.
+
+    ``inputs`` must already be scaled to [0, 1]; ``noise_std`` 0 returns a clipped copy.
+    """
+    noisy = np.asarray(inputs, dtype=np.float32)
+    if noise_std > 0:
+        noisy = noisy + rng.normal(0.0, noise_std, size=noisy.shape).astype(np.float32)
+    return np.clip(noisy, 0.0, 1.0)
+
+
+def natural_assignment(users: np.ndarray, num_clients: int) -> np.ndarray:
+    """Client of each sample when clients are the dataset's writers.
+
+    Writers are ordered by id; client k is the k-th of them. With ``num_clients`` below
+    the number of writers, the ``num_clients`` writers holding the most samples are kept
+    (ties go to the smaller id), still in id order, and the other writers' samples are
+    left out (assignment -1).
+    """
+    writer_ids, writer_of_sample, writer_sizes = np.unique(
+        users, return_inverse=True, return_counts=True
+    )
+    num_writers = writer_ids.size
+    if num_clients > num_writers:
+        raise DataError(
+            f"natural partition has {num_writers} writers but num_clients={num_clients}: set "
+            f"num_clients to at most {num_writers}"
+        )
+    by_size = np.lexsort((np.arange(num_writers), -writer_sizes))
+    kept = np.sort(by_size[:num_clients])
+    client_of_writer = np.full(num_writers, -1, dtype=np.int64)
+    client_of_writer[kept] = np.arange(num_clients, dtype=np.int64)
+    return client_of_writer[writer_of_sample.reshape(-1)]
+
+
+# ---------------------------------------------------------------------------- factories
+
+
+def iid(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: IidConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """IID split: K random parts of sizes n // K or n // K + 1. ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    assignment = iid_assignment(labels.size, num_clients, rng)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+def dirichlet_class(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: DirichletClassConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """LDA split (:func:`dirichlet_class_counts`); client sizes vary. ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    class_sizes = np.bincount(labels, minlength=num_classes)
+    counts = dirichlet_class_counts(
+        class_sizes, num_clients, config.alpha, config.min_size, config.max_attempts, rng
+    )
+    assignment = assignment_from_counts(labels, counts, rng)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+def dirichlet_client(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: DirichletClientConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """Hsu et al.'s split (:func:`dirichlet_client_counts`). Client sizes are n // K; when
+    K does not divide n the first n mod K clients get one sample more, so that every
+    sample is placed. ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    class_sizes = np.bincount(labels, minlength=num_classes)
+    counts = dirichlet_client_counts(
+        class_sizes, equal_sizes(labels.size, num_clients), config.alpha, rng
+    )
+    assignment = assignment_from_counts(labels, counts, rng)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+def shards(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: ShardsConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """Pathological split (:func:`shards_assignment`). ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    assignment = shards_assignment(labels, num_clients, config.shards_per_client, rng)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+def llt(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: LltConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """Label long-tail split (:func:`llt_shares`, including its K > C quirk): each class's
+    shuffled indices are cut at the cumulative shares. ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    shares = llt_shares(num_clients, num_classes, config.alpha_l)
+    counts = counts_from_shares(shares, np.bincount(labels, minlength=num_classes))
+    assignment = assignment_from_counts(labels, counts, rng)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+def feature_noise(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: FeatureNoiseConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """IID split plus ``noise_std[k-1] = sigma * k / K`` (:func:`feature_noise_std`, a
+    reconstruction); whoever loads client k's inputs applies :func:`add_feature_noise`.
+    ``users`` is ignored."""
+    labels = _check_request(labels, num_classes, num_clients)
+    assignment = iid_assignment(labels.size, num_clients, rng)
+    noise_std = feature_noise_std(num_clients, config.sigma)
+    return _partition(labels, num_classes, assignment, num_clients, rng, noise_std)
+
+
+def natural(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    config: NaturalConfig,
+    rng: np.random.Generator,
+    users: np.ndarray | None = None,
+) -> Partition:
+    """One client per writer (:func:`natural_assignment`); ``users[i]`` is the writer of
+    sample i. ``rng`` only orders the indices within each client."""
+    labels = _check_request(labels, num_classes, num_clients)
+    if users is None:
+        raise DataError(
+            "the natural partition needs the writer of every sample, and this dataset has "
+            "none: pick a dataset with users (e.g. femnist) or another partition"
+        )
+    users = np.asarray(users)
+    if users.shape != labels.shape:
+        raise DataError(
+            f"users must give one writer per training sample: got shape {users.shape} for "
+            f"{labels.size} samples; rebuild the dataset"
+        )
+    assignment = natural_assignment(users, num_clients)
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
+PartitionerFactory = Callable[..., Partition]
+
+PARTITIONERS: dict[str, tuple[type[ComponentConfig], PartitionerFactory]] = {
+    "iid": (IidConfig, iid),
+    "dirichlet_class": (DirichletClassConfig, dirichlet_class),
+    "dirichlet_client": (DirichletClientConfig, dirichlet_client),
+    "shards": (ShardsConfig, shards),
+    "llt": (LltConfig, llt),
+    "feature_noise": (FeatureNoiseConfig, feature_noise),
+    "natural": (NaturalConfig, natural),
+}
+"""The built-in partitioners by name: (config class, factory)."""
+
+
+@hookimpl
+def fedplug_register_partitioners(register: Register) -> None:
+    for name, (config_class, factory) in PARTITIONERS.items():
+        register(name, config_class, factory)
+
+
+# --------------------------------------------------------------------------------- I/O
+
+
+def _how_to_regenerate(path: Path) -> str:
+    return (
+        f"delete {path} and re-run the partition stage (e.g. `dvc repro partition`) "
+        "to regenerate it"
+    )
+
+
+def save_partition(path: str | os.PathLike[str], partition: Partition) -> None:
+    """Write ``partition`` to one ``.npz`` file at exactly ``path``.
+
+    Keys: ``indices`` (all clients' indices concatenated, int64), ``offsets`` (K+1 int64:
+    client k is ``indices[offsets[k]:offsets[k+1]]``), ``class_counts`` (K x C int64) and,
+    when set, ``noise_std`` (K float64). The file is written beside ``path`` and renamed
+    into place, so a crash never leaves a half-written partition.
+    """
+    path = Path(path)
+    sizes = partition.sizes
+    arrays: dict[str, np.ndarray] = {
+        "indices": (
+            np.concatenate(partition.client_indices).astype(np.int64, copy=False)
+            if partition.client_indices
+            else np.empty(0, dtype=np.int64)
+        ),
+        "offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        "class_counts": np.asarray(partition.class_counts, dtype=np.int64),
+    }
+    if partition.noise_std is not None:
+        arrays["noise_std"] = np.asarray(partition.noise_std, dtype=np.float64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            np.savez(file, **arrays)  # type: ignore[arg-type]
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def load_partition(path: str | os.PathLike[str]) -> Partition:
+    """Read a partition written by :func:`save_partition`.
+
+    Raises :class:`DataError` naming ``path`` when the file is missing, unreadable or
+    inconsistent (offsets that do not cover the indices, class counts that do not match
+    the client sizes).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"partition file {path} does not exist; {_how_to_regenerate(path)}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            indices = np.asarray(archive["indices"])
+            offsets = np.asarray(archive["offsets"])
+            class_counts = np.asarray(archive["class_counts"])
+            noise_std = np.asarray(archive["noise_std"]) if "noise_std" in archive.files else None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise DataError(
+            f"partition file {path} is corrupt or not a fedplug partition ({error}); "
+            f"{_how_to_regenerate(path)}"
+        ) from None
+    if (
+        indices.ndim != 1
+        or offsets.ndim != 1
+        or offsets.size < 1
+        or not np.issubdtype(indices.dtype, np.integer)
+        or not np.issubdtype(offsets.dtype, np.integer)
+        or offsets[0] != 0
+        or offsets[-1] != indices.size
+        or np.any(np.diff(offsets) < 0)
+        or class_counts.ndim != 2
+        or class_counts.shape[0] != offsets.size - 1
+        or not np.array_equal(class_counts.sum(axis=1), np.diff(offsets))
+        or (noise_std is not None and noise_std.shape != (offsets.size - 1,))
+    ):
+        raise DataError(
+            f"partition file {path} is inconsistent (offsets, class counts and noise do not "
+            f"match its indices); {_how_to_regenerate(path)}"
+        )
+    indices = indices.astype(np.int64, copy=False)
+    return Partition(
+        client_indices=[part.copy() for part in np.split(indices, offsets[1:-1])],
+        class_counts=class_counts.astype(np.int64, copy=False),
+        noise_std=None if noise_std is None else noise_std.astype(np.float64, copy=False),
+    )
