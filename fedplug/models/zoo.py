@@ -51,7 +51,6 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 from torch import nn
-from torchvision.models import resnet18
 
 from fedplug.components import ComponentConfig
 from fedplug.errors import ConfigError
@@ -249,6 +248,10 @@ def build_resnet18(
     stem = config.stem
     if stem == "auto":
         stem = "cifar" if max(height, width) <= CIFAR_STEM_MAX_SIDE else "imagenet"
+    # Imported here: torchvision.models pulls in torch._dynamo, seconds of start-up that
+    # every other model (and every pipeline stage) would pay.
+    from torchvision.models import resnet18
+
     model = resnet18(weights=None, num_classes=num_classes)
     first_conv: nn.Conv2d | None = None
     if stem == "cifar":
