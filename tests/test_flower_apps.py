@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.common.config import validate_config
-
+from fedplug.adapters.flower import make_client_app
 from fedplug.adapters.flower.apps import experiment_from_run_config, run_on_grid
 from fedplug.adapters.flower.loopback import LoopbackGrid, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
@@ -21,7 +19,9 @@ from fedplug.adapters.flower.nodes import (
     handle_query,
 )
 from fedplug.adapters.flower.records import CONFIG_KEY
-from fedplug.adapters.flower import make_client_app
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common.config import validate_config
+
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 

@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -172,6 +173,7 @@ def test_flwr_run_on_superlink_and_two_supernodes(
             run_config,
         ],
         capture_output=True,
+        check=False,
         env=deployment["environment"],
         cwd=tmp_path,
         timeout=540,

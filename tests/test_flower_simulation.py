@@ -16,17 +16,20 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
+from fedplug.adapters.flower import run_on_grid
+from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
+from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY
 from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from fedplug.adapters.flower import run_on_grid
-from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
-from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY
 from fedplug.config import validate_experiment
 from fedplug.experiment import run_experiment
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Tip. In future versions of Ray:FutureWarning"),
+]
 
 NUM_NODES = 4
 RAISE_ON = "test.raise-on"

@@ -11,23 +11,47 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid, make_client_app, run_on_grid
+from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
+from fedplug.adapters.flower.records import (
+    CHAIN_POSITION,
+    CONFIG_KEY,
+    LOSS_INFO_KEY,
+    LOSS_STATE_KEY,
+    MODEL_KEY,
+    decode_loss_state,
+    record_to_vector,
+    vector_layout,
+)
 from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
 
-from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid, make_client_app, run_on_grid
-from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
-from fedplug.adapters.flower.records import CHAIN_POSITION, CONFIG_KEY, LOSS_INFO_KEY, LOSS_STATE_KEY, MODEL_KEY, decode_loss_state, record_to_vector, vector_layout
 from fedplug.algorithms.fedshift import global_prior
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, local_rng, train_locally
+from fedplug.simulation.local_training import (
+    ClientAlgorithm,
+    LocalSchedule,
+    local_rng,
+    train_locally,
+)
 from fedplug.simulation.simulator import build_model
 from fedplug.simulation.vectors import model_to_vector
 
-FEDGSP = {"grouper": {"name": "fedgsp", "mode": "fedgsp", "growth": "log", "alpha": 2.0, "beta": 1.0, "group_fraction": 0.5}, "client_fraction": 1.0}
+FEDGSP = {
+    "grouper": {
+        "name": "fedgsp",
+        "mode": "fedgsp",
+        "growth": "log",
+        "alpha": 2.0,
+        "beta": 1.0,
+        "group_fraction": 0.5,
+    },
+    "client_fraction": 1.0,
+}
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedavg": {},
     "fedprox": {"loss_transform": {"name": "fedprox", "mu": 0.1}},
@@ -84,13 +108,21 @@ def test_fedgsp_chain_models_travel_through_the_server(small_experiment: dict[st
     # Assert: one exchange per chain position, each handing on the previous reply's model.
     trains = [message for message in grid.delivered if message.metadata.message_type == "train"]
     assert [int(message.content[CONFIG_KEY][CHAIN_POSITION]) for message in trains] == [0, 1, 2, 3]
-    assert sorted(int(message.content[CONFIG_KEY]["fedplug.client-id"]) for message in trains) == [0, 1, 2, 3]
+    assert sorted(int(message.content[CONFIG_KEY]["fedplug.client-id"]) for message in trains) == [
+        0,
+        1,
+        2,
+        3,
+    ]
     layout = vector_layout(strategy.model)
     for sent, previous_reply in zip(trains[1:], replies[:-1]):
         torch.testing.assert_close(
-            record_to_vector(sent.content[MODEL_KEY], layout), record_to_vector(previous_reply.content[MODEL_KEY], layout)
+            record_to_vector(sent.content[MODEL_KEY], layout),
+            record_to_vector(previous_reply.content[MODEL_KEY], layout),
         )
-    torch.testing.assert_close(strategy.final_vector, record_to_vector(replies[-1].content[MODEL_KEY], layout))
+    torch.testing.assert_close(
+        strategy.final_vector, record_to_vector(replies[-1].content[MODEL_KEY], layout)
+    )
 
 
 def test_priors_come_from_the_query(small_experiment: dict[str, Any]) -> None:
@@ -104,14 +136,23 @@ def test_priors_come_from_the_query(small_experiment: dict[str, Any]) -> None:
     assert strategy.directory is not None
     np.testing.assert_array_equal(strategy.directory.class_counts, federation.class_counts)
     queries = [message for message in grid.delivered if message.metadata.message_type == "query"]
-    assert len(queries) == NUM_CLIENTS and all(MODEL_KEY not in message.content for message in queries)
+    assert len(queries) == NUM_CLIENTS and all(
+        MODEL_KEY not in message.content for message in queries
+    )
     train = next(message for message in grid.delivered if message.metadata.message_type == "train")
-    state = decode_loss_state(train.content.array_records[LOSS_STATE_KEY], train.content.config_records[LOSS_INFO_KEY])
+    state = decode_loss_state(
+        train.content.array_records[LOSS_STATE_KEY], train.content.config_records[LOSS_INFO_KEY]
+    )
     assert state is not None
     np.testing.assert_allclose(state["prior"], global_prior(federation.class_counts))
 
 
-def faulty_client_app(raise_on: set[int] = frozenset(), nan_on: set[int] = frozenset(), misshapen_on: set[int] = frozenset(), raise_first_only: bool = False) -> ClientApp:
+def faulty_client_app(
+    raise_on: set[int] = frozenset(),
+    nan_on: set[int] = frozenset(),
+    misshapen_on: set[int] = frozenset(),
+    raise_first_only: bool = False,
+) -> ClientApp:
     """The ready ClientApp, except that some nodes raise or send broken models."""
     raised: set[int] = set()
     app = ClientApp()
@@ -146,14 +187,25 @@ def fedavg_of(config: Any, clients: list[int]) -> torch.Tensor:
     start = model_to_vector(model)
     train = config.train
     algorithm = ClientAlgorithm(
-        registry.build("samplers", train.sampler), registry.build("loss_transforms", train.loss_transform), registry.build("aggregators", train.aggregator, NUM_CLIENTS)
+        registry.build("samplers", train.sampler),
+        registry.build("loss_transforms", train.loss_transform),
+        registry.build("aggregators", train.aggregator, NUM_CLIENTS),
     )
     total, weight = torch.zeros_like(start, dtype=torch.float64), 0.0
     for client_id in clients:
         client = federation.clients[client_id]
         result = train_locally(
-            model, start, client.train_x, client.train_y, client.class_counts, algorithm=algorithm, loss_context={}, payload={},
-            client_state={}, schedule=LocalSchedule(train.local_epochs, train.batch_size, train.optimizer), round_index=0,
+            model,
+            start,
+            client.train_x,
+            client.train_y,
+            client.class_counts,
+            algorithm=algorithm,
+            loss_context={},
+            payload={},
+            client_state={},
+            schedule=LocalSchedule(train.local_epochs, train.batch_size, train.optimizer),
+            round_index=0,
             rng=local_rng(train.seed, 0, client_id),
         )
         total += result.vector.double() * result.num_samples
@@ -161,7 +213,9 @@ def fedavg_of(config: Any, clients: list[int]) -> torch.Tensor:
     return (total / weight).float()
 
 
-def test_a_raising_node_is_counted_and_the_round_completes(small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_a_raising_node_is_counted_and_the_round_completes(
+    small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
     # Prepare: every client trains; client 1's ClientApp raises.
     config = experiment(small_experiment, {"rounds": 1, "client_fraction": 1.0})
     grid = LoopbackGrid(faulty_client_app(raise_on={1}), NUM_CLIENTS)
@@ -173,51 +227,81 @@ def test_a_raising_node_is_counted_and_the_round_completes(small_experiment: dic
     assert (record.participants, record.failures) == (4, 1)
     assert "dropped client(s) [1]: client 1 raised during training" in caplog.text
     assert "injected failure on client 1" in caplog.text
-    torch.testing.assert_close(strategy.final_vector, fedavg_of(config, [0, 2, 3]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        strategy.final_vector, fedavg_of(config, [0, 2, 3]), rtol=0, atol=1e-6
+    )
 
 
-def test_nan_and_misshapen_replies_are_rejected_with_reasons(small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_nan_and_misshapen_replies_are_rejected_with_reasons(
+    small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
     config = experiment(small_experiment, {"rounds": 1, "client_fraction": 1.0})
     grid = LoopbackGrid(faulty_client_app(nan_on={2}, misshapen_on={3}), NUM_CLIENTS)
     with caplog.at_level(logging.WARNING, logger="fedplug.adapters.flower"):
         result, strategy = run_on_grid(grid, config)
     assert result.history[0].failures == 2
     assert "dropped client(s) [2]: client 2 returned non-finite (NaN/Inf) parameters" in caplog.text
-    assert "dropped client(s) [3]: client 3 returned '1.weight' of shape (3,), expected (16, 12)" in caplog.text
+    assert (
+        "dropped client(s) [3]: client 3 returned '1.weight' of shape (3,), expected (16, 12)"
+        in caplog.text
+    )
     torch.testing.assert_close(strategy.final_vector, fedavg_of(config, [0, 1]), rtol=0, atol=1e-6)
 
 
 def test_too_many_failures_retry_the_round_then_stop(small_experiment: dict[str, Any]) -> None:
-    config = experiment(small_experiment, {"rounds": 1, "client_fraction": 1.0, "failures": {"max_failed_fraction": 0.25, "max_round_retries": 2}})
+    config = experiment(
+        small_experiment,
+        {
+            "rounds": 1,
+            "client_fraction": 1.0,
+            "failures": {"max_failed_fraction": 0.25, "max_round_retries": 2},
+        },
+    )
     grid = LoopbackGrid(faulty_client_app(raise_on={0, 1}), NUM_CLIENTS)
-    with pytest.raises(TrainingError, match=r"round 1: 2 of 4 client updates failed in each of 3 attempts"):
+    with pytest.raises(
+        TrainingError, match=r"round 1: 2 of 4 client updates failed in each of 3 attempts"
+    ):
         run_on_grid(grid, config)
-    assert sum(message.metadata.message_type == "train" for message in grid.delivered) == 3 * NUM_CLIENTS
+    assert (
+        sum(message.metadata.message_type == "train" for message in grid.delivered)
+        == 3 * NUM_CLIENTS
+    )
 
 
 def test_a_retried_round_restores_scaffold_client_state(small_experiment: dict[str, Any]) -> None:
     # Prepare: client 1 fails once; no failure is tolerated, so round 1 runs twice. The
     # clients that trained in the failed attempt must start the retry from the same c_k.
-    train = {"aggregator": {"name": "scaffold"}, "client_fraction": 1.0, "failures": {"max_failed_fraction": 0.0, "max_round_retries": 1}}
+    train = {
+        "aggregator": {"name": "scaffold"},
+        "client_fraction": 1.0,
+        "failures": {"max_failed_fraction": 0.0, "max_round_retries": 1},
+    }
     config = experiment(small_experiment, train)
     grid = LoopbackGrid(faulty_client_app(raise_on={1}, raise_first_only=True), NUM_CLIENTS)
     # Execute
     flower, strategy = run_on_grid(grid, config)
     _, simulator = run_experiment(config, None)
     # Assert: as if nothing had failed.
-    assert sum(message.metadata.message_type == "train" for message in grid.delivered) == 3 * NUM_CLIENTS
+    assert (
+        sum(message.metadata.message_type == "train" for message in grid.delivered)
+        == 3 * NUM_CLIENTS
+    )
     torch.testing.assert_close(strategy.final_vector, simulator.final_vector, rtol=0, atol=1e-6)
     assert flower.history[0].failures == 0
 
 
-def test_a_node_that_left_is_a_failure(small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_a_node_that_left_is_a_failure(
+    small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
     config = experiment(small_experiment, {"rounds": 1, "client_fraction": 1.0})
     grid = LoopbackGrid(make_client_app(), NUM_CLIENTS)
     deliver = grid._deliver
 
     def leave_after_query(message: Message) -> Message | None:
         reply = deliver(message)
-        if message.metadata.message_type == "query" and message.metadata.dst_node_id == max(grid.contexts):
+        if message.metadata.message_type == "query" and message.metadata.dst_node_id == max(
+            grid.contexts
+        ):
             grid.connected.discard(message.metadata.dst_node_id)
         return reply
 
@@ -226,14 +310,18 @@ def test_a_node_that_left_is_a_failure(small_experiment: dict[str, Any], caplog:
         result, strategy = run_on_grid(grid, config)
     assert result.history[0].failures == 1
     assert "is no longer connected" in caplog.text
-    torch.testing.assert_close(strategy.final_vector, fedavg_of(config, [0, 1, 2]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        strategy.final_vector, fedavg_of(config, [0, 1, 2]), rtol=0, atol=1e-6
+    )
 
 
 def test_nodes_with_the_wrong_partition_count_are_refused(small_experiment: dict[str, Any]) -> None:
     config = experiment(small_experiment, {"rounds": 1})
     node_configs = [{"partition-id": k, "num-partitions": 3} for k in range(NUM_CLIENTS)]
     grid = LoopbackGrid(make_client_app(), NUM_CLIENTS, node_configs=node_configs)
-    with pytest.raises(TrainingError, match=r"failed to report its class counts: .*num-partitions=4"):
+    with pytest.raises(
+        TrainingError, match=r"failed to report its class counts: .*num-partitions=4"
+    ):
         run_on_grid(grid, config)
 
 

@@ -8,13 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.clientapp import ClientApp
-from flwr.serverapp.strategy import FedAvg
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
-from fedplug.adapters.flower import FedplugTrainer, LoopbackGrid
+from fedplug.adapters.flower import FedplugStrategy, FedplugTrainer, LoopbackGrid
 from fedplug.adapters.flower.loopback import ensure_task_identity
 from fedplug.adapters.flower.records import (
     CLASS_COUNTS,
@@ -34,9 +28,20 @@ from fedplug.adapters.flower.records import (
     vector_layout,
 )
 from fedplug.adapters.flower.trainer import load_client_state, save_client_state
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
 from fedplug.algorithms.fedshift import class_shift, global_prior
 from fedplug.errors import ConfigError
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, local_rng, train_locally
+from fedplug.simulation.local_training import (
+    ClientAlgorithm,
+    LocalSchedule,
+    local_rng,
+    train_locally,
+)
 from fedplug.simulation.vectors import model_to_vector
 
 NUM_CLASSES = 3
@@ -71,18 +76,37 @@ class PairDataset(Dataset):
 
 
 def context(partition: int = 0) -> Context:
-    return Context(run_id=1, node_id=7, node_config={"partition-id": partition, "num-partitions": 2}, state=RecordDict(), run_config={})
+    return Context(
+        run_id=1,
+        node_id=7,
+        node_config={"partition-id": partition, "num-partitions": 2},
+        state=RecordDict(),
+        run_config={},
+    )
 
 
-def train_message(model: nn.Module, server_round: int = 1, client_id: int = 0, payload: ArrayRecord | None = None) -> Message:
+def train_message(
+    model: nn.Module, server_round: int = 1, client_id: int = 0, payload: ArrayRecord | None = None
+) -> Message:
     ensure_task_identity()
-    content = RecordDict({MODEL_KEY: model_record(model), CONFIG_KEY: ConfigRecord({ROUND: server_round, "fedplug.client-id": client_id})})
+    content = RecordDict(
+        {
+            MODEL_KEY: model_record(model),
+            CONFIG_KEY: ConfigRecord({ROUND: server_round, "fedplug.client-id": client_id}),
+        }
+    )
     if payload is not None:
         content[PAYLOAD_KEY] = payload
     return Message(content, dst_node_id=7, message_type=MessageType.TRAIN)
 
 
-TRAIN = {"sampler": {"name": "iwds"}, "optimizer": {"lr": 0.1}, "batch_size": 8, "local_epochs": 2, "seed": 3}
+TRAIN = {
+    "sampler": {"name": "iwds"},
+    "optimizer": {"lr": 0.1},
+    "batch_size": 8,
+    "local_epochs": 2,
+    "seed": 3,
+}
 
 
 def test_fit_on_dataset_and_loader_matches_tensors_and_train_locally() -> None:
@@ -99,17 +123,32 @@ def test_fit_on_dataset_and_loader_matches_tensors_and_train_locally() -> None:
     vectors = {}
     for name, data in forms.items():
         model = copy.deepcopy(start)
-        reply = trainer.fit(model, data, train_message(start, server_round=2, client_id=5), context())
-        vectors[name] = record_to_vector(reply.content.array_records[MODEL_KEY], vector_layout(model))
+        reply = trainer.fit(
+            model, data, train_message(start, server_round=2, client_id=5), context()
+        )
+        vectors[name] = record_to_vector(
+            reply.content.array_records[MODEL_KEY], vector_layout(model)
+        )
         assert reply.content.metric_records[METRICS_KEY][NUM_EXAMPLES] == 30
         # 2 epochs of 30 draws in batches of 8: 4 steps each.
         assert reply.content.metric_records[METRICS_KEY][NUM_STEPS] == 8
     reference = copy.deepcopy(start)
-    algorithm = ClientAlgorithm(trainer.algorithm.sampler, trainer.algorithm.loss_transform, trainer.algorithm.aggregator)
+    algorithm = ClientAlgorithm(
+        trainer.algorithm.sampler, trainer.algorithm.loss_transform, trainer.algorithm.aggregator
+    )
     direct = train_locally(
-        reference, model_to_vector(start), inputs, labels, np.bincount(labels.numpy(), minlength=NUM_CLASSES),
-        algorithm=algorithm, loss_context={}, payload={}, client_state={},
-        schedule=LocalSchedule(2, 8, trainer.config.optimizer), round_index=1, rng=local_rng(3, 1, 5),
+        reference,
+        model_to_vector(start),
+        inputs,
+        labels,
+        np.bincount(labels.numpy(), minlength=NUM_CLASSES),
+        algorithm=algorithm,
+        loss_context={},
+        payload={},
+        client_state={},
+        schedule=LocalSchedule(2, 8, trainer.config.optimizer),
+        round_index=1,
+        rng=local_rng(3, 1, 5),
     )
     # Assert: the same samples in the same order give the same model every way.
     for name, vector in vectors.items():
@@ -121,7 +160,9 @@ def test_describe_reports_class_counts_and_partition() -> None:
     ensure_task_identity()
     labels = torch.tensor([0, 0, 2, 1, 2, 2])
     trainer = FedplugTrainer.from_config({}, num_classes=4)
-    query = Message(RecordDict({CONFIG_KEY: ConfigRecord({})}), dst_node_id=7, message_type=MessageType.QUERY)
+    query = Message(
+        RecordDict({CONFIG_KEY: ConfigRecord({})}), dst_node_id=7, message_type=MessageType.QUERY
+    )
     reply = trainer.describe((torch.zeros(6, 4), labels), query, context(partition=1))
     metrics = reply.content.metric_records[METRICS_KEY]
     assert list(metrics[CLASS_COUNTS]) == [2, 1, 3, 0]
@@ -131,7 +172,9 @@ def test_describe_reports_class_counts_and_partition() -> None:
 
 def test_fedshift_needs_the_prior_then_uses_the_gathered_one() -> None:
     inputs, labels = make_data()
-    trainer = FedplugTrainer.from_config({"loss_transform": {"name": "fedshift"}}, num_classes=NUM_CLASSES)
+    trainer = FedplugTrainer.from_config(
+        {"loss_transform": {"name": "fedshift"}}, num_classes=NUM_CLASSES
+    )
     model = make_model()
     with pytest.raises(ConfigError, match="prepare_from_class_counts"):
         trainer.fit(model, (inputs, labels), train_message(model), context())
@@ -147,7 +190,9 @@ def test_fedshift_needs_the_prior_then_uses_the_gathered_one() -> None:
 
 def test_scaffold_client_refuses_a_message_without_the_server_variate() -> None:
     inputs, labels = make_data()
-    trainer = FedplugTrainer.from_config({"aggregator": {"name": "scaffold"}}, num_classes=NUM_CLASSES)
+    trainer = FedplugTrainer.from_config(
+        {"aggregator": {"name": "scaffold"}}, num_classes=NUM_CLASSES
+    )
     model = make_model()
     with pytest.raises(ConfigError, match=r"needs \['c'\]"):
         trainer.fit(model, (inputs, labels), train_message(model), context())
@@ -156,7 +201,9 @@ def test_scaffold_client_refuses_a_message_without_the_server_variate() -> None:
 def test_scaffold_client_keeps_its_variate_in_context_state() -> None:
     # Prepare: SCAFFOLD's server variate c = 0 sent with the model.
     inputs, labels = make_data()
-    trainer = FedplugTrainer.from_config({"aggregator": {"name": "scaffold"}, "optimizer": {"lr": 0.1}}, num_classes=NUM_CLASSES)
+    trainer = FedplugTrainer.from_config(
+        {"aggregator": {"name": "scaffold"}, "optimizer": {"lr": 0.1}}, num_classes=NUM_CLASSES
+    )
     model = make_model()
     start = model_to_vector(model)
     node = context()
@@ -198,11 +245,19 @@ def test_misshapen_record_names_the_entry() -> None:
 
 
 def test_loss_state_round_trip_keeps_types_and_rejects_lists() -> None:
-    state = {"prior": np.array([0.25, 0.75]), "weights": torch.tensor([1.0, 2.0]), "cost": None, "seed": 3}
+    state = {
+        "prior": np.array([0.25, 0.75]),
+        "weights": torch.tensor([1.0, 2.0]),
+        "cost": None,
+        "seed": 3,
+    }
     decoded = decode_loss_state(*encode_loss_state(state, "x"))
     assert decoded is not None
     np.testing.assert_array_equal(decoded["prior"], state["prior"])
-    assert isinstance(decoded["weights"], torch.Tensor) and decoded["weights"].tolist() == [1.0, 2.0]
+    assert isinstance(decoded["weights"], torch.Tensor) and decoded["weights"].tolist() == [
+        1.0,
+        2.0,
+    ]
     assert decoded["cost"] is None and decoded["seed"] == 3
     with pytest.raises(ConfigError, match="cannot send"):
         encode_loss_state({"per_client": [torch.zeros(1)]}, "feddisk")
@@ -218,7 +273,9 @@ def test_stock_flower_fedavg_aggregates_trainer_replies() -> None:
     @app.train()
     def train(message: Message, node_context: Context) -> Message:
         model = make_model()
-        return trainer.fit(model, shards[int(node_context.node_config["partition-id"])], message, node_context)
+        return trainer.fit(
+            model, shards[int(node_context.node_config["partition-id"])], message, node_context
+        )
 
     grid = LoopbackGrid(app, num_nodes=2)
     start = make_model()
@@ -227,9 +284,88 @@ def test_stock_flower_fedavg_aggregates_trainer_replies() -> None:
     result = strategy.start(grid, ArrayRecord(start.state_dict()), num_rounds=1)
     # Assert: Flower accepted the replies and averaged them by num-examples.
     fits = [
-        trainer.fit(copy.deepcopy(start), shard, train_message(start, client_id=k), context(k)) for k, shard in enumerate(shards)
+        trainer.fit(copy.deepcopy(start), shard, train_message(start, client_id=k), context(k))
+        for k, shard in enumerate(shards)
     ]
     layout = vector_layout(start)
     vectors = [record_to_vector(fit.content.array_records[MODEL_KEY], layout) for fit in fits]
     expected = (20 * vectors[0] + 30 * vectors[1]) / 50
     torch.testing.assert_close(record_to_vector(result.arrays, layout), expected, rtol=0, atol=1e-6)
+
+
+def test_user_client_app_with_fedplug_strategy_gathers_counts_and_runs_scaffold() -> None:
+    # Prepare: the user's ClientApp (own model and data, a query handler) and a
+    # FedplugStrategy with the user's model on the server.
+    shards = [make_data(20, seed=10), make_data(30, seed=11)]
+    train = {
+        "aggregator": {"name": "scaffold"},
+        "optimizer": {"lr": 0.1},
+        "batch_size": 8,
+        "rounds": 1,
+    }
+    trainer = FedplugTrainer.from_config(train, num_classes=NUM_CLASSES)
+    app = ClientApp()
+
+    @app.query()
+    def query(message: Message, node_context: Context) -> Message:
+        partition = int(node_context.node_config["partition-id"])
+        return trainer.describe(shards[partition], message, node_context)
+
+    @app.train()
+    def fit(message: Message, node_context: Context) -> Message:
+        partition = int(node_context.node_config["partition-id"])
+        return trainer.fit(make_model(), shards[partition], message, node_context)
+
+    start = make_model()
+    strategy = FedplugStrategy(
+        train,
+        num_clients=2,
+        num_classes=NUM_CLASSES,
+        model=copy.deepcopy(start),
+        federated_evaluation=False,
+    )
+    # Execute
+    strategy.start(LoopbackGrid(app, num_nodes=2))
+    # Assert: the counts came by query; SCAFFOLD's first round (c = c_k = 0) is the
+    # unweighted mean of the two clients' models.
+    assert strategy.directory is not None
+    expected_counts = [np.bincount(labels.numpy(), minlength=NUM_CLASSES) for _, labels in shards]
+    np.testing.assert_array_equal(strategy.directory.class_counts, np.stack(expected_counts))
+    payload = tensors_to_record({"c": torch.zeros_like(model_to_vector(start))})
+    layout = vector_layout(start)
+    fits = [
+        trainer.fit(
+            copy.deepcopy(start),
+            shard,
+            train_message(start, client_id=k, payload=payload),
+            context(k),
+        )
+        for k, shard in enumerate(shards)
+    ]
+    vectors = [record_to_vector(reply.content.array_records[MODEL_KEY], layout) for reply in fits]
+    torch.testing.assert_close(
+        strategy.final_vector, (vectors[0] + vectors[1]) / 2, rtol=0, atol=1e-6
+    )
+
+
+class CountingDataset(PairDataset):
+    """Counts sample loads."""
+
+    loads = 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        self.loads += 1
+        return super().__getitem__(index)
+
+
+def test_labels_of_a_dataset_are_read_once_per_object() -> None:
+    # Prepare: 30 samples, 2 epochs of 30 draws each.
+    dataset = CountingDataset(*make_data())
+    trainer = FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES)
+    model = make_model()
+    # Execute / Assert: the first fit reads 30 labels and loads 60 samples; the next
+    # fits only load their 60.
+    trainer.fit(model, dataset, train_message(model), context())
+    assert dataset.loads == 30 + 60
+    trainer.fit(model, dataset, train_message(model, server_round=2), context())
+    assert dataset.loads == 30 + 60 + 60

@@ -1,0 +1,32 @@
+"""Run fedplug algorithms on Flower (``pip install fedplug[flower]``, Flower 1.41 Message API).
+
+- :class:`FedplugStrategy`: a Flower strategy built from a fedplug ``train`` config; its
+  aggregator and grouper decide what goes to which node and how replies combine
+  (FedGSP's chains included).
+- :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
+  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines).
+- :mod:`.apps`: a ready ``server_app`` / ``client_app`` pair that runs any fedplug
+  experiment config, plus :func:`make_server_app` for ``run_simulation``.
+- :class:`LoopbackGrid`: an in-process grid for tests and debugging.
+
+See ``docs/flower.md``.
+"""
+
+from .apps import make_client_app, make_server_app, run_on_grid
+from .loopback import LoopbackGrid
+from .priors import ClassCounts, gather_class_counts
+from .strategy import UNSUPPORTED_LOSS_TRANSFORMS, FedplugStrategy, central_evaluation
+from .trainer import FedplugTrainer
+
+__all__ = [
+    "UNSUPPORTED_LOSS_TRANSFORMS",
+    "ClassCounts",
+    "FedplugStrategy",
+    "FedplugTrainer",
+    "LoopbackGrid",
+    "central_evaluation",
+    "gather_class_counts",
+    "make_client_app",
+    "make_server_app",
+    "run_on_grid",
+]

@@ -1,0 +1,213 @@
+"""Before round 1: ask every node for its class counts, by a Flower ``query`` message.
+
+FedShift's global prior ``P(y)`` and FedGSP's grouping need the K x C class-count matrix
+of all clients. The built-in simulator reads it from the federation; on Flower the server
+sends one ``query`` message to each node and every node answers with its partition id and
+its C class counts (:meth:`FedplugTrainer.describe`), never with data. The server then
+prepares the loss transform and the grouper from the gathered matrix, exactly as the
+simulator does from its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedplug.errors import TrainingError
+
+from .records import (
+    CLASS_COUNTS,
+    CONFIG_KEY,
+    METRICS_KEY,
+    NUM_CLASSES,
+    NUM_CLIENTS,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    integer,
+)
+
+logger = logging.getLogger("fedplug.adapters.flower")
+
+
+@dataclass(frozen=True)
+class ClassCounts:
+    """What :meth:`fedplug.components.LossTransform.prepare` may read on Flower: the
+    K x C class counts (a stand-in for the simulator's Federation, which also holds the
+    data that never leaves a Flower node)."""
+
+    class_counts: np.ndarray
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.class_counts.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.class_counts.shape[1])
+
+
+@dataclass(frozen=True)
+class NodeDirectory:
+    """Which node holds which fedplug client, and the clients' class counts."""
+
+    node_of: dict[int, int]
+    """client id -> Flower node id."""
+    class_counts: np.ndarray
+    """K x C."""
+
+    @property
+    def client_of(self) -> dict[int, int]:
+        return {node: client for client, node in self.node_of.items()}
+
+    @property
+    def sizes(self) -> np.ndarray:
+        sizes: np.ndarray = self.class_counts.sum(axis=1)
+        return sizes
+
+
+def wait_for_nodes(grid: Grid, count: int, wait_seconds: float) -> list[int]:
+    """The connected node ids once at least ``count`` are connected.
+
+    Raises:
+        TrainingError: fewer than ``count`` nodes connected within ``wait_seconds``.
+    """
+    deadline = time.monotonic() + wait_seconds
+    while len(node_ids := sorted(grid.get_node_ids())) < count:
+        if time.monotonic() > deadline:
+            raise TrainingError(
+                f"only {len(node_ids)} of the {count} nodes (data.num_clients) connected within "
+                f"{wait_seconds:.0f}s; start one SuperNode per client with --node-config "
+                f"'partition-id=<k> num-partitions={count}'"
+            )
+        time.sleep(0.1)
+    return node_ids
+
+
+def gather_class_counts(
+    grid: Grid,
+    num_clients: int,
+    num_classes: int,
+    *,
+    config: Mapping[str, Any] | None = None,
+    wait_seconds: float = 300.0,
+    timeout: float | None = None,
+) -> NodeDirectory:
+    """Query every node for its partition id and class counts.
+
+    Nodes name their client by ``partition-id`` in their node config (the Flower
+    convention, which the simulation runtime sets too). When no node has one, clients
+    are numbered in the order of the node ids. Extra nodes beyond ``num_clients`` are
+    ignored with a warning.
+
+    Args:
+        grid: the ServerApp's grid.
+        num_clients: K, the clients the experiment expects.
+        num_classes: C, sent to the nodes (``fedplug.num-classes``).
+        config: more entries for the query's ConfigRecord (the ready apps send the
+            experiment here).
+        wait_seconds: how long to wait for K nodes to connect (default 300).
+        timeout: how long to wait for the replies (default: no limit).
+
+    Raises:
+        TrainingError: a node failed to answer, or the partition ids do not cover
+            0..K-1 exactly once; the message names the node and says what to fix.
+    """
+    node_ids = wait_for_nodes(grid, num_clients, wait_seconds)
+    entries: dict[str, Any] = {NUM_CLIENTS: num_clients, NUM_CLASSES: num_classes, **(config or {})}
+    messages = [
+        Message(
+            RecordDict({CONFIG_KEY: ConfigRecord(entries)}),
+            dst_node_id=node,
+            message_type=MessageType.QUERY,
+        )
+        for node in node_ids
+    ]
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    answered = {reply.metadata.src_node_id: reply for reply in replies}
+    reports: dict[int, tuple[int, int, list[int]]] = {}
+    for node in node_ids:
+        reply = answered.get(node)
+        if reply is None:
+            raise TrainingError(
+                f"node {node} did not answer the class-count query within {timeout}s"
+            )
+        if reply.has_error():
+            raise TrainingError(
+                f"node {node} failed to report its class counts: {reply.error.reason}"
+            )
+        metrics = reply.content.metric_records.get(METRICS_KEY)
+        if metrics is None or CLASS_COUNTS not in metrics:
+            raise TrainingError(
+                f"node {node} answered the class-count query without {CLASS_COUNTS!r}; its ClientApp "
+                "needs a query handler: `@app.query()` returning trainer.describe(data, message, context)"
+            )
+        values = metrics[CLASS_COUNTS]
+        counts = [int(value) for value in values] if isinstance(values, list) else []
+        if len(counts) != num_classes or min(counts, default=0) < 0:
+            raise TrainingError(
+                f"node {node} reports {len(counts)} non-negative class counts, the experiment "
+                f"has {num_classes} classes"
+            )
+        try:
+            partition = integer(metrics, PARTITION_ID, -1)
+            partitions = integer(metrics, NUM_PARTITIONS, -1)
+        except ValueError as error:
+            raise TrainingError(f"node {node} {error} in its class-count reply") from None
+        reports[node] = (partition, partitions, counts)
+    return _directory(reports, num_clients, num_classes)
+
+
+def _directory(
+    reports: dict[int, tuple[int, int, list[int]]], num_clients: int, num_classes: int
+) -> NodeDirectory:
+    partitioned = {node: report for node, report in reports.items() if report[0] >= 0}
+    if not partitioned:
+        chosen = sorted(reports)[:num_clients]
+        node_of = {client: node for client, node in enumerate(chosen)}
+    else:
+        if len(partitioned) != len(reports):
+            missing = sorted(set(reports) - set(partitioned))
+            raise TrainingError(
+                f"nodes {missing} have no partition-id in their node config while others do; give every node one"
+            )
+        node_of = {}
+        for node, (partition, partitions, _) in sorted(partitioned.items()):
+            if partitions not in (-1, num_clients):
+                raise TrainingError(
+                    f"node {node} has num-partitions={partitions} but the experiment has "
+                    f"data.num_clients={num_clients}; restart it with num-partitions={num_clients}"
+                )
+            if partition >= num_clients:
+                logger.warning(
+                    "ignoring node %d: partition-id %d is beyond data.num_clients=%d",
+                    node,
+                    partition,
+                    num_clients,
+                )
+                continue
+            if partition in node_of:
+                raise TrainingError(
+                    f"nodes {node_of[partition]} and {node} both have partition-id={partition}"
+                )
+            node_of[partition] = node
+        missing_clients = sorted(set(range(num_clients)) - set(node_of))
+        if missing_clients:
+            raise TrainingError(
+                f"no connected node has partition-id {missing_clients}; start one per missing id"
+            )
+    extra = sorted(set(reports) - set(node_of.values()))
+    if extra and not partitioned:
+        logger.warning(
+            "ignoring %d nodes beyond data.num_clients=%d: %s", len(extra), num_clients, extra
+        )
+    counts = np.zeros((num_clients, num_classes), dtype=np.int64)
+    for client, node in node_of.items():
+        counts[client] = reports[node][2]
+    return NodeDirectory(node_of=node_of, class_counts=counts)

@@ -1,0 +1,205 @@
+"""The message layout the fedplug Flower server and clients agree on, and its codecs.
+
+A fedplug model travels the way every Flower PyTorch app sends one: an
+:class:`~flwr.app.ArrayRecord` of the model's ``state_dict()`` under the key ``"arrays"``,
+so a user's own ClientApp can load it with ``model.load_state_dict(
+message.content["arrays"].to_torch_state_dict())``. The server turns it back into
+fedplug's flat vector (:mod:`fedplug.simulation.vectors` order) by entry name, checking
+every name and shape, so a misshapen reply is rejected with a reason instead of being
+averaged in.
+
+Records of a message (server -> client / client -> server):
+
+======================== ============= =====================================================
+key                      record        content
+======================== ============= =====================================================
+``"arrays"``             ArrayRecord   the model (train: both ways; evaluate: down)
+``"config"``             ConfigRecord  ``server-round``, ``fedplug.client-id``, ... (down)
+``"fedplug.payload"``    ArrayRecord   the aggregator's server payload, e.g. SCAFFOLD's c
+``"fedplug.loss-state"`` ArrayRecord   the loss transform's prepared state (FedShift's P)
+``"fedplug.loss-info"``  ConfigRecord  the non-array part of that state
+``"metrics"``            MetricRecord  ``num-examples``, ``fedplug.num-steps``, ... (up)
+``"fedplug.extras"``     ArrayRecord   the aggregator's client extras, e.g. delta_c (up)
+======================== ============= =====================================================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from torch import Tensor, nn
+
+from fedplug.errors import ConfigError
+
+MODEL_KEY = "arrays"
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+PAYLOAD_KEY = "fedplug.payload"
+EXTRAS_KEY = "fedplug.extras"
+LOSS_STATE_KEY = "fedplug.loss-state"
+LOSS_INFO_KEY = "fedplug.loss-info"
+
+ROUND = "server-round"
+"""Flower's own 1-based round key, which stock strategies also send."""
+CLIENT_ID = "fedplug.client-id"
+NUM_CLIENTS = "fedplug.num-clients"
+NUM_CLASSES = "fedplug.num-classes"
+CHAIN_POSITION = "fedplug.chain-position"
+NUM_EXAMPLES = "num-examples"
+"""Flower's weighting key, so stock strategies can aggregate fedplug replies."""
+NUM_STEPS = "fedplug.num-steps"
+SECONDS = "fedplug.seconds"
+CLASS_COUNTS = "fedplug.class-counts"
+PARTITION_ID = "fedplug.partition-id"
+NUM_PARTITIONS = "fedplug.num-partitions"
+TRAIN_LOSS = "train-loss"
+ACCURACY = "accuracy"
+LOSS = "loss"
+
+
+# ------------------------------------------------------------------------- the model
+
+
+def vector_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(state_dict name, shape)`` of every entry of the flat vector, in vector order
+    (parameters, then floating-point buffers; see :mod:`fedplug.simulation.vectors`)."""
+    layout = [(name, tuple(parameter.shape)) for name, parameter in model.named_parameters()]
+    layout += [
+        (name, tuple(buffer.shape))
+        for name, buffer in model.named_buffers()
+        if buffer.is_floating_point()
+    ]
+    return layout
+
+
+def model_record(model: nn.Module) -> ArrayRecord:
+    """The model's whole ``state_dict()`` (integer buffers included, so that a user's
+    ``load_state_dict`` with ``strict=True`` works)."""
+    return ArrayRecord({name: tensor.detach().cpu() for name, tensor in model.state_dict().items()})
+
+
+def record_to_vector(record: ArrayRecord, layout: list[tuple[str, tuple[int, ...]]]) -> Tensor:
+    """The flat float32 vector held in ``record``, by entry name.
+
+    Raises:
+        ValueError: an entry of ``layout`` is missing from ``record`` or has another
+            shape; the message says which (it becomes the logged reason of a rejection).
+    """
+    pieces = []
+    for name, shape in layout:
+        if name not in record:
+            raise ValueError(f"returned no array {name!r}")
+        array = record[name]
+        if tuple(array.shape) != shape:
+            raise ValueError(f"returned {name!r} of shape {tuple(array.shape)}, expected {shape}")
+        pieces.append(torch.from_numpy(np.asarray(array.numpy(), dtype=np.float32).reshape(-1)))
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+# ------------------------------------------------------------------------ tensor dicts
+
+
+def tensors_to_record(tensors: Mapping[str, Tensor]) -> ArrayRecord:
+    """A dict of tensors (payload, extras, client state) as an ArrayRecord."""
+    return ArrayRecord(
+        {
+            key: Array(np.ascontiguousarray(value.detach().cpu().numpy()))
+            for key, value in tensors.items()
+        }
+    )
+
+
+def record_to_tensors(
+    record: ArrayRecord | None, device: torch.device | str = "cpu"
+) -> dict[str, Tensor]:
+    """The inverse of :func:`tensors_to_record` (an empty dict for ``None``)."""
+    if record is None:
+        return {}
+    return {
+        key: torch.from_numpy(np.array(array.numpy())).to(device) for key, array in record.items()
+    }
+
+
+def get_array_record(content: RecordDict, key: str) -> ArrayRecord | None:
+    return content.array_records.get(key)
+
+
+# ---------------------------------------------------------------- loss-transform state
+
+
+def encode_loss_state(
+    state: Mapping[str, Any], transform_name: str
+) -> tuple[ArrayRecord, ConfigRecord]:
+    """Split a loss transform's ``state_dict()`` into arrays and a JSON description.
+
+    Arrays and tensors go to the ArrayRecord; ``None``, numbers, strings and booleans to
+    the JSON. The JSON also remembers which entries were tensors, so that
+    :func:`decode_loss_state` restores the same types.
+
+    Raises:
+        ConfigError: a value of another type (a list of per-client tensors, say): such a
+            transform keeps state the server cannot send to one client.
+    """
+    arrays: dict[str, Array] = {}
+    info: dict[str, Any] = {"tensors": [], "numpy": [], "values": {}}
+    for key, value in state.items():
+        if isinstance(value, Tensor):
+            arrays[key] = Array(np.ascontiguousarray(value.detach().cpu().numpy()))
+            info["tensors"].append(key)
+        elif isinstance(value, np.ndarray):
+            arrays[key] = Array(np.ascontiguousarray(value))
+            info["numpy"].append(key)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            info["values"][key] = value
+        else:
+            raise ConfigError(
+                f"loss transform {transform_name!r} keeps state {key!r} of type "
+                f"{type(value).__name__}, which the Flower adapter cannot send to a client "
+                "(it sends arrays, numbers and strings); run it with the built-in simulator"
+            )
+    return ArrayRecord(arrays), ConfigRecord({"json": json.dumps(info)})
+
+
+def decode_loss_state(
+    arrays: ArrayRecord | None, info: ConfigRecord | None
+) -> dict[str, Any] | None:
+    """The ``state_dict()`` :func:`encode_loss_state` sent, or ``None`` if none was sent."""
+    if info is None:
+        return None
+    description = json.loads(str(info["json"]))
+    state: dict[str, Any] = dict(description["values"])
+    arrays = arrays if arrays is not None else ArrayRecord()
+    for key in description["numpy"]:
+        state[key] = np.array(arrays[key].numpy())
+    for key in description["tensors"]:
+        state[key] = torch.from_numpy(np.array(arrays[key].numpy()))
+    return state
+
+
+# ------------------------------------------------------------------- record values
+
+
+def number(record: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """The number under ``key`` (``default`` when absent).
+
+    Raises:
+        ValueError: absent without a default, or not a number (a list, a string): a
+            malformed message, which the server rejects with this reason.
+    """
+    value = record.get(key, default)
+    if value is None:
+        raise ValueError(f"sent no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # One error type for every malformed value, so callers reject a reply in one place.
+        raise ValueError(f"sent {key!r} as {type(value).__name__}, not a number")  # noqa: TRY004
+    return float(value)
+
+
+def integer(record: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """:func:`number`, as an int."""
+    return int(number(record, key, default))

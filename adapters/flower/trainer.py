@@ -1,0 +1,391 @@
+"""Client side: fedplug's sampler, loss transform and aggregator client side for a
+user's own Flower ClientApp, model and data.
+
+A few lines turn a plain Flower PyTorch ClientApp into an IWDS + FedShift one::
+
+    from fedplug.adapters.flower import FedplugTrainer
+
+    trainer = FedplugTrainer.from_config(
+        {"sampler": {"name": "iwds"}, "loss_transform": {"name": "fedshift"},
+         "optimizer": {"lr": 0.05}, "batch_size": 32}
+    )
+
+    @app.train()
+    def train(message, context):
+        return trainer.fit(model, train_loader, message, context)
+
+    @app.query()
+    def query(message, context):          # FedShift's prior: the server asks for counts
+        return trainer.describe(train_loader, message, context)
+
+Training runs :func:`fedplug.simulation.local_training.train_locally`, the loop the
+built-in simulator runs, so a client behaves identically on both. Everything a client
+needs from the server (the round, its client id, the aggregator's payload, the loss
+transform's prepared state) comes in the message (:mod:`.records`); state that must
+outlive a message (SCAFFOLD's c_k) lives in ``context.state``, which Flower keeps on the
+node between messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fedplug.components import Aggregator, LossTransform
+from fedplug.config import validate_section
+from fedplug.errors import ConfigError
+from fedplug.registry import Registry
+from fedplug.simulation.local_training import (
+    ClientAlgorithm,
+    LocalSchedule,
+    local_rng,
+    train_locally,
+)
+from fedplug.simulation.vectors import move_tensors, vector_to_model
+
+from .local_data import LocalData, as_local_data, batches
+from .records import (
+    ACCURACY,
+    CLASS_COUNTS,
+    CLIENT_ID,
+    CONFIG_KEY,
+    EXTRAS_KEY,
+    LOSS,
+    LOSS_INFO_KEY,
+    LOSS_STATE_KEY,
+    METRICS_KEY,
+    MODEL_KEY,
+    NUM_CLASSES,
+    NUM_EXAMPLES,
+    NUM_PARTITIONS,
+    NUM_STEPS,
+    PARTITION_ID,
+    PAYLOAD_KEY,
+    ROUND,
+    SECONDS,
+    decode_loss_state,
+    integer,
+    model_record,
+    record_to_tensors,
+    record_to_vector,
+    tensors_to_record,
+    vector_layout,
+)
+
+DEFAULT_STATE_NAMESPACE = "fedplug"
+DATA_CACHE_SIZE = 4
+"""Data objects whose labels a trainer remembers."""
+
+
+def _needs_prepare(loss_transform: LossTransform) -> bool:
+    return type(loss_transform).prepare is not LossTransform.prepare
+
+
+class FedplugTrainer:
+    """Trains a user's model on a user's data with fedplug's client-side components.
+
+    Args:
+        train_config: a validated ``train`` section (:func:`fedplug.config.validate_section`).
+            Its ``model``, ``engine``, ``client_fraction`` and ``rounds`` are not used here
+            (the model is the user's; the server decides rounds and sampling).
+        registry: the component registry (default: the installed plugins).
+        num_classes: C, for the class counts the sampler and FedShift read (default: the
+            server's ``fedplug.num-classes`` when it sends one, else the width of the
+            model's output).
+    """
+
+    def __init__(
+        self, train_config: Any, *, registry: Registry | None = None, num_classes: int | None = None
+    ) -> None:
+        if registry is None:
+            from fedplug.plugins import default_registry
+
+            registry = default_registry()
+        self.config = train_config
+        self.registry = registry
+        self.num_classes = num_classes
+        self.algorithm = ClientAlgorithm(
+            sampler=registry.build("samplers", train_config.sampler),
+            loss_transform=registry.build("loss_transforms", train_config.loss_transform),
+            # K only matters to the server side of an aggregator.
+            aggregator=registry.build("aggregators", train_config.aggregator, 1),
+        )
+        self.schedule = LocalSchedule(
+            train_config.local_epochs, train_config.batch_size, train_config.optimizer
+        )
+        self._prepared = not _needs_prepare(self.algorithm.loss_transform)
+        self._payload_keys: set[str] | None = None
+        self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        train: Mapping[str, Any] | Any,
+        *,
+        registry: Registry | None = None,
+        num_classes: int | None = None,
+    ) -> FedplugTrainer:
+        """Build from a ``train`` section as a dict (validated here, strictly: a typo is
+        a :class:`~fedplug.errors.ConfigError` naming its path) or an already validated
+        config. Unset fields take their defaults (uniform sampler, cross-entropy, FedAvg)."""
+        config = (
+            validate_section("train", dict(train), registry)
+            if isinstance(train, Mapping)
+            else train
+        )
+        return cls(config, registry=registry, num_classes=num_classes)
+
+    # ------------------------------------------------------------------ preparation
+
+    def prepare_from_class_counts(self, class_counts: np.ndarray) -> None:
+        """Prepare the loss transform locally from the K x C class counts of all clients,
+        for a server that does not send fedplug's prepared state (e.g. Flower's stock
+        FedAvg). With :class:`~fedplug.adapters.flower.FedplugStrategy` on the server this
+        is not needed: the server gathers the counts by a query message and sends the
+        result."""
+        from .priors import ClassCounts
+
+        self.algorithm.loss_transform.prepare(ClassCounts(np.asarray(class_counts)))
+        self._prepared = True
+
+    def _load_loss_state(self, content: RecordDict) -> None:
+        state = decode_loss_state(
+            content.array_records.get(LOSS_STATE_KEY), content.config_records.get(LOSS_INFO_KEY)
+        )
+        if state is not None:
+            self.algorithm.loss_transform.load_state_dict(state)
+            self._prepared = True
+        if not self._prepared:
+            name = self.config.loss_transform.name
+            raise ConfigError(
+                f"loss transform {name!r} needs state prepared from every client's class counts "
+                "before training (FedShift's global prior), and the server sent none; run the "
+                "server with fedplug.adapters.flower.FedplugStrategy, or call "
+                "trainer.prepare_from_class_counts(counts) with the K x C class counts"
+            )
+
+    def _check_payload(self, payload: dict[str, Tensor], start_vector: Tensor) -> None:
+        """The keys the aggregator's server side sends (SCAFFOLD's ``c``) must be here."""
+        if self._payload_keys is None:
+            probe: Aggregator = self.registry.build("aggregators", self.config.aggregator, 1)
+            probe.initialize(torch.zeros_like(start_vector))
+            self._payload_keys = set(probe.server_payload())
+        missing = self._payload_keys - set(payload)
+        if missing:
+            raise ConfigError(
+                f"aggregator {self.config.aggregator.name!r} needs {sorted(missing)} from the server "
+                "with every model, and the message has none; run the server with "
+                "fedplug.adapters.flower.FedplugStrategy"
+            )
+
+    def _local_data(self, data: Any, device: torch.device) -> LocalData:
+        """``data`` as :class:`LocalData`. The labels of a dataset are read once per
+        dataset object (reading them can mean loading every sample); a few objects are
+        remembered, e.g. a train and a test loader used in turn."""
+        cached = self._data_cache.get(id(data))
+        if cached is not None and cached[0] is data and cached[1] == device:
+            return cached[2]
+        local = as_local_data(data, device)
+        if len(self._data_cache) >= DATA_CACHE_SIZE:
+            self._data_cache.pop(next(iter(self._data_cache)))
+        self._data_cache[id(data)] = (data, device, local)
+        return local
+
+    # --------------------------------------------------------------------- messages
+
+    def _num_classes(self, config: ConfigRecord, model: nn.Module | None, data: LocalData) -> int:
+        if self.num_classes is not None:
+            return self.num_classes
+        if NUM_CLASSES in config:
+            return integer(config, NUM_CLASSES)
+        if model is None or data.num_samples == 0:
+            raise ConfigError(
+                "the number of classes is unknown; pass num_classes= to FedplugTrainer.from_config"
+            )
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            width = int(model(data.inputs[torch.arange(1, device=data.labels.device)]).shape[-1])
+            model.train(was_training)
+        return width
+
+    @staticmethod
+    def _client_id(config: ConfigRecord, context: Context | None) -> int:
+        """The server's ``fedplug.client-id``, else the node's ``partition-id``, else its
+        node id: the key of the client's random stream."""
+        if CLIENT_ID in config:
+            return integer(config, CLIENT_ID)
+        if context is not None and "partition-id" in context.node_config:
+            return integer(context.node_config, "partition-id")
+        return int(context.node_id) if context is not None else 0
+
+    def fit(
+        self,
+        model: nn.Module,
+        data: Any,
+        message: Message,
+        context: Context,
+        *,
+        state_namespace: str = DEFAULT_STATE_NAMESPACE,
+    ) -> Message:
+        """Train ``model`` on ``data`` from the model in ``message``; return the reply.
+
+        Args:
+            model: the user's torch model, of the architecture the server sends.
+            data: ``(inputs, labels)`` tensors, a map-style Dataset, or a DataLoader (its
+                batch size then replaces ``train.batch_size``). A dataset's labels are read
+                once and kept while the same object is passed again; pass a new object
+                when the data changes.
+            message: the train message (Flower's ``"arrays"`` record and ``"config"``
+                with ``server-round``; plus fedplug's payload and loss state when the
+                server is :class:`~fedplug.adapters.flower.FedplugStrategy`).
+            context: the ClientApp's context; ``context.state`` keeps the aggregator's
+                per-client state between rounds.
+            state_namespace: prefix of the keys in ``context.state`` (default
+                ``"fedplug"``).
+
+        Returns:
+            The reply: the trained model as ``"arrays"`` (a state_dict record), a
+            ``"metrics"`` record with ``num-examples`` (Flower's weighting key),
+            ``fedplug.num-steps`` and ``fedplug.seconds``, and the aggregator's extras
+            when it has any.
+        """
+        started = time.perf_counter()
+        content = message.content
+        config = content.config_records.get(CONFIG_KEY, ConfigRecord())
+        device = next(model.parameters()).device
+        local = self._local_data(data, device)
+        num_classes = self._num_classes(config, model, local)
+        client_id = self._client_id(config, context)
+        round_index = integer(config, ROUND, 1) - 1
+        start_vector = record_to_vector(content.array_records[MODEL_KEY], vector_layout(model)).to(
+            device
+        )
+        self._load_loss_state(content)
+        class_counts = local.class_counts(num_classes)
+        loss_context = move_tensors(
+            self.algorithm.loss_transform.client_context(client_id, class_counts), device
+        )
+        payload = record_to_tensors(content.array_records.get(PAYLOAD_KEY), device)
+        self._check_payload(payload, start_vector)
+        client_state = load_client_state(context, state_namespace, round_index, device)
+        schedule = self.schedule
+        if local.batch_size is not None:
+            schedule = dataclasses.replace(schedule, batch_size=local.batch_size)
+        result = train_locally(
+            model,
+            start_vector,
+            local.inputs,  # type: ignore[arg-type]  # a Tensor or IndexedInputs: both index by ids
+            local.labels,
+            class_counts,
+            algorithm=self.algorithm,
+            loss_context=loss_context,
+            payload=payload,
+            client_state=client_state,
+            schedule=schedule,
+            round_index=round_index,
+            rng=local_rng(self.config.seed, round_index, client_id),
+        )
+        save_client_state(context, state_namespace, client_state)
+        metrics = MetricRecord(
+            {
+                NUM_EXAMPLES: result.num_samples,
+                NUM_STEPS: result.num_steps,
+                SECONDS: time.perf_counter() - started,
+                CLIENT_ID: client_id,
+            }
+        )
+        reply = RecordDict({MODEL_KEY: model_record(model), METRICS_KEY: metrics})
+        if result.extras:
+            reply[EXTRAS_KEY] = tensors_to_record(result.extras)
+        return Message(reply, reply_to=message)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: Any, message: Message) -> Message:
+        """Accuracy and mean cross-entropy of the message's model on ``data``, with raw
+        logits (no loss transform: FedShift's shift is for training only). Reply metrics:
+        ``num-examples``, ``accuracy``, ``loss`` (NaN for an empty split)."""
+        device = next(model.parameters()).device
+        local = self._local_data(data, device)
+        vector = record_to_vector(message.content.array_records[MODEL_KEY], vector_layout(model))
+        vector_to_model(vector.to(device), model)
+        was_training = model.training
+        model.eval()
+        correct, total_loss = 0, 0.0
+        for batch_ids in batches(local, local.batch_size or self.config.eval_batch_size):
+            logits = model(local.inputs[batch_ids])
+            targets = local.labels[batch_ids]
+            total_loss += float(F.cross_entropy(logits, targets, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == targets).sum())
+        model.train(was_training)
+        count = local.num_samples
+        metrics = MetricRecord(
+            {
+                NUM_EXAMPLES: count,
+                ACCURACY: correct / count if count else float("nan"),
+                LOSS: total_loss / count if count else float("nan"),
+            }
+        )
+        return Message(RecordDict({METRICS_KEY: metrics}), reply_to=message)
+
+    def describe(self, data: Any, message: Message, context: Context | None = None) -> Message:
+        """Answer the server's query for this client's class counts (what FedShift's
+        prior and FedGSP's grouping need; the raw data never leaves the node).
+
+        Reply metrics: ``num-examples``, ``fedplug.class-counts`` (C integers) and the
+        node's ``fedplug.partition-id`` / ``fedplug.num-partitions`` (-1 when the node
+        config has none)."""
+        config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
+        local = self._local_data(data, torch.device("cpu"))
+        num_classes = self.num_classes
+        if num_classes is None and NUM_CLASSES in config:
+            num_classes = integer(config, NUM_CLASSES)
+        if num_classes is None:
+            raise ConfigError(
+                "the number of classes is unknown; pass num_classes= to FedplugTrainer.from_config"
+            )
+        counts = local.class_counts(num_classes)
+        node_config = context.node_config if context is not None else {}
+        metrics = MetricRecord(
+            {
+                NUM_EXAMPLES: local.num_samples,
+                CLASS_COUNTS: [int(count) for count in counts],
+                PARTITION_ID: integer(node_config, "partition-id", -1),
+                NUM_PARTITIONS: integer(node_config, "num-partitions", -1),
+            }
+        )
+        return Message(RecordDict({METRICS_KEY: metrics}), reply_to=message)
+
+
+# ------------------------------------------------------------------- client state
+
+
+def load_client_state(
+    context: Context, namespace: str, round_index: int, device: torch.device | str = "cpu"
+) -> dict[str, Tensor]:
+    """The aggregator's per-client state for round ``round_index``.
+
+    The state the round started from is kept beside the current one: when the server
+    retries a round (too many clients failed), a client that already trained in the
+    failed attempt starts again from the same state, as in the built-in simulator.
+    """
+    state = context.state
+    current = state.array_records.get(f"{namespace}.client-state")
+    marker = state.config_records.get(f"{namespace}.client-round")
+    if marker is not None and integer(marker, "round") == round_index:
+        return record_to_tensors(state.array_records.get(f"{namespace}.client-state-start"), device)
+    state[f"{namespace}.client-state-start"] = current if current is not None else ArrayRecord()
+    state[f"{namespace}.client-round"] = ConfigRecord({"round": round_index})
+    return record_to_tensors(current, device)
+
+
+def save_client_state(context: Context, namespace: str, client_state: dict[str, Tensor]) -> None:
+    context.state[f"{namespace}.client-state"] = tensors_to_record(client_state)
