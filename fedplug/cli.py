@@ -56,7 +56,7 @@ def run_command(args: argparse.Namespace) -> int:
     from fedplug.config import load_experiment
     from fedplug.experiment import default_output_dir, run_experiment
 
-    config = load_experiment(args.config, args.overrides, args.algorithm)
+    config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
     out = Path(args.out) if args.out else default_output_dir(config)
     check_output_folder(out)
     progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)

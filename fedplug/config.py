@@ -372,8 +372,16 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def validate_experiment(data: dict[str, Any], registry: Registry | None = None) -> Any:
-    """Validate a whole experiment dict, including every entry of ``algorithms``."""
+def validate_experiment(
+    data: dict[str, Any], registry: Registry | None = None, *, check_every_algorithm: bool = True
+) -> Any:
+    """Validate a whole experiment dict, including every entry of ``algorithms``.
+
+    ``check_every_algorithm=False`` (one run of ``train``, e.g. ``fedplug run`` with
+    ``--set`` overrides) still rejects typos and out-of-range values in every entry, but
+    not an entry that only becomes an incompatible combination with the overridden
+    ``train``: that entry is not what runs.
+    """
     experiment_config, _, train_config = config_models(_registry(registry))
     try:
         config = experiment_config.model_validate(data)
@@ -384,10 +392,16 @@ def validate_experiment(data: dict[str, Any], registry: Registry | None = None) 
         try:
             train_config.model_validate(merged)
         except ValidationError as error:
+            if not check_every_algorithm and all(_is_incompatibility(item) for item in error.errors()):
+                continue
             raise ConfigError(
                 "invalid config:\n" + format_validation_error(error, override, prefix=f"algorithms.{label}")
             ) from None
     return config
+
+
+def _is_incompatibility(item: Any) -> bool:
+    return item["loc"] == () and "incompatible combination" in item["msg"]
 
 
 def with_algorithm(data: dict[str, Any], label: str) -> dict[str, Any]:
@@ -406,17 +420,20 @@ def load_experiment(
     overrides: list[str] | tuple[str, ...] = (),
     algorithm: str | None = None,
     registry: Registry | None = None,
+    *,
+    check_every_algorithm: bool = True,
 ) -> Any:
-    """Read, override and validate an experiment config file."""
+    """Read, override and validate an experiment config file (see
+    :func:`validate_experiment` for ``check_every_algorithm``)."""
     data = read_yaml(path)
     for assignment in overrides:
         data = apply_override(data, assignment)
     if algorithm is not None:
         # Validate the file as written first, so that a bad value in algorithms.<label> is
         # reported at that path (not at the train.* path it is merged into).
-        validate_experiment(data, registry)
+        validate_experiment(data, registry, check_every_algorithm=check_every_algorithm)
         data = with_algorithm(data, algorithm)
-    return validate_experiment(data, registry)
+    return validate_experiment(data, registry, check_every_algorithm=check_every_algorithm)
 
 
 def validate_section(section: Literal["data", "train"], data: Any, registry: Registry | None = None) -> Any:

@@ -121,3 +121,15 @@ def test_repository_params_yaml_is_a_valid_config():
     config = load_experiment("params.yaml")
     assert config.data.dataset.name == "mnist"
     assert set(config.algorithms) >= {"fedavg", "fedprox", "fedavgm", "iwds", "fedshift", "fedgsp"}
+
+
+def test_override_that_clashes_only_with_an_entry_not_being_run(small_experiment):
+    small_experiment["algorithms"] = {"gsp": {"grouper": {"name": "fedgsp"}}}
+    small_experiment["train"]["aggregator"] = {"name": "scaffold"}
+    with pytest.raises(ConfigError, match=r"algorithms.gsp: incompatible combination"):
+        validate_experiment(small_experiment)
+    config = validate_experiment(small_experiment, check_every_algorithm=False)
+    assert config.train.aggregator.name == "scaffold"
+    small_experiment["algorithms"]["gsp"]["grouper"]["mdoe"] = "naive"
+    with pytest.raises(ConfigError, match=r"algorithms.gsp.grouper.mdoe: unknown key"):
+        validate_experiment(small_experiment, check_every_algorithm=False)
