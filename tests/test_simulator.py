@@ -265,3 +265,13 @@ def test_scaffold_client_state_lives_in_the_simulator_and_is_checkpointed(small_
     assert checkpoint["client_states"], "SCAFFOLD's per-client control variates must be saved"
     some_state = next(iter(checkpoint["client_states"].values()))
     assert any(torch.count_nonzero(value) > 0 for value in some_state.values())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_any_non_finite_value(bad):
+    from fedplug.simulation.vectors import all_finite
+
+    vector = torch.arange(1000, dtype=torch.float32)
+    assert all_finite(vector)
+    vector[537] = bad
+    assert not all_finite(vector)

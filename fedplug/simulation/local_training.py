@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from fedplug.components import Aggregator, Context, LocalTraining, LossTransform, Sampler
 from fedplug.simulation.vectors import model_to_vector, vector_to_model
@@ -26,6 +27,9 @@ class ClientAlgorithm:
     aggregator: Aggregator
 
     def __post_init__(self) -> None:
+        # Plain cross-entropy takes torch's fused mean: same value and gradient as the
+        # per-sample losses' mean, one autograd node fewer per step.
+        self.plain_cross_entropy = type(self.loss_transform).per_sample_loss is LossTransform.per_sample_loss
         self.has_penalty = (
             type(self.loss_transform).penalty is not LossTransform.penalty
             or type(self.aggregator).client_penalty is not Aggregator.client_penalty
@@ -100,7 +104,10 @@ def train_locally(
         order_tensor = torch.as_tensor(order, dtype=torch.long, device=train_x.device)
         for batch_ids in torch.split(order_tensor, schedule.batch_size):
             logits = model(train_x[batch_ids])
-            loss = loss_transform.per_sample_loss(logits, train_y[batch_ids], batch_ids, loss_context).mean()
+            if algorithm.plain_cross_entropy:
+                loss = F.cross_entropy(logits, train_y[batch_ids])
+            else:
+                loss = loss_transform.per_sample_loss(logits, train_y[batch_ids], batch_ids, loss_context).mean()
             if algorithm.has_penalty:
                 params = dict(model.named_parameters())
                 for term in (

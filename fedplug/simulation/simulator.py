@@ -45,7 +45,7 @@ from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.vectors import model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
+from fedplug.simulation.vectors import all_finite, model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
 
 logger = logging.getLogger("fedplug.simulation")
 
@@ -243,7 +243,7 @@ class Simulator:
                 f"{config.failures.max_failed_fraction}); see the log for each client's reason"
             )
         assert new_vector is not None
-        if not torch.isfinite(new_vector).all():
+        if not all_finite(new_vector):
             raise TrainingError(
                 f"the global model became non-finite at round {round_index + 1}; the last good state is "
                 f"{'the checkpoint at ' + str(self.checkpoint_path) if self.checkpoint_path else 'round ' + str(round_index)}"
@@ -295,9 +295,9 @@ class Simulator:
                 chain = outcome.chain
                 if outcome.vector.shape != global_vector.shape:
                     reason = f"returned {tuple(outcome.vector.shape)} parameters, expected {tuple(global_vector.shape)}"
-                elif not torch.isfinite(outcome.vector).all():
+                elif not all_finite(outcome.vector):
                     reason = "returned non-finite (NaN/Inf) parameters"
-                elif any(not torch.isfinite(extra).all() for extra in outcome.extras.values()):
+                elif any(extra.numel() and not all_finite(extra.reshape(-1)) for extra in outcome.extras.values()):
                     reason = "returned non-finite extras"
                 elif timeout is not None and outcome.seconds > timeout:
                     reason = f"took {outcome.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"

@@ -64,3 +64,10 @@ def move_tensors(value: Any, device: Any) -> Any:
     if isinstance(value, list):
         return [move_tensors(item, device) for item in value]
     return value
+
+
+def all_finite(vector: Tensor) -> bool:
+    """No NaN or infinity in ``vector``: one pass of ``aminmax`` (NaN propagates to both,
+    an infinity is the minimum or the maximum), without a model-sized boolean tensor."""
+    low, high = torch.aminmax(vector)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
