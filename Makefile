@@ -38,9 +38,9 @@ UI_PORT ?= 5000
 ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
+# Every benchmark (about an hour on two cores); rewrites docs/performance.md.
 bench: install
-	$(BIN)/python benchmarks/bench_partition.py
-	$(BIN)/python benchmarks/bench_icg.py
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf runs .pytest_cache
