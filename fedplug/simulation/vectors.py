@@ -69,5 +69,7 @@ def move_tensors(value: Any, device: Any) -> Any:
 def all_finite(vector: Tensor) -> bool:
     """No NaN or infinity in ``vector``: one pass of ``aminmax`` (NaN propagates to both,
     an infinity is the minimum or the maximum), without a model-sized boolean tensor."""
+    if vector.numel() == 0:
+        return True
     low, high = torch.aminmax(vector)
     return bool(torch.isfinite(low) & torch.isfinite(high))
