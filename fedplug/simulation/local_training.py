@@ -54,10 +54,54 @@ class LocalResult:
     extras: dict[str, Tensor] = field(default_factory=dict)
 
 
-def make_optimizer(parameters: Any, optimizer_config: Any) -> torch.optim.Optimizer:
+class FusedSGD:
+    """``torch.optim.SGD`` (no dampening, no Nesterov) as at most three ``foreach`` calls
+    per step.
+
+    The arithmetic is torch's, in torch's order (``d = g + weight_decay * w``; the momentum
+    buffer starts as the first ``d``, then ``buf = momentum * buf + d``; ``w -= lr * d``),
+    so the trained weights are bit-identical to ``torch.optim.SGD``'s (tested). What it
+    leaves out is the optimiser object's per-step Python (hooks, parameter groups, state
+    dicts): about 0.13 ms of a 0.7 ms ``mlp`` step at batch 10 on one CPU thread.
+    Parameters without a gradient are skipped, as torch skips them.
+    """
+
+    def __init__(self, parameters: Any, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        self.parameters = list(parameters)
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.momentum_buffers: list[Tensor | None] = [None] * len(self.parameters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        indices = [i for i, parameter in enumerate(self.parameters) if parameter.grad is not None]
+        weights = [self.parameters[i] for i in indices]
+        updates: list[Tensor] = [self.parameters[i].grad for i in indices]  # type: ignore[misc]
+        if self.weight_decay != 0:
+            updates = list(torch._foreach_add(updates, weights, alpha=self.weight_decay))
+        if self.momentum != 0:
+            buffers = []
+            for position, i in enumerate(indices):
+                buffer = self.momentum_buffers[i]
+                if buffer is None:  # the buffer starts as the first update
+                    buffer = self.momentum_buffers[i] = updates[position].clone()
+                else:
+                    buffer.mul_(self.momentum).add_(updates[position])
+                buffers.append(buffer)
+            updates = buffers
+        torch._foreach_add_(weights, updates, alpha=-self.lr)
+
+
+def make_optimizer(parameters: Any, optimizer_config: Any) -> torch.optim.Optimizer | FusedSGD:
+    """The client optimiser: :class:`FusedSGD` for ``sgd``, ``torch.optim.Adam`` for ``adam``."""
     if optimizer_config.name == "adam":
         return torch.optim.Adam(parameters, lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay)
-    return torch.optim.SGD(
+    return FusedSGD(
         parameters,
         lr=optimizer_config.lr,
         momentum=optimizer_config.momentum,
