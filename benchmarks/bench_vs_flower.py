@@ -16,8 +16,13 @@ every repeat):
   + ``ClientApp``), with ``--threads`` Ray CPUs and one CPU and one torch thread per
   client actor, so ``--threads`` clients train in parallel; the same model code
   (``fedplug.models.zoo``), initial weights and data (written once by this script);
-- **floor**: a plain torch loop that trains the same 10 clients' samples per round in one
-  model and evaluates after each round: the time of the work with no FL framework at all.
+- **floor**: a plain torch loop (``torch.optim.SGD``) that trains the same 10 clients'
+  samples per round in one model and evaluates after each round: the time of the work
+  with no FL framework at all;
+- **floor_fused**: the same loop stepping with fedplug's ``FusedSGD`` (the same numbers as
+  ``torch.optim.SGD``, less Python per step), which fedplug's client loop uses: against
+  it, fedplug/floor_fused shows the engine's own overhead, and floor/floor_fused how much
+  of fedplug's lead is the fused update.
 
 Threads: both frameworks get the same number of CPU threads for the training math
 (``--threads``, default 1). One, because the two cores of the machine this was written on
@@ -62,7 +67,7 @@ import benchlib
 
 NUM_CLIENTS = 100
 FRACTION = 0.1
-PROGRAMS = ("fedplug", "flower", "floor")
+PROGRAMS = ("fedplug", "flower", "floor", "floor_fused")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,7 +193,7 @@ def run_flower(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": watch.seconds, "accuracy": accuracy, "ray_actors": flower_cpus(args)}
 
 
-def run_floor(args: argparse.Namespace) -> dict[str, Any]:
+def run_floor(args: argparse.Namespace, optimizer: str = "torch") -> dict[str, Any]:
     import torch
 
     from fedplug.simulation.simulator import sample_clients
@@ -204,14 +209,21 @@ def run_floor(args: argparse.Namespace) -> dict[str, Any]:
             clients = sample_clients(NUM_CLIENTS, FRACTION, args.seed, round_index)
             x = torch.cat([data["train_x"][k] for k in clients])
             y = torch.cat([data["train_y"][k] for k in clients])
-            benchlib.centralised_epoch(model, x, y, args.batch_size, args.lr, generator)
+            benchlib.centralised_epoch(
+                model, x, y, args.batch_size, args.lr, generator, optimizer=optimizer
+            )
             accuracy.append(task.evaluate(model, data["test_x"], data["test_y"])[0])
     return {"seconds": watch.seconds, "accuracy": accuracy}
 
 
 def worker_main(args: argparse.Namespace) -> int:
     threads = benchlib.set_threads(args.threads)
-    runner = {"fedplug": run_fedplug, "flower": run_flower, "floor": run_floor}[args.worker]
+    runner = {
+        "fedplug": run_fedplug,
+        "flower": run_flower,
+        "floor": run_floor,
+        "floor_fused": lambda args: run_floor(args, optimizer="fused"),
+    }[args.worker]
     outcome = runner(args)
     outcome.update(
         program=args.worker,
@@ -338,13 +350,14 @@ def summarise(model: str, rounds: int, runs: list[dict[str, Any]]) -> dict[str, 
             "final_accuracy": [round(run["accuracy"][-1], 4) for run in mine],
             "peak_rss_mib": max(run["peak_rss_mib"] for run in mine),
         }
-    fedplug, flower, floor = (by_program[p]["median_seconds"] for p in PROGRAMS)
+    fedplug, flower, floor, floor_fused = (by_program[p]["median_seconds"] for p in PROGRAMS)
     return {
         "model": model,
         "rounds": rounds,
         "programs": by_program,
         "flower_over_fedplug": round(flower / fedplug, 2),
         "fedplug_over_floor": round(fedplug / floor, 3),
+        "fedplug_over_fused_floor": round(fedplug / floor_fused, 3),
         "flower_over_floor": round(flower / floor, 2),
         "load_average": [run["load_average"] for run in runs],
     }
@@ -375,12 +388,13 @@ def driver_main(args: argparse.Namespace) -> int:
             repeats = args.repeats_cnn if is_cnn else args.repeats
             runs = []
             for repeat in range(repeats):
-                order = PROGRAMS[repeat % 3 :] + PROGRAMS[: repeat % 3]
+                shift = repeat % len(PROGRAMS)
+                order = PROGRAMS[shift:] + PROGRAMS[:shift]
                 for program in order:
                     outcome = launch(program, args, model, rounds, repeat, workdir)
                     runs.append(outcome)
                     print(
-                        f"{model:9s} {program:7s} seed {repeat}: {outcome['seconds']:7.2f} s "
+                        f"{model:9s} {program:11s} seed {repeat}: {outcome['seconds']:7.2f} s "
                         f"(process {outcome['process_seconds']:.1f} s, CPU {outcome['process_cpu_seconds']:.1f} s), final accuracy "
                         f"{outcome['accuracy'][-1]:.4f}, peak RSS {outcome['peak_rss_mib']} MiB, "
                         f"load {outcome['load_average'][0]}"
@@ -403,7 +417,9 @@ def driver_main(args: argparse.Namespace) -> int:
             print(
                 f"{model}: median fedplug {summary['programs']['fedplug']['median_seconds']} s, Flower "
                 f"{summary['programs']['flower']['median_seconds']} s, floor {summary['programs']['floor']['median_seconds']} s; "
-                f"Flower/fedplug {summary['flower_over_fedplug']}x, fedplug/floor {summary['fedplug_over_floor']}x, "
+                f"Flower/fedplug {summary['flower_over_fedplug']}x, fedplug/floor {summary['fedplug_over_floor']}x "
+                f"(fused-update floor {summary['programs']['floor_fused']['median_seconds']} s: "
+                f"{summary['fedplug_over_fused_floor']}x), "
                 f"Flower/floor {summary['flower_over_floor']}x; target {summary['target']}: "
                 f"{'met' if met else 'NOT met'}"
             )
