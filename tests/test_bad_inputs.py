@@ -10,10 +10,6 @@ through :func:`fedplug.cli.main`; the unreadable-file row in a subprocess) and c
 - the key phrase of the message (what is wrong, or what to do),
 - ``--out`` untouched: it does not exist afterwards, or holds exactly what it held before.
 
-Rows marked ``pending`` fail today for the reason given; the fix (a patch to a file this
-test does not own) is in the reliability report, and the row is ``xfail(strict=True)``
-with ``raises=`` the one check that fails, so any other regression still fails the test.
-
 ``python tests/test_bad_inputs.py`` runs every row and rewrites ``docs/errors.md`` with the
 messages it got; ``test_every_case_is_in_the_table`` keeps the two from drifting apart.
 """
@@ -280,10 +276,6 @@ class BadInput:
     via: Literal["cli", "subprocess", "preflight"] = "cli"
     """``cli``: ``fedplug.cli.main`` in-process; ``subprocess``: ``python -m fedplug.cli``;
     ``preflight``: the pipeline's tracking check, :func:`fedplug.tracking.choose_tracking_uri`."""
-    pending: str | None = None
-    """Why this row fails today (the patch is in the reliability report)."""
-    fails_check: tuple[type[AssertionError], ...] = (UnclearFailure,)
-    """Which checks fail while the row is pending."""
     skip_reason: Callable[[], str | None] = lambda: None
 
 
@@ -863,10 +855,7 @@ def check(case: BadInput, outcome: Outcome) -> None:
 
 
 def _param(case: BadInput) -> Any:
-    marks = []
-    if case.pending:
-        marks.append(pytest.mark.xfail(strict=True, raises=case.fails_check, reason=case.pending))
-    return pytest.param(case, id=case.id, marks=marks)
+    return pytest.param(case, id=case.id)
 
 
 # ------------------------------------------------------------------------------ tests
@@ -919,7 +908,7 @@ def test_every_case_is_in_the_table() -> None:
     for case in CASES:
         row = rows[case.id]
         assert case.what.replace("|", "\\|") in row
-        if not case.pending and not case.skip_reason():
+        if not case.skip_reason():
             assert _cell(case.phrase) in row, f"{case.id}: the table's message is stale"
 
 
@@ -973,9 +962,9 @@ def write_table(path: Path) -> None:
         HEADER,
         (
             "| # | id | input | change (in a folder holding the base params.yaml) "
-            "| message (stderr) | exit | status |"
+            "| message (stderr) | exit |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     for number, case in enumerate(CASES, 1):
         reason = case.skip_reason()
@@ -989,10 +978,9 @@ def write_table(path: Path) -> None:
                 monkeypatch.setenv("FEDPLUG_DISABLE_PLUGIN_AUTOLOAD", "1")
                 outcome = run_case(case, Path(folder), monkeypatch)
             message, code = _message_doc(outcome), str(outcome.exit_code)
-        status = f"**pending**: {_cell(case.pending)}" if case.pending else "ok"
         lines.append(
             f"| {number} | `{case.id}` | {_cell(case.what)} | {_change_doc(case)} "
-            f"| {message} | {code} | {status} |"
+            f"| {message} | {code} |"
         )
     path.write_text("\n".join(lines) + "\n" + FOOTER)
 
@@ -1016,11 +1004,6 @@ that names what is wrong and what to do (the key phrase the test looks for is pa
 message shown), and `--out` untouched: it does not exist afterwards, or holds exactly the
 files it held before. Paths in messages are relative because the run's working folder is
 the temporary folder.
-
-Rows marked **pending** do not meet that yet; the fix is a patch to a file outside the
-test's reach (listed in the reliability report to the lead), and the test marks the row
-`xfail(strict=True)` on the one check that fails, so the row turns red the day it is
-fixed until the mark is removed. The message column then shows what users get today.
 
 """
 )
