@@ -17,7 +17,13 @@ import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import run_on_grid
-from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
+from fedplug.adapters.flower.density import FEDDISK_ACTION
+from fedplug.adapters.flower.nodes import (
+    handle_evaluate,
+    handle_feddisk,
+    handle_query,
+    handle_train,
+)
 from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY
 from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
@@ -49,6 +55,18 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
             "alpha": 2.0,
             "beta": 1.0,
             "group_fraction": 0.5,
+        },
+        "client_fraction": 1.0,
+    },
+    # Phase 1 over train.feddisk messages before round 1; the weights stay on the nodes.
+    "feddisk": {
+        "loss_transform": {
+            "name": "feddisk",
+            "made_hidden": 8,
+            "made_max_epochs": 3,
+            "global_rounds": 2,
+            "classifier_epochs": 5,
+            "classifier_lr": 0.5,
         },
         "client_fraction": 1.0,
     },
@@ -84,6 +102,7 @@ def train_or_fail(message: Message, context: Context) -> Message:
 client_app = ClientApp()
 client_app.query()(handle_query)
 client_app.train()(train_or_fail)
+client_app.train(FEDDISK_ACTION)(handle_feddisk)
 client_app.evaluate()(handle_evaluate)
 
 
@@ -142,6 +161,10 @@ def test_two_rounds_on_ray_equal_the_simulator(flower_runs: dict[str, Any], name
     # Assert: two rounds, every chain accepted, the simulator's global model and metrics.
     assert [record.round for record in result.history] == [1, 2]
     assert all(record.failures == 0 for record in result.history)
+    assert (result.setup_rounds, result.setup_bytes) == (
+        simulated.setup_rounds,
+        simulated.setup_bytes,
+    )
     torch.testing.assert_close(strategy.final_vector, simulator.final_vector, rtol=0, atol=1e-5)
     for ours, theirs in zip(result.history, simulated.history):
         assert ours.accuracy == pytest.approx(theirs.accuracy, abs=1e-6)

@@ -325,8 +325,16 @@ def test_nodes_with_the_wrong_partition_count_are_refused(small_experiment: dict
         run_on_grid(grid, config)
 
 
-@pytest.mark.parametrize("name", ["feddisk", "feddisk_ab"])
-def test_feddisk_is_refused_with_a_reason(small_experiment: dict[str, Any], name: str) -> None:
-    config = experiment(small_experiment, {"loss_transform": {"name": name}})
-    with pytest.raises(ConfigError, match=r"cannot run on Flower: .*built-in simulator"):
-        FedplugStrategy(config.train, num_clients=NUM_CLIENTS, num_classes=4, input_shape=(12,))
+def test_feddisk_ab_is_refused_with_its_reason_and_feddisk_is_not(
+    small_experiment: dict[str, Any],
+) -> None:
+    oracle = experiment(small_experiment, {"loss_transform": {"name": "feddisk_ab"}})
+    with pytest.raises(
+        ConfigError, match=r"'feddisk_ab' cannot run on Flower: .*pools raw client data"
+    ):
+        FedplugStrategy(oracle.train, num_clients=NUM_CLIENTS, num_classes=4, input_shape=(12,))
+    feddisk = experiment(small_experiment, {"loss_transform": {"name": "feddisk"}})
+    strategy = FedplugStrategy(
+        feddisk.train, num_clients=NUM_CLIENTS, num_classes=4, input_shape=(12,)
+    )
+    assert strategy.config.loss_transform.name == "feddisk"

@@ -4,7 +4,9 @@
   aggregator and grouper decide what goes to which node and how replies combine
   (FedGSP's chains included).
 - :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
-  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines).
+  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; FedDisk's
+  phase 1 with :meth:`FedplugTrainer.feddisk`).
+- :mod:`.density`: FedDisk's phase 1 over ``train.feddisk`` messages.
 - :mod:`.apps`: a ready ``server_app`` / ``client_app`` pair that runs any fedplug
   experiment config, plus :func:`make_server_app` for ``run_simulation``.
 - :class:`LoopbackGrid`: an in-process grid for tests and debugging.

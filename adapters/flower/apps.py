@@ -45,7 +45,14 @@ from fedplug.registry import Registry
 from fedplug.simulation.results import RunResult
 from fedplug.simulation.simulator import resolve_device
 
-from .nodes import experiment_message_config, handle_evaluate, handle_query, handle_train
+from .density import FEDDISK_ACTION
+from .nodes import (
+    experiment_message_config,
+    handle_evaluate,
+    handle_feddisk,
+    handle_query,
+    handle_train,
+)
 from .records import number
 from .strategy import FedplugStrategy, RoundObserver, central_evaluation
 
@@ -234,6 +241,7 @@ def make_client_app() -> ClientApp:
     app = ClientApp()
     app.query()(handle_query)
     app.train()(handle_train)
+    app.train(FEDDISK_ACTION)(handle_feddisk)
     app.evaluate()(handle_evaluate)
     return app
 

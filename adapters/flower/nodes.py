@@ -1,5 +1,5 @@
 """The ready ClientApp's work on a node: rebuild this node's client of a fedplug
-experiment and answer the server's query, train and evaluate messages.
+experiment and answer the server's query, train, FedDisk phase-1 and evaluate messages.
 
 The server sends the experiment (its ``data`` and ``train`` sections, as JSON) with
 every message, so nodes need no config file and always run the server's config. A node
@@ -137,6 +137,15 @@ def node_experiment(message: Message, context: Context) -> NodeExperiment:
     return node
 
 
+def _check_client(message: Message, context: Context) -> None:
+    """Raise ConfigError when the message is for another client than this node's."""
+    config = message.content.config_records[CONFIG_KEY]
+    partition, _ = node_partition(context)
+    requested = integer(config, CLIENT_ID, partition)
+    if requested != partition:
+        raise ConfigError(f"asked to train client {requested} on the node of client {partition}")
+
+
 def handle_query(message: Message, context: Context) -> Message:
     """Reply with this client's class counts (:meth:`FedplugTrainer.describe`)."""
     node = node_experiment(message, context)
@@ -150,13 +159,27 @@ def handle_train(message: Message, context: Context) -> Message:
         ConfigError: the server asked this node to train another client.
     """
     node = node_experiment(message, context)
-    config = message.content.config_records[CONFIG_KEY]
-    partition, _ = node_partition(context)
-    requested = integer(config, CLIENT_ID, partition)
-    if requested != partition:
-        raise ConfigError(f"asked to train client {requested} on the node of client {partition}")
+    _check_client(message, context)
     return node.trainer.fit(
         node.model, node.client, message, context, state_namespace=node.state_namespace
+    )
+
+
+def handle_feddisk(message: Message, context: Context) -> Message:
+    """Do one step of FedDisk's phase 1 on this client's training data
+    (:meth:`FedplugTrainer.feddisk`).
+
+    Raises:
+        ConfigError: the server asked this node about another client.
+    """
+    node = node_experiment(message, context)
+    _check_client(message, context)
+    return node.trainer.feddisk(
+        node.client,
+        message,
+        context,
+        device=node.client.train_x.device,
+        state_namespace=node.state_namespace,
     )
 
 

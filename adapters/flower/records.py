@@ -21,6 +21,9 @@ key                      record        content
 ``"metrics"``            MetricRecord  ``num-examples``, ``fedplug.num-steps``, ... (up)
 ``"fedplug.extras"``     ArrayRecord   the aggregator's client extras, e.g. delta_c (up)
 ======================== ============= =====================================================
+
+FedDisk's phase-1 messages (type ``train.feddisk``) use ``"arrays"`` for MADE parameters
+and ``"config"`` / ``"metrics"`` with keys of their own (:mod:`.density`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ does in one process, with the same components and the same random streams:
 
 1. **setup** (once): a ``query`` message asks every node for its class counts
    (:mod:`.priors`); the loss transform (FedShift's prior) and the grouper (FedGSP's
-   clusters) are prepared from them, and the aggregator is built for K clients.
+   clusters) are prepared from them, and the aggregator is built for K clients. A loss
+   transform whose preparation needs the clients' data runs it over messages instead
+   (FedDisk's phase 1, :mod:`.density`), and its result stays on the nodes.
 2. **each round**: sample clients (:func:`~fedplug.simulation.simulator.sample_clients`),
    let the grouper plan the chains (generator ``[seed, round, 0x6E0]``), and train:
    one exchange per chain position (:mod:`.chains`); a chain's model is handed to its
@@ -21,7 +23,8 @@ does in one process, with the same components and the same random streams:
 4. **evaluate**: ``evaluate_fn`` (central, on the server's test set) and, optionally,
    an ``evaluate`` message to every node for its local test split.
 
-Not supported on Flower: FedDisk's phase 1 (see :data:`UNSUPPORTED_LOSS_TRANSFORMS`).
+Not supported on Flower: FedDiskAb, which pools raw data (see
+:data:`UNSUPPORTED_LOSS_TRANSFORMS`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from fedplug.simulation.simulator import build_model, resolve_device, sample_cli
 from fedplug.simulation.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 
 from .chains import RoundInProgress
+from .density import MESSAGE_PHASES
 from .priors import ClassCounts, NodeDirectory, gather_class_counts
 from .records import (
     ACCURACY,
@@ -81,19 +85,13 @@ from .records import (
 logger = logging.getLogger("fedplug.adapters.flower")
 
 UNSUPPORTED_LOSS_TRANSFORMS = {
-    "feddisk": (
-        "FedDisk's phase 1 (a local MADE on every client, a global MADE trained by FedAvg "
-        "until the federated validation loss rises, then a density-ratio classifier on every "
-        "client) is not implemented over Flower messages; run FedDisk with the built-in "
-        "simulator (`fedplug run`)"
-    ),
     "feddisk_ab": (
         "FedDiskAb is an oracle ablation that pools raw client data, which a Flower "
         "deployment must not do; run it with the built-in simulator (`fedplug run`)"
     ),
 }
-"""Loss transforms this adapter refuses, with the reason (their ``prepare`` needs every
-client's raw data, not class counts)."""
+"""Loss transforms this adapter refuses, with the reason (FedDiskAb's ``prepare`` needs
+every client's raw data)."""
 
 RoundObserver = Callable[[RoundRecord], None]
 CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
@@ -232,10 +230,13 @@ class FedplugStrategy(Strategy):
         )
 
     def setup(self, grid: Grid, timeout: float | None = None) -> NodeDirectory:
-        """Gather the nodes' class counts and prepare the components (see :mod:`.priors`).
+        """Gather the nodes' class counts and prepare the components (see :mod:`.priors`),
+        running FedDisk's phase 1 over messages when the loss transform is FedDisk
+        (:mod:`.density`).
 
         Raises:
-            TrainingError: the nodes did not all report.
+            TrainingError: the nodes did not all report, or a node failed in FedDisk's
+                phase 1.
             ConfigError: the loss transform needs more than class counts to prepare.
         """
         directory = gather_class_counts(
@@ -248,22 +249,42 @@ class FedplugStrategy(Strategy):
         )
         config = self.config
         self.loss_transform = self.registry.build("loss_transforms", config.loss_transform)
+        phase = MESSAGE_PHASES.get(config.loss_transform.name)
+        if phase is not None:
+            self.setup_cost = phase(
+                grid,
+                directory,
+                config.loss_transform,
+                message_config={
+                    NUM_CLIENTS: self.num_clients,
+                    NUM_CLASSES: self.num_classes,
+                    **self.message_config,
+                },
+                timeout=timeout,
+            )
+            self._loss_records = None
+        else:
+            self._prepare_from_class_counts(directory)
+        self.aggregator = self.registry.build("aggregators", config.aggregator, self.num_clients)
+        self.grouper = self.registry.build("groupers", config.grouper)
+        self.grouper.prepare(directory.class_counts)
+        self.directory = directory
+        return directory
+
+    def _prepare_from_class_counts(self, directory: NodeDirectory) -> None:
+        """Prepare the loss transform on the server and keep its state to send."""
+        name = self.config.loss_transform.name
         try:
             self.setup_cost = self.loss_transform.prepare(
                 ClassCounts(directory.class_counts)
             ) or PhaseCost(0, 0, 0)
         except AttributeError as error:
             raise ConfigError(
-                f"train.loss_transform {config.loss_transform.name!r} cannot run on Flower: its "
-                f"prepare() reads more than the clients' class counts ({error})"
+                f"train.loss_transform {name!r} cannot run on Flower: its prepare() reads more "
+                f"than the clients' class counts ({error})"
             ) from None
         state = self.loss_transform.state_dict()
-        self._loss_records = encode_loss_state(state, config.loss_transform.name) if state else None
-        self.aggregator = self.registry.build("aggregators", config.aggregator, self.num_clients)
-        self.grouper = self.registry.build("groupers", config.grouper)
-        self.grouper.prepare(directory.class_counts)
-        self.directory = directory
-        return directory
+        self._loss_records = encode_loss_state(state, name) if state else None
 
     def _require_setup(self) -> NodeDirectory:
         if self.directory is None:

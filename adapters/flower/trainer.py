@@ -18,12 +18,18 @@ A few lines turn a plain Flower PyTorch ClientApp into an IWDS + FedShift one::
     def query(message, context):          # FedShift's prior: the server asks for counts
         return trainer.describe(train_loader, message, context)
 
+For FedDisk, one more handler runs its phase 1 (the sample weights then stay on the node)::
+
+    @app.train("feddisk")
+    def feddisk(message, context):
+        return trainer.feddisk(train_loader, message, context)
+
 Training runs :func:`fedplug.simulation.local_training.train_locally`, the loop the
 built-in simulator runs, so a client behaves identically on both. Everything a client
 needs from the server (the round, its client id, the aggregator's payload, the loss
 transform's prepared state) comes in the message (:mod:`.records`); state that must
-outlive a message (SCAFFOLD's c_k) lives in ``context.state``, which Flower keeps on the
-node between messages.
+outlive a message (SCAFFOLD's c_k, FedDisk's sample weights) lives in ``context.state``,
+which Flower keeps on the node between messages.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedplug.components import Aggregator, LossTransform
+from fedplug.components import Context as LossContext
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
@@ -51,6 +58,7 @@ from fedplug.simulation.local_training import (
 )
 from fedplug.simulation.vectors import move_tensors, vector_to_model
 
+from .density import NODE_LOSS_CONTEXTS, answer_feddisk
 from .local_data import LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
@@ -172,6 +180,25 @@ class FedplugTrainer:
                 "trainer.prepare_from_class_counts(counts) with the K x C class counts"
             )
 
+    def _loss_context(
+        self,
+        content: RecordDict,
+        context: Context,
+        state_namespace: str,
+        client_id: int,
+        class_counts: np.ndarray,
+        device: torch.device,
+    ) -> LossContext:
+        """The loss transform's client context: from what a phase run over messages left
+        on this node (FedDisk's sample weights), else from the state the server sent."""
+        from_node = NODE_LOSS_CONTEXTS.get(self.config.loss_transform.name)
+        if from_node is not None:
+            return from_node(context, state_namespace, int(class_counts.sum()), device)
+        self._load_loss_state(content)
+        return move_tensors(
+            self.algorithm.loss_transform.client_context(client_id, class_counts), device
+        )
+
     def _check_payload(self, payload: dict[str, Tensor], start_vector: Tensor) -> None:
         """The keys the aggregator's server side sends (SCAFFOLD's ``c``) must be here."""
         if self._payload_keys is None:
@@ -269,10 +296,9 @@ class FedplugTrainer:
         start_vector = record_to_vector(content.array_records[MODEL_KEY], vector_layout(model)).to(
             device
         )
-        self._load_loss_state(content)
         class_counts = local.class_counts(num_classes)
-        loss_context = move_tensors(
-            self.algorithm.loss_transform.client_context(client_id, class_counts), device
+        loss_context = self._loss_context(
+            content, context, state_namespace, client_id, class_counts, device
         )
         payload = record_to_tensors(content.array_records.get(PAYLOAD_KEY), device)
         self._check_payload(payload, start_vector)
@@ -307,6 +333,34 @@ class FedplugTrainer:
         if result.extras:
             reply[EXTRAS_KEY] = tensors_to_record(result.extras)
         return Message(reply, reply_to=message)
+
+    def feddisk(
+        self,
+        data: Any,
+        message: Message,
+        context: Context,
+        *,
+        device: torch.device | str = "cpu",
+        state_namespace: str = DEFAULT_STATE_NAMESPACE,
+    ) -> Message:
+        """Answer one message of FedDisk's phase 1 (type ``train.feddisk``, see
+        :mod:`.density`): register it with ``@app.train("feddisk")``. The MADEs, the
+        classifier and the resulting sample weights stay in ``context.state``; later
+        :meth:`fit` calls weight this client's loss with them.
+
+        Args:
+            data: the training data :meth:`fit` receives (the weights follow its sample
+                order).
+            message: the server's phase-1 message.
+            context: the ClientApp's context.
+            device: where the MADEs train (default ``"cpu"``).
+            state_namespace: as in :meth:`fit` (default ``"fedplug"``).
+        """
+        config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
+        local = self._local_data(data, torch.device(device))
+        inputs = local.inputs[torch.arange(local.num_samples, device=local.labels.device)]
+        client_id = self._client_id(config, context)
+        return answer_feddisk(inputs, client_id, message, context, state_namespace)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Any, message: Message) -> Message:

@@ -74,6 +74,19 @@ to [0, 1]). When the federation's inputs already lie there they are used as they
 otherwise one affine map ``(x - lo) / (hi - lo)`` with the global min and max over all
 clients (two scalars per client to share) brings them there.
 
+Randomness and who runs what. Phase 1 draws two seeds from its generator
+(:class:`PhaseOneSeeds`): one builds the MADE every party starts from (connectivity and
+initial weights), the other is the root of one stream per client, keyed by its client id,
+from which the client draws its validation split and the seeds of its three generators
+(local MADE, global rounds, classifier). A client's draws therefore depend neither on the
+other clients nor on where it runs. :func:`compute_feddisk_weights` is a composition of
+client-side pieces (:func:`client_density_data`, :func:`train_local_mades`,
+:func:`global_made_round`, :func:`client_validation_nlls`, :func:`client_sample_weights`)
+and server-side ones (:func:`unit_interval_bounds`, :func:`average_state_dicts`,
+:func:`federated_nll`, :class:`GlobalMadeStopping`, :func:`made_phase_cost`); the Flower
+adapter (``fedplug.adapters.flower.density``) runs the same pieces, each node on its own
+client, and so computes the same weights.
+
 Caching. Phase 1 is a pure function of (federation, config, seed), so its result can be
 computed once (the DVC pipeline runs it as its own stage) and stored as ``.npz``
 (:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. A Federation carries
@@ -93,7 +106,7 @@ import re
 import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -122,6 +135,10 @@ from fedplug.models.made import (
 
 SAMPLE_WEIGHT_KEY = "sample_weight"
 BYTES_PER_PARAMETER = 4
+WEIGHTS_VERSION = 2
+"""Part of :func:`cache_key`; raised whenever the same config and seed would give other
+weights, so that weights cached by an older fedplug are recomputed rather than reused
+(2: every client draws from its own stream, :class:`PhaseOneSeeds`)."""
 
 
 # ---------------------------------------------------------------------------- configs
@@ -223,6 +240,60 @@ def _torch_generator(rng: np.random.Generator) -> torch.Generator:
     return torch.Generator().manual_seed(int(rng.integers(2**62)))
 
 
+def flat_inputs(client_id: int, train_x: Tensor) -> Tensor:
+    """Client ``client_id``'s training inputs as float32 ``[n_k, D]``.
+
+    Raises:
+        DataError: the client has fewer than 2 training samples (a validation split needs
+            one and the MADE's training one).
+    """
+    num_samples = int(train_x.shape[0])
+    if num_samples < 2:
+        raise DataError(
+            f"FedDisk needs at least 2 training samples per client; client {client_id} has "
+            f"{num_samples}; use fewer clients"
+        )
+    return train_x.reshape(num_samples, -1).to(torch.float32)
+
+
+def input_range(inputs: Tensor) -> tuple[float, float]:
+    """``(min, max)`` of one client's inputs: the two scalars it shares so that every
+    party maps inputs into [0, 1] the same way."""
+    return float(inputs.min()), float(inputs.max())
+
+
+def unit_interval_bounds(
+    ranges: Sequence[tuple[float, float]], source: str
+) -> tuple[float, float] | None:
+    """The global ``(low, high)`` of the clients' ``(min, max)`` ranges, or ``None`` when
+    every input already lies in [0, 1] (then inputs are used as they are).
+
+    Args:
+        ranges: every client's :func:`input_range`.
+        source: what the inputs are, for error messages (``"dataset 'mnist'"``).
+
+    Raises:
+        DataError: the inputs are constant or not finite.
+    """
+    low = min(low for low, _ in ranges)
+    high = max(high for _, high in ranges)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise DataError(f"{source} has non-finite inputs")
+    if low >= 0.0 and high <= 1.0:
+        return None
+    if high <= low:
+        raise DataError(f"{source} has constant inputs")
+    return low, high
+
+
+def to_unit_interval(inputs: Tensor, bounds: tuple[float, float] | None) -> Tensor:
+    """``(x - low) / (high - low)`` with the global ``bounds`` (``None``: unchanged)."""
+    if bounds is None:
+        return inputs
+    low, high = bounds
+    return (inputs - low) / (high - low)
+
+
 def unit_interval_inputs(federation: Federation) -> list[Tensor]:
     """Every client's flattened float32 ``train_x`` ``[n_k, D]``, mapped into [0, 1].
 
@@ -230,26 +301,14 @@ def unit_interval_inputs(federation: Federation) -> list[Tensor]:
     the global min and max over all clients.
 
     Raises:
-        DataError: a client has no training samples, or the inputs are constant or not
-            finite.
+        DataError: a client has fewer than 2 training samples, or the inputs are constant
+            or not finite.
     """
-    flat = []
-    for client in federation.clients:
-        if client.num_samples < 2:
-            raise DataError(
-                f"FedDisk needs at least 2 training samples per client; client "
-                f"{client.client_id} has {client.num_samples}; use fewer clients"
-            )
-        flat.append(client.train_x.reshape(client.num_samples, -1).to(torch.float32))
-    low = min(float(x.min()) for x in flat)
-    high = max(float(x.max()) for x in flat)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise DataError(f"dataset {federation.dataset_name!r} has non-finite inputs")
-    if low >= 0.0 and high <= 1.0:
-        return flat
-    if high <= low:
-        raise DataError(f"dataset {federation.dataset_name!r} has constant inputs")
-    return [(x - low) / (high - low) for x in flat]
+    flat = [flat_inputs(client.client_id, client.train_x) for client in federation.clients]
+    bounds = unit_interval_bounds(
+        [input_range(x) for x in flat], f"dataset {federation.dataset_name!r}"
+    )
+    return [to_unit_interval(x, bounds) for x in flat]
 
 
 def validation_split(
@@ -423,6 +482,22 @@ def normalise_weights(
     return np.clip(values / values.mean(), clip_min, clip_max).astype(np.float32)
 
 
+def client_weights(
+    classifiers: Sequence[nn.Module], features: Sequence[Tensor], config: SampleWeightConfig
+) -> list[np.ndarray]:
+    """Step 4 for each client: classifier k's density ratios of ``features[k]``,
+    normalised as ``config`` says (:func:`normalise_weights`)."""
+    return [
+        normalise_weights(
+            density_ratios(classifier, inputs),
+            config.normalisation,
+            config.clip_min,
+            config.clip_max,
+        )
+        for classifier, inputs in zip(classifiers, features)
+    ]
+
+
 # ------------------------------------------------------------------- the MADEs
 
 
@@ -443,6 +518,89 @@ def average_state_dicts(
     return averaged
 
 
+def global_made_round(
+    global_model: MADE,
+    train_inputs: Sequence[Tensor],
+    config: FedDiskConfig,
+    generators: Sequence[torch.Generator],
+) -> list[dict[str, Tensor]]:
+    """The clients' half of one global MADE round (step 2): client k starts from
+    ``global_model``, trains ``config.global_local_epochs`` epochs on ``train_inputs[k]``
+    with a fresh Adam state, shuffling with ``generators[k]`` (which advances), and
+    returns its model's ``state_dict()``. All clients at once, vectorised."""
+    client_models = [copy.deepcopy(global_model) for _ in train_inputs]
+    train_epochs_stacked(
+        client_models,
+        train_inputs,
+        lr=config.made_lr,
+        batch_size=config.made_batch_size,
+        epochs=config.global_local_epochs,
+        generators=generators,
+    )
+    return [model.state_dict() for model in client_models]
+
+
+def client_validation_nlls(model: MADE, validation_inputs: Sequence[Tensor]) -> list[float]:
+    """Mean validation NLL of ``model`` on each client's validation split: what every
+    client reports after receiving a global model."""
+    stack = stack_mades([model] * len(validation_inputs))
+    return stacked_mean_nll(stack, PaddedSets(validation_inputs))
+
+
+def federated_nll(nlls: Sequence[float], client_sizes: Sequence[int]) -> float:
+    """``sum_k (n_k / n) NLL_k``: the server's federated validation NLL from the clients'
+    reports, added in client order."""
+    total = float(sum(client_sizes))
+    return sum(size / total * nll for size, nll in zip(client_sizes, nlls))
+
+
+def federated_validation_nll(
+    model: MADE, validation: PaddedSets, client_sizes: Sequence[int]
+) -> float:
+    """``sum_k (n_k / n) NLL_k``: the n_k-weighted mean of the clients' mean validation
+    NLLs of ``model`` (data set k of ``validation`` is client k's validation split)."""
+    stack = stack_mades([model] * len(client_sizes))
+    return federated_nll(stacked_mean_nll(stack, validation), client_sizes)
+
+
+@dataclass
+class GlobalMadeStopping:
+    """The server's stopping rule of step 2: stop after the first round whose federated
+    validation NLL is not at most the one before (a rise, or NaN from a diverged round),
+    or after ``max_rounds`` rounds; keep the model from before the rise.
+
+    Args:
+        max_rounds: ``config.global_rounds``.
+        initial_nll: the federated validation NLL of the initial model.
+    """
+
+    max_rounds: int
+    initial_nll: float
+    history: list[float] = field(init=False)
+    """Federated validation NLL of the initial model and after every round."""
+
+    def __post_init__(self) -> None:
+        self.history = [self.initial_nll]
+
+    def record(self, nll: float) -> None:
+        """Take the federated validation NLL of the model the latest round produced."""
+        self.history.append(nll)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds run, the one that showed a rise included."""
+        return len(self.history) - 1
+
+    @property
+    def rose(self) -> bool:
+        """The latest round's model is worse than the one before: keep that one instead."""
+        return self.rounds > 0 and not self.history[-1] <= self.history[-2]
+
+    @property
+    def finished(self) -> bool:
+        return self.rose or self.rounds >= self.max_rounds
+
+
 def train_global_made(
     template: MADE,
     train_inputs: Sequence[Tensor],
@@ -454,10 +612,9 @@ def train_global_made(
     """Fit the global MADE by FedAvg with every client taking part (step 2).
 
     Each round every client starts from the global model, trains
-    ``config.global_local_epochs`` epochs (all clients at once, vectorised), and the
-    server averages with weights ``client_sizes[k] / sum``. Training stops after the
-    first round whose federated validation NLL is above the previous one, or after
-    ``config.global_rounds`` rounds; the model with the lowest federated validation NLL
+    ``config.global_local_epochs`` epochs (:func:`global_made_round`), and the server
+    averages with weights ``client_sizes[k] / sum``. Training stops as
+    :class:`GlobalMadeStopping` says; the model with the lowest federated validation NLL
     is kept.
 
     Returns the kept model, the number of rounds run, and the federated validation NLL
@@ -465,39 +622,18 @@ def train_global_made(
     """
     global_model = copy.deepcopy(template)
     validation = PaddedSets(validation_inputs)
-    history = [federated_validation_nll(global_model, validation, client_sizes)]
-    best_state = copy.deepcopy(global_model.state_dict())
-    rounds = 0
-    for _ in range(config.global_rounds):
-        client_models = [copy.deepcopy(global_model) for _ in train_inputs]
-        train_epochs_stacked(
-            client_models,
-            train_inputs,
-            lr=config.made_lr,
-            batch_size=config.made_batch_size,
-            epochs=config.global_local_epochs,
-            generators=generators,
-        )
-        states = [model.state_dict() for model in client_models]
+    stopping = GlobalMadeStopping(
+        config.global_rounds, federated_validation_nll(global_model, validation, client_sizes)
+    )
+    kept_state = copy.deepcopy(global_model.state_dict())
+    while not stopping.finished:
+        states = global_made_round(global_model, train_inputs, config, generators)
         global_model.load_state_dict(average_state_dicts(states, client_sizes))
-        rounds += 1
-        history.append(federated_validation_nll(global_model, validation, client_sizes))
-        if not history[-1] <= history[-2]:  # a rise, or NaN from a diverged round
-            break
-        best_state = copy.deepcopy(global_model.state_dict())
-    global_model.load_state_dict(best_state)
-    return global_model, rounds, history
-
-
-def federated_validation_nll(
-    model: MADE, validation: PaddedSets, client_sizes: Sequence[int]
-) -> float:
-    """``sum_k (n_k / n) NLL_k``: the n_k-weighted mean of the clients' mean validation
-    NLLs of ``model`` (data set k of ``validation`` is client k's validation split)."""
-    stack = stack_mades([model] * len(client_sizes))
-    total = float(sum(client_sizes))
-    nlls = stacked_mean_nll(stack, validation)
-    return sum(size / total * nll for size, nll in zip(client_sizes, nlls))
+        stopping.record(federated_validation_nll(global_model, validation, client_sizes))
+        if not stopping.rose:
+            kept_state = copy.deepcopy(global_model.state_dict())
+    global_model.load_state_dict(kept_state)
+    return global_model, stopping.rounds, stopping.history
 
 
 def made_features(model: MADE, inputs: Tensor, kind: Literal["predicted", "observed"]) -> Tensor:
@@ -506,6 +642,127 @@ def made_features(model: MADE, inputs: Tensor, kind: Literal["predicted", "obser
         if kind == "observed":
             return model.observed_probabilities(inputs)
         return model.conditional_probabilities(inputs)
+
+
+# ------------------------------------------------------------- phase 1, piece by piece
+#
+# Phase 1 is cut along the line between clients and server, so that the built-in
+# simulator (compute_feddisk_weights, all clients in one process) and the Flower adapter
+# (fedplug.adapters.flower.density, one node per client) run the same functions: a
+# node calls the client-side ones with its own client only.
+
+
+@dataclass(frozen=True)
+class PhaseOneSeeds:
+    """Phase 1's randomness: one seed for the MADE every party starts from, and a root
+    from which each client's own stream derives (:meth:`client_rng`), so that a client's
+    draws depend on the run's generator and its id only, not on the other clients."""
+
+    template: int
+    """Seeds the shared MADE template: its connectivity and its initial weights."""
+    clients: int
+    """Root of every client's stream."""
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator) -> PhaseOneSeeds:
+        """The two seeds, drawn from ``rng`` (``numpy.random.default_rng(config.seed)``
+        when the loss transform runs phase 1)."""
+        return cls(template=int(rng.integers(2**62)), clients=int(rng.integers(2**62)))
+
+    def client_rng(self, client_id: int) -> np.random.Generator:
+        """Client ``client_id``'s stream: its validation split, then the seeds of its
+        local-MADE, global-round and classifier generators (:func:`client_density_data`)."""
+        return np.random.default_rng([self.clients, client_id])
+
+
+@dataclass
+class ClientDensityData:
+    """What one client holds in phase 1 (it never leaves the client)."""
+
+    inputs: Tensor
+    """All training inputs, flattened and in [0, 1], ``[n_k, D]``, in sample order."""
+    train: Tensor
+    """The part the MADEs train on."""
+    validation: Tensor
+    """The part that early-stops them (step 1) and scores the global model (step 2)."""
+    local_generator: torch.Generator
+    """Shuffles the local MADE's mini-batches."""
+    global_generator: torch.Generator
+    """Shuffles the client's mini-batches in every global round (it advances across rounds)."""
+    classifier_generator: torch.Generator
+    """Initialises the classifier D and shuffles its mini-batches."""
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.inputs.shape[0])
+
+
+def client_density_data(
+    inputs: Tensor, config: FedDiskConfig, rng: np.random.Generator
+) -> ClientDensityData:
+    """One client's share of phase 1 from its [0, 1] inputs and its stream ``rng``
+    (:meth:`PhaseOneSeeds.client_rng`)."""
+    train, validation = validation_split(int(inputs.shape[0]), config.validation_fraction, rng)
+    return ClientDensityData(
+        inputs=inputs,
+        train=inputs[torch.as_tensor(train, device=inputs.device)],
+        validation=inputs[torch.as_tensor(validation, device=inputs.device)],
+        local_generator=_torch_generator(rng),
+        global_generator=_torch_generator(rng),
+        classifier_generator=_torch_generator(rng),
+    )
+
+
+def made_template(input_dim: int, config: FedDiskConfig, seeds: PhaseOneSeeds) -> MADE:
+    """The MADE every party starts from, on the CPU. One connectivity and one
+    initialisation are shared by every MADE: the global model's must match across
+    clients, and sharing it with the local ones keeps differences between v_g and v_l
+    down to what the data made of them."""
+    generator = torch.Generator().manual_seed(seeds.template)
+    return MADE(input_dim, (config.made_hidden,), generator=generator)
+
+
+def train_local_mades(
+    template: MADE, clients: Sequence[ClientDensityData], config: FedDiskConfig
+) -> list[MADE]:
+    """Step 1 for each client of ``clients``: a copy of ``template`` trained on the
+    client's data and early-stopped on its validation split (vectorised over clients)."""
+    models = [copy.deepcopy(template) for _ in clients]
+    train_made_stacked(
+        models,
+        [client.train for client in clients],
+        [client.validation for client in clients],
+        lr=config.made_lr,
+        batch_size=config.made_batch_size,
+        max_epochs=config.made_max_epochs,
+        patience=config.patience,
+        generators=[client.local_generator for client in clients],
+    )
+    return models
+
+
+def client_sample_weights(
+    local_models: Sequence[MADE],
+    global_model: MADE,
+    clients: Sequence[ClientDensityData],
+    config: FedDiskConfig,
+) -> list[np.ndarray]:
+    """Steps 3-4 for each client of ``clients``: its classifier D on the two MADEs'
+    features of its inputs, and the normalised weights of its samples."""
+    local_features = [
+        made_features(model, client.inputs, config.made_features)
+        for model, client in zip(local_models, clients)
+    ]
+    global_features = [
+        made_features(global_model, client.inputs, config.made_features) for client in clients
+    ]
+    classifiers = train_classifiers(
+        global_features,
+        local_features,
+        config,
+        [client.classifier_generator for client in clients],
+    )
+    return client_weights(classifiers, local_features, config)
 
 
 # --------------------------------------------------------------------- phase 1
@@ -519,58 +776,32 @@ def compute_feddisk_weights(
     Args:
         federation: the clients; their ``train_x`` are flattened to D dimensions.
         config: the validated :class:`FedDiskConfig`.
-        rng: the only source of randomness (splits, MADE connectivity and initial
-            weights, mini-batch order, classifier initialisation).
+        rng: the only source of randomness (:class:`PhaseOneSeeds` are drawn from it;
+            client k's splits, mini-batch orders and classifier initialisation come from
+            its own stream, keyed by its ``client_id``).
 
     Returns:
         The normalised weights of every client's training samples and the traffic of
         the global MADE rounds.
     """
+    seeds = PhaseOneSeeds.draw(rng)
     inputs = unit_interval_inputs(federation)
-    input_dim = inputs[0].shape[1]
-    sizes = [client.num_samples for client in federation.clients]
-    splits = [validation_split(size, config.validation_fraction, rng) for size in sizes]
-    train_inputs = [x[torch.as_tensor(train)] for x, (train, _) in zip(inputs, splits)]
-    validation_inputs = [x[torch.as_tensor(val)] for x, (_, val) in zip(inputs, splits)]
-    device = inputs[0].device
-    # One connectivity and one initialisation shared by every MADE: the global model's
-    # must match across clients, and sharing it with the local ones keeps differences
-    # between v_g and v_l down to what the data made of them.
-    template = MADE(input_dim, (config.made_hidden,), generator=_torch_generator(rng)).to(device)
-
-    local_models = [copy.deepcopy(template) for _ in sizes]
-    train_made_stacked(
-        local_models,
-        train_inputs,
-        validation_inputs,
-        lr=config.made_lr,
-        batch_size=config.made_batch_size,
-        max_epochs=config.made_max_epochs,
-        patience=config.patience,
-        generators=[_torch_generator(rng) for _ in sizes],
-    )
-
-    client_generators = [_torch_generator(rng) for _ in sizes]
+    clients = [
+        client_density_data(x, config, seeds.client_rng(client.client_id))
+        for x, client in zip(inputs, federation.clients)
+    ]
+    sizes = [client.num_samples for client in clients]
+    template = made_template(inputs[0].shape[1], config, seeds).to(inputs[0].device)
+    local_models = train_local_mades(template, clients, config)
     global_model, rounds, _ = train_global_made(
-        template, train_inputs, validation_inputs, sizes, config, client_generators
+        template,
+        [client.train for client in clients],
+        [client.validation for client in clients],
+        sizes,
+        config,
+        [client.global_generator for client in clients],
     )
-
-    local_features = [
-        made_features(model, x, config.made_features) for model, x in zip(local_models, inputs)
-    ]
-    global_features = [made_features(global_model, x, config.made_features) for x in inputs]
-    classifiers = train_classifiers(
-        global_features, local_features, config, [_torch_generator(rng) for _ in sizes]
-    )
-    weights = [
-        normalise_weights(
-            density_ratios(classifier, features),
-            config.normalisation,
-            config.clip_min,
-            config.clip_max,
-        )
-        for classifier, features in zip(classifiers, local_features)
-    ]
+    weights = client_sample_weights(local_models, global_model, clients, config)
     cost = made_phase_cost(rounds, federation.num_clients, parameter_bytes(template))
     return FedDiskWeights(weights=weights, cost=cost)
 
@@ -599,12 +830,7 @@ def compute_feddisk_ab_weights(
     classifiers = train_classifiers(
         pooled_sets, inputs, config, [_torch_generator(rng) for _ in inputs]
     )
-    weights = [
-        normalise_weights(
-            density_ratios(classifier, x), config.normalisation, config.clip_min, config.clip_max
-        )
-        for classifier, x in zip(classifiers, inputs)
-    ]
+    weights = client_weights(classifiers, inputs, config)
     raw_bytes = total * input_dim * BYTES_PER_PARAMETER
     return FedDiskWeights(weights=weights, cost=PhaseCost(0, raw_bytes, raw_bytes))
 
@@ -633,8 +859,8 @@ def cache_key(
     dataset_name: str, partition_fingerprint: str, seed: int, config: SampleWeightConfig
 ) -> str:
     """File stem of the cached weights: ``<method>-<dataset>-<hash>``, where the hash
-    covers the dataset, the partition fingerprint, the seed and every config field
-    that changes the weights (all but ``cache_dir``)."""
+    covers the dataset, the partition fingerprint, the seed, every config field that
+    changes the weights (all but ``cache_dir``) and :data:`WEIGHTS_VERSION`."""
     fields = config.model_dump(exclude={"cache_dir", "seed"})
     payload = json.dumps(
         {
@@ -642,6 +868,7 @@ def cache_key(
             "partition": partition_fingerprint,
             "seed": int(seed),
             "config": fields,
+            "version": WEIGHTS_VERSION,
         },
         sort_keys=True,
     )
@@ -711,6 +938,12 @@ def load_weights(path: str | Path) -> FedDiskWeights:
 ComputeWeights = Callable[[Federation, Any, np.random.Generator], FedDiskWeights]
 
 
+def sample_weight_context(weights: Tensor) -> Context:
+    """The client context :meth:`SampleWeightedLoss.per_sample_loss` reads: the client's
+    weights, one per training sample, in sample order."""
+    return {SAMPLE_WEIGHT_KEY: weights}
+
+
 class SampleWeightedLoss(LossTransform):
     """Cross-entropy times a per-sample weight fixed by a phase run in :meth:`prepare`.
 
@@ -770,7 +1003,7 @@ class SampleWeightedLoss(LossTransform):
         """``{"sample_weight": w_k}``, a float32 tensor of shape [n_k]."""
         if self.weights is None:
             raise RuntimeError(f"{type(self).__name__}.prepare(federation) must run before round 0")
-        return {SAMPLE_WEIGHT_KEY: self.weights[client_id]}
+        return sample_weight_context(self.weights[client_id])
 
     def per_sample_loss(
         self, logits: Tensor, targets: Tensor, sample_ids: Tensor, context: Context
