@@ -1,4 +1,4 @@
-"""Training throughput of the sequential and the vectorised engine, K = 100 clients.
+"""Training throughput of the engines (sequential, vectorised, parallel), K = 100 clients.
 
 One round of FedAvg local training (one local epoch, plain SGD) of every client on an
 MNIST-sized federation: K clients of ``--samples-per-client`` random 1x28x28 inputs with
@@ -7,20 +7,27 @@ MNIST-sized federation: K clients of ``--samples-per-client`` random 1x28x28 inp
 cost exactly what real ones do; only the accuracy would differ, and it is not measured.
 
 Each case runs one untimed warm-up round on a few clients, then times ``--repeats``
-rounds of each engine (consuming the yielded updates as the simulator does) and reports
-the best. Printed: device, torch threads, samples/s of each engine, their ratio, the
-vectorised engine's block size, and its peak memory per client: on CUDA
-``torch.cuda.max_memory_allocated() / K`` during the round (and the increment over the
-memory held before it, per client); on CPU the engine's own estimate
-(:func:`fedplug.simulation.vectorized.estimate_bytes_per_client`), as the process-wide
-peak RSS cannot be attributed to one engine.
+rounds of each engine of ``--engines`` (consuming the yielded updates as the simulator
+does) and reports the best. Printed: device, torch threads, the 1-minute load average at
+the start and the end, and per case the samples/s of each engine with its ratio to the
+first engine's; for the vectorised engine also its block size and memory per client (on
+CUDA ``torch.cuda.max_memory_allocated() / K`` during the round and the increment over the
+memory held before it; on CPU the engine's own estimate,
+:func:`fedplug.simulation.vectorized.estimate_bytes_per_client`, as the process-wide peak
+RSS cannot be attributed to one engine); for the parallel engine (CPU only) its worker
+count and the median wall time per timed round of forking its workers and of stopping
+them.
 
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--device cuda] [--threads 1]``
+(sequential vs vectorised); the parallel engine against the sequential one on the CPU:
+``.venv/bin/python benchmarks/bench_engines.py --threads 1 --engines sequential parallel --workers 2``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from typing import Any
 
@@ -32,6 +39,7 @@ from fedplug.config import OptimizerConfig
 from fedplug.data.federation import ClientData, Federation
 from fedplug.plugins import default_registry
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.simulation.parallel import ParallelEngine, default_workers
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.simulator import resolve_device
@@ -41,6 +49,7 @@ from fedplug.simulation.vectors import model_to_vector
 INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10
 WARMUP_CLIENTS = 4
+ENGINES = ("sequential", "vectorized", "parallel")
 
 
 def random_federation(
@@ -138,6 +147,43 @@ def time_engine(
     return best, peak, baseline
 
 
+def make_engine(name: str, model: torch.nn.Module, workers: int | None) -> Any:
+    if name == "vectorized":
+        return VectorizedEngine(model)
+    if name == "parallel":
+        return ParallelEngine(model, workers)
+    return SequentialEngine(model)
+
+
+def engine_notes(
+    engine: Any,
+    model: torch.nn.Module,
+    batch_size: int,
+    num_clients: int,
+    peak: float,
+    baseline: float,
+    device: torch.device,
+) -> str:
+    """What an engine's entry reports besides its throughput."""
+    if isinstance(engine, ParallelEngine):
+        fork = statistics.median(engine.fork_seconds[1:]) * 1e3  # [0] is the warm-up round
+        stop = statistics.median(engine.stop_seconds[1:]) * 1e3
+        return f" ({engine.workers} workers; per round: fork {fork:.1f} ms, stop {stop:.1f} ms)"
+    if not isinstance(engine, VectorizedEngine):
+        return ""
+    if device.type == "cuda":
+        memory = (
+            f"peak/K {peak / num_clients / 2**20:.1f} MiB, "
+            f"increment/K {(peak - baseline) / num_clients / 2**20:.1f} MiB"
+        )
+    else:
+        estimate = estimate_bytes_per_client(
+            model, INPUT_SHAPE, batch_size, device, momentum=False, penalty=False
+        )
+        memory = f"estimate/K {estimate / 2**20:.1f} MiB"
+    return f" ({memory}, block size {engine.block_size})"
+
+
 def bench_case(
     model_name: str,
     batch_size: int,
@@ -148,33 +194,20 @@ def bench_case(
     model = build_model(model_name, device)
     context = build_context(federation, batch_size, args.lr)
     start = model_to_vector(model)
-    num_clients = federation.num_clients
     samples = sum(client.num_samples for client in federation.clients)
-    seconds: dict[str, float] = {}
-    memory = ""
-    for engine in (SequentialEngine(model), VectorizedEngine(model)):
+    entries, rates = [], []
+    for name in args.engines:
+        engine = make_engine(name, model, args.workers)
         best, peak, baseline = time_engine(engine, start, context, args.repeats, device)
-        seconds[engine.name] = best
-        if isinstance(engine, VectorizedEngine):
-            if device.type == "cuda":
-                memory = (
-                    f"peak/K {peak / num_clients / 2**20:7.1f} MiB "
-                    f"(increment/K {(peak - baseline) / num_clients / 2**20:.1f} MiB)"
-                )
-            else:
-                estimate = estimate_bytes_per_client(
-                    model, INPUT_SHAPE, batch_size, device, momentum=False, penalty=False
-                )
-                memory = f"estimate/K {estimate / 2**20:7.1f} MiB"
-            memory += f", block size {engine.block_size}"
-    sequential_rate = samples / seconds["sequential"]
-    vectorized_rate = samples / seconds["vectorized"]
-    print(
-        f"{model_name:9s} B={batch_size:3d}: sequential {sequential_rate:10.0f} samples/s, "
-        f"vectorized {vectorized_rate:10.0f} samples/s, ratio {vectorized_rate / sequential_rate:5.2f}; "
-        f"{memory}",
-        flush=True,
-    )
+        rates.append(samples / best)
+        notes = engine_notes(engine, model, batch_size, federation.num_clients, peak, baseline, device)
+        ratio = f", ratio {rates[-1] / rates[0]:5.2f}" if len(rates) > 1 else ""
+        entries.append(f"{name} {rates[-1]:10.0f} samples/s{ratio}{notes}")
+    print(f"{model_name:9s} B={batch_size:3d}: " + "; ".join(entries), flush=True)
+
+
+def load_average() -> str:
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def main() -> None:
@@ -189,6 +222,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds per engine (best)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--lr", type=float, default=0.05, help="client learning rate")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=["sequential", "vectorized"],
+        help="engines to time; ratios are to the first (default: sequential vectorized)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="parallel engine's workers (default: one per usable CPU)"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -196,12 +239,16 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device {device} ({name}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"K={args.clients}, n_k={args.samples_per_client}, 1 local epoch, SGD lr {args.lr}"
+        f"K={args.clients}, n_k={args.samples_per_client}, 1 local epoch, SGD lr {args.lr}; "
+        f"{default_workers()} usable CPUs, "
+        f"load average (1 min) {load_average()}",
+        flush=True,
     )
     federation = random_federation(args.clients, args.samples_per_client, device, seed=0)
     for model_name in args.models:
         for batch_size in args.batch_sizes:
             bench_case(model_name, batch_size, federation, args, device)
+    print(f"load average (1 min) at the end {load_average()}")
 
 
 if __name__ == "__main__":

@@ -125,10 +125,14 @@ class TrainConfigBase(StrictModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     seed: int = Field(0, ge=0)
     """Seed of model initialisation, client sampling and local shuffling."""
-    engine: Literal["auto", "sequential", "vectorized"] = "auto"
+    engine: Literal["auto", "sequential", "vectorized", "parallel"] = "auto"
     """``sequential`` (one client after another), ``vectorized`` (clients in lockstep with
-    torch.func.vmap), or ``auto`` (vectorized on CUDA when the setup allows, else
-    sequential)."""
+    torch.func.vmap), ``parallel`` (the clients of a round spread over ``workers`` forked
+    CPU processes, one torch thread each; same results as ``sequential``, bit for bit), or
+    ``auto`` (vectorized on CUDA when the setup allows, else sequential)."""
+    workers: int | None = Field(None, ge=1, le=1024)
+    """Worker processes of engine ``parallel`` (None = one per CPU this process may run
+    on, ``len(os.sched_getaffinity(0))``); a round with fewer chains starts fewer."""
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$")
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)."""
     eval_batch_size: int = Field(1000, ge=1)
@@ -143,6 +147,13 @@ class TrainConfigBase(StrictModel):
             reasons += [f"{slot} {component.name!r}: {why}" for why in component.incompatibilities(self)]
         if self.engine == "vectorized" and self.optimizer.name != "sgd":
             reasons.append("engine 'vectorized' implements SGD only; use optimizer.name: sgd")
+        if self.engine == "parallel" and self.device.startswith("cuda"):
+            reasons.append(
+                "engine 'parallel' trains in CPU worker processes; on CUDA use engine 'vectorized' or "
+                "'sequential', or device: cpu"
+            )
+        if self.workers is not None and self.engine != "parallel":
+            reasons.append(f"workers is set but engine is {self.engine!r}; set engine: parallel or remove workers")
         if reasons:
             raise ValueError("incompatible combination: " + "; ".join(reasons))
         return self

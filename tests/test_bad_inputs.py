@@ -459,7 +459,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "engine-misspelt",
         "engine name not known",
-        "train.engine: Input should be 'auto', 'sequential' or 'vectorized'",
+        "train.engine: Input should be 'auto', 'sequential', 'vectorized' or 'parallel'",
         edits=(("train.engine", "vectorised"),),
     ),
     BadInput(

@@ -157,6 +157,19 @@ def test_too_many_failures_stop_the_run_with_a_clear_error(small_experiment, fau
         run_experiment(config, None, registry=faulty_registry)
 
 
+@pytest.mark.parametrize("aggregator", ["fedavg", "scaffold"])
+def test_a_round_where_every_client_failed_is_retried_like_any_other(small_experiment, faulty_registry, aggregator):
+    """The aggregator has nothing to average (it raises); the failure policy, not that
+    error, decides: retry the round, then stop with the failure count."""
+    small_experiment["train"].update(client_fraction=1.0, rounds=2)
+    small_experiment["train"]["aggregator"] = {"name": aggregator}
+    small_experiment["train"]["loss_transform"] = {"name": "faulty", "raise_on": [0, 1, 2, 3, 4, 5]}
+    small_experiment["train"]["failures"] = {"max_failed_fraction": 0.9, "max_round_retries": 2}
+    config = validate_experiment(small_experiment, faulty_registry)
+    with pytest.raises(TrainingError, match=r"round 1: 6 of 6 client updates failed in each of 3 attempts"):
+        run_experiment(config, None, registry=faulty_registry)
+
+
 class ExplodingConfig(ComponentConfig):
     """FedAvg whose result turns to infinity at a chosen round."""
 

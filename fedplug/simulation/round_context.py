@@ -29,15 +29,17 @@ class RoundContext:
     """Per-client state that persists across rounds (SCAFFOLD's c_k); owned by the
     simulator so that it is checkpointed with the run."""
     payload: dict[str, Tensor] = field(default_factory=dict)
-    _loss_contexts: dict[int, Context] = field(default_factory=dict)
+    loss_contexts: dict[int, Context] = field(default_factory=dict)
+    """Each client's loss-transform constants, computed once per run by :meth:`loss_context`
+    (an engine that trains in other processes brings the ones computed there back here)."""
 
     def loss_context(self, client_id: int) -> Context:
         """The loss transform's constants for a client, computed once per run."""
-        if client_id not in self._loss_contexts:
+        if client_id not in self.loss_contexts:
             client = self.federation.clients[client_id]
             context = self.algorithm.loss_transform.client_context(client_id, client.class_counts)
-            self._loss_contexts[client_id] = move_tensors(context, self.federation.device)
-        return self._loss_contexts[client_id]
+            self.loss_contexts[client_id] = move_tensors(context, self.federation.device)
+        return self.loss_contexts[client_id]
 
     def client_state(self, client_id: int) -> dict[str, Tensor]:
         return self.client_states.setdefault(client_id, {})

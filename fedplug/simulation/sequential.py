@@ -17,6 +17,49 @@ from fedplug.simulation.local_training import local_rng, train_locally
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 
 
+def train_chain(
+    model: nn.Module,
+    start_vector: Tensor,
+    chain: list[int],
+    plan: RoundPlan,
+    round_index: int,
+    context: RoundContext,
+) -> ClientUpdate | ClientFailure:
+    """Train one chain of clients on ``model``: the first member starts from
+    ``start_vector``, each next one from its predecessor's model.
+
+    Every engine that trains chains one at a time (sequential, parallel) calls this, so
+    their results cannot drift apart. An exception while training (a failing client)
+    becomes a :class:`ClientFailure` with the reason ``"<ExceptionType>: <message>"``.
+    ``context.client_states`` of the chain's clients are updated in place.
+    """
+    started = time.perf_counter()
+    vector, steps, samples, extras = start_vector, 0, 0, {}
+    try:
+        for client_id in chain:
+            client = context.federation.clients[client_id]
+            result = train_locally(
+                model,
+                vector,
+                client.train_x,
+                client.train_y,
+                client.class_counts,
+                algorithm=context.algorithm,
+                loss_context=context.loss_context(client_id),
+                payload=context.payload,
+                client_state=context.client_state(client_id),
+                schedule=context.schedule,
+                round_index=round_index,
+                rng=local_rng(context.seed, round_index, client_id),
+            )
+            vector, extras = result.vector, result.extras
+            steps += result.num_steps
+            samples += result.num_samples
+    except Exception as error:  # a failing client must not stop the federation
+        return ClientFailure(chain, f"{type(error).__name__}: {error}")
+    return context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started)
+
+
 @dataclass
 class SequentialEngine:
     model: nn.Module
@@ -29,29 +72,4 @@ class SequentialEngine:
         """Train every chain of ``plan``; yield one update (or failure) per chain, as soon
         as it is ready, so the aggregator can keep a running sum."""
         for chain in plan.chains:
-            started = time.perf_counter()
-            vector, steps, samples, extras = start_vector, 0, 0, {}
-            try:
-                for client_id in chain:
-                    client = context.federation.clients[client_id]
-                    result = train_locally(
-                        self.model,
-                        vector,
-                        client.train_x,
-                        client.train_y,
-                        client.class_counts,
-                        algorithm=context.algorithm,
-                        loss_context=context.loss_context(client_id),
-                        payload=context.payload,
-                        client_state=context.client_state(client_id),
-                        schedule=context.schedule,
-                        round_index=round_index,
-                        rng=local_rng(context.seed, round_index, client_id),
-                    )
-                    vector, extras = result.vector, result.extras
-                    steps += result.num_steps
-                    samples += result.num_samples
-            except Exception as error:  # a failing client must not stop the federation
-                yield ClientFailure(chain, f"{type(error).__name__}: {error}")
-                continue
-            yield context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started)
+            yield train_chain(self.model, start_vector, chain, plan, round_index, context)

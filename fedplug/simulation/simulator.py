@@ -145,6 +145,10 @@ class Simulator:
             from fedplug.simulation.vectorized import VectorizedEngine
 
             return VectorizedEngine(self.model)
+        if requested == "parallel":
+            from fedplug.simulation.parallel import ParallelEngine
+
+            return ParallelEngine(self.model, self.config.workers)
         return SequentialEngine(self.model)
 
     # ------------------------------------------------------------------------- run
@@ -195,6 +199,8 @@ class Simulator:
             "model_bytes": int(model_to_vector(self.model).numel() * 4),
             "engine": self.engine.name,
         }
+        if hasattr(self.engine, "workers"):
+            derived["engine_workers"] = self.engine.workers
         aggregator_config = self.config.aggregator
         if hasattr(aggregator_config, "effective_learning_rate"):
             # Hsu et al. report eta / (1 - beta), eta being the clients' learning rate.
@@ -217,13 +223,16 @@ class Simulator:
             saved_server = copy.deepcopy(aggregator.state_dict())
             saved_clients = {k: copy.deepcopy(context.client_states[k]) for k in participants if k in context.client_states}
             tally = _Tally()
-            updates = self._screen(self.engine.run_round(global_vector, plan, round_index, context), global_vector, tally, model_bytes, round_index)
+            outcomes = self.engine.run_round(global_vector, plan, round_index, context)
+            updates = self._screen(outcomes, global_vector, tally, model_bytes, round_index)
             try:
                 new_vector: Tensor | None = aggregator.aggregate(global_vector, updates)
-            except ValueError:
+            except (ValueError, TrainingError):
                 if tally.accepted:
                     raise
-                new_vector = None
+                new_vector = None  # every update failed: nothing to aggregate; retry the round
+            finally:  # an engine's workers stop now, even if the aggregator stopped early
+                getattr(outcomes, "close", lambda: None)()
             failed_fraction = tally.failures / max(len(plan.chains), 1)
             if new_vector is not None and failed_fraction <= config.failures.max_failed_fraction:
                 break
