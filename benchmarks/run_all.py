@@ -17,6 +17,7 @@ Benchmarks (name: script):
 - ``memory``: ``bench_memory.py`` (1,000-client federation, peak RSS)
 - ``engines_cpu``: ``bench_engines.py`` on the CPU (sequential vs vectorised engine)
 - ``engines_cuda``: ``bench_engines.py --device cuda`` (only where CUDA is available)
+- ``engines_parallel``: ``bench_engines.py --engines sequential parallel`` (forked CPU workers)
 - ``flower_overhead``: ``bench_flower_overhead.py`` (the Flower adapter's overhead)
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only NAME ...] [--render-only]``
@@ -114,6 +115,26 @@ BENCHMARKS = [
         ["--device", "cuda"],
         ["--device", "cuda", "--repeats", "1"],
         needs_cuda=True,
+    ),
+    Benchmark(
+        "engines_parallel",
+        "bench_engines.py",
+        ["--device", "cpu", "--threads", "1", "--engines", "sequential", "parallel", "--repeats", "3"],
+        [
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--engines",
+            "sequential",
+            "parallel",
+            "--samples-per-client",
+            "60",
+            "--repeats",
+            "1",
+            "--models",
+            "mlp",
+        ],
     ),
     Benchmark("flower_overhead", "bench_flower_overhead.py"),
 ]
@@ -979,6 +1000,15 @@ is filled when a GPU is available (the machine these numbers come from has none)
 CPU run of the same benchmark (smaller clients, one thread):
 
 {render_text(results, "engines_cpu")}
+
+## 3b. CPU: sequential vs parallel engine
+
+`train.engine: parallel` trains a round's chains in forked worker processes, one torch
+thread each (`train.workers`, default one per usable CPU), with results bit-identical to
+the sequential engine (`tests/test_parallel_engine.py`). The same benchmark, K=100 clients
+of 600 samples, one round of all 100 clients, every usable CPU as a worker:
+
+{render_text(results, "engines_parallel")}
 
 ## 4. Memory: 1,000 clients
 
