@@ -783,7 +783,12 @@ def vs_flower_findings(data: dict[str, Any]) -> str:
                     f"{model['fedplug_over_fused_floor']}x of a plain loop with its own update, so its lead over "
                     f"the floor ({model['fedplug_over_floor']}x) is the fused SGD step, and its lead over Flower "
                     f"({model['flower_over_fedplug']}x) is that step plus Flower's fixed start-up and per-round "
-                    "message costs (split below where probed)."
+                    "message costs (split below where probed). Single runs: fedplug "
+                    f"{min(p['fedplug']['seconds'])} .. {max(p['fedplug']['seconds'])} s, Flower "
+                    f"{min(p['flower']['seconds'])} .. {max(p['flower']['seconds'])} s, so one fedplug run "
+                    f"against one Flower run gives {min(p['flower']['seconds']) / max(p['fedplug']['seconds']):.2f}x "
+                    f"to {max(p['flower']['seconds']) / min(p['fedplug']['seconds']):.2f}x; the medians are what the "
+                    "target is judged on."
                 )
             continue
         if model["model"] == "mlp":
