@@ -376,6 +376,23 @@ def test_workers_exit_on_their_own_after_a_complete_round(registry, federation):
     engine.close()
 
 
+def _child_processes() -> set[int]:
+    """Every child of this process, running or exited but not yet joined (zombie)."""
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as listing:
+            children.update(int(pid) for pid in listing.read().split())
+    return children
+
+
+def test_a_finished_run_leaves_no_worker_process_behind(registry, federation):
+    settle()
+    before = _child_processes()
+    config = validate_section("train", {**TRAIN, "engine": "parallel", "workers": 2}, registry)
+    Simulator(config, federation, registry).run(resume=False)
+    assert _child_processes() <= before
+
+
 def test_workers_are_terminated_when_the_consumer_stops_early(registry, federation):
     engine, start, plan, context = _round_of_every_client(registry, federation)
     settle()

@@ -181,13 +181,16 @@ class Simulator:
             setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
             derived_params=self.derived_params(),
         )
-        for round_index in range(len(history), config.rounds):
-            global_vector, record = self._run_round(round_index, global_vector, context, result.total_bytes)
-            history.append(record)
-            if self.checkpoint_path:
-                save_checkpoint(self.checkpoint_path, self._checkpoint_state(global_vector, client_states, history, setup_cost))
-            for observer in self.observers:
-                observer(record)
+        try:
+            for round_index in range(len(history), config.rounds):
+                global_vector, record = self._run_round(round_index, global_vector, context, result.total_bytes)
+                history.append(record)
+                if self.checkpoint_path:
+                    save_checkpoint(self.checkpoint_path, self._checkpoint_state(global_vector, client_states, history, setup_cost))
+                for observer in self.observers:
+                    observer(record)
+        finally:  # the parallel engine joins its last round's workers
+            getattr(self.engine, "close", lambda: None)()
         vector_to_model(global_vector, self.model)
         self.final_vector = global_vector
         return result
