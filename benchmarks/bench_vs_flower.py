@@ -88,6 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument(
+        "--fedplug-engine",
+        choices=["sequential", "parallel"],
+        default="sequential",
+        help=(
+            "fedplug's engine (default sequential); 'parallel' with --fedplug-workers N against "
+            "--flower-cpus N compares the two at equal cores"
+        ),
+    )
+    parser.add_argument(
+        "--fedplug-workers", type=int, default=None, help="worker processes of the parallel engine"
+    )
+    parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn_mnist"], help="default: mlp cnn_mnist"
     )
     parser.add_argument("--rounds", type=int, default=20, help="rounds for mlp (default 20)")
@@ -136,7 +148,8 @@ def run_fedplug(args: argparse.Namespace) -> dict[str, Any]:
         local_epochs=1,
         batch_size=args.batch_size,
         optimizer={"name": "sgd", "lr": args.lr},
-        engine="sequential",
+        engine=args.fedplug_engine,
+        workers=args.fedplug_workers,
         seed=args.seed,
     )
     with benchlib.Stopwatch() as watch:
@@ -280,6 +293,9 @@ def launch(
         str(args.batch_size),
         "--lr",
         str(args.lr),
+        "--fedplug-engine",
+        args.fedplug_engine,
+        *(["--fedplug-workers", str(args.fedplug_workers)] if args.fedplug_workers else []),
         "--data-file",
         str(workdir / "federation.pt"),
         "--out",
@@ -372,7 +388,8 @@ def driver_main(args: argparse.Namespace) -> int:
     print(
         f"threads for training: {args.threads} (fedplug: torch threads; Flower: Ray CPUs = concurrent "
         f"client actors, 1 torch thread each); Flower Ray CPUs {flower_cpus(args)}; batch {args.batch_size}, "
-        f"lr {args.lr}, 1 local epoch"
+        f"lr {args.lr}, 1 local epoch; fedplug engine {args.fedplug_engine}"
+        + (f" with {args.fedplug_workers} workers" if args.fedplug_workers else "")
     )
     targets = {
         "mlp": "flower/fedplug >= 3",
@@ -428,6 +445,8 @@ def driver_main(args: argparse.Namespace) -> int:
         "machine": machine,
         "threads": args.threads,
         "flower_cpus": flower_cpus(args),
+        "fedplug_engine": args.fedplug_engine,
+        "fedplug_workers": args.fedplug_workers,
         "num_clients": NUM_CLIENTS,
         "clients_per_round": int(NUM_CLIENTS * FRACTION),
         "batch_size": args.batch_size,

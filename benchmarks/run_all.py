@@ -14,6 +14,8 @@ Benchmarks (name: script):
 - ``icg``: ``bench_icg.py`` (FedGSP's inter-cluster grouping)
 - ``cpu_floor``: ``bench_cpu_floor.py`` (sequential engine vs centralised training)
 - ``vs_flower``: ``bench_vs_flower.py`` (fedplug vs Flower's simulation engine)
+- ``vs_flower_cores``: ``bench_vs_flower.py`` at equal cores (the parallel engine with 2
+  workers against Flower with 2 Ray client actors)
 - ``memory``: ``bench_memory.py`` (1,000-client federation, peak RSS)
 - ``engines_cpu``: ``bench_engines.py`` on the CPU (sequential vs vectorised engine)
 - ``engines_cuda``: ``bench_engines.py --device cuda`` (only where CUDA is available)
@@ -83,6 +85,15 @@ BENCHMARKS = [
         "bench_vs_flower.py",
         ["--threads", "1"],
         ["--threads", "1", "--rounds", "5", "--rounds-cnn", "1", "--repeats", "1"],
+        writes_json=True,
+    ),
+    Benchmark(
+        "vs_flower_cores",
+        "bench_vs_flower.py",
+        ["--threads", "1", "--fedplug-engine", "parallel", "--fedplug-workers", "2", "--flower-cpus", "2",
+         "--repeats-cnn", "2", "--no-startup-probe"],
+        ["--threads", "1", "--fedplug-engine", "parallel", "--fedplug-workers", "2", "--flower-cpus", "2",
+         "--rounds", "5", "--rounds-cnn", "1", "--repeats", "1", "--no-startup-probe"],
         writes_json=True,
     ),
     Benchmark(
@@ -605,6 +616,40 @@ def engine_overhead_note(data: dict[str, Any]) -> str:
     )
 
 
+def render_vs_flower_cores(results: Path) -> str:
+    """The equal-cores comparison: fedplug's parallel engine against Flower's Ray actors."""
+    data = _load(results, "vs_flower_cores", ".json")
+    parts = [_status_line(_load(results, "vs_flower_cores", ".meta.json"))]
+    if not data:
+        return "\n\n".join(parts)
+    rows = []
+    for model in data["models"]:
+        p = model["programs"]
+        rows.append(
+            [
+                model["model"],
+                model["rounds"],
+                p["fedplug"]["median_seconds"],
+                p["flower"]["median_seconds"],
+                f"{model['flower_over_fedplug']}x",
+                _spread(p["fedplug"]["final_accuracy"]),
+                _spread(p["flower"]["final_accuracy"]),
+            ]
+        )
+    parts.append(
+        f"fedplug: `train.engine: parallel` with {data.get('fedplug_workers')} worker processes, one torch "
+        f"thread each; Flower: {data['flower_cpus']} Ray CPUs, so {data['flower_cpus']} client actors with one "
+        "torch thread each. Median wall seconds of the runs:"
+    )
+    parts.append(
+        _table(
+            ["model", "rounds", "fedplug parallel (s)", "Flower (s)", "Flower/fedplug", "fedplug acc", "Flower acc"],
+            rows,
+        )
+    )
+    return "\n\n".join(parts)
+
+
 def render_vs_flower(results: Path) -> str:
     data = _load(results, "vs_flower", ".json")
     parts = [_status_line(_load(results, "vs_flower", ".meta.json"))]
@@ -984,6 +1029,14 @@ same.
 Each program runs in a fresh subprocess; the order rotates every repeat.
 
 {render_vs_flower(results)}
+
+### At equal cores: the parallel engine against Flower's client actors
+
+The same workload with both frameworks given the machine's two cores: fedplug's parallel
+engine (`train.engine: parallel`, forked workers) against Flower's simulation with as many
+Ray client actors. The floors in this run use one thread, as above, and are not shown.
+
+{render_vs_flower_cores(results)}
 
 ## 3. GPU: sequential vs vectorised engine
 

@@ -1,9 +1,14 @@
 """The interfaces every pluggable component implements.
 
 A component is a config class (a strict pydantic model tagged by ``name``) plus the
-object built from it. The simulator, the Flower adapter and the FedML adapter all drive
-components through these interfaces only, which is what lets one algorithm run unchanged
-on each of them.
+object built from it. Components describe themselves through these interfaces: what they
+need from the clients (:class:`ClientNeeds`), the per-round metrics they report
+(:meth:`Grouper.round_metrics`), the values derived from their config
+(:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
+(:meth:`LossTransform.setup_phase`). The round itself lives in
+:mod:`fedplug.federated_round`; the simulator, Flower and FedML move models and messages
+and read nothing else about an algorithm, so a third-party plugin runs wherever a
+built-in does.
 
 Conventions shared by all components:
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, get_args
+from typing import Any, Iterable, Literal, get_args
 
 import numpy as np
 import torch
@@ -80,12 +85,77 @@ class ComponentConfig(StrictConfig):
         starts."""
         return []
 
+    def derived_values(self, train: Any) -> dict[str, Any]:
+        """Values computed from this config and the rest of ``train`` that a reader wants
+        beside the run's params (FedAvgM's effective learning rate); every runtime logs
+        them under ``derived`` in metrics.json."""
+        return {}
+
+
+# ------------------------------------------------------------------------ client needs
+
+
+@dataclass(frozen=True)
+class ClientNeeds:
+    """What a component needs from the clients beyond the model and ``num-examples``.
+
+    Every component reports its needs (``client_needs()``); a runtime reads them to
+    decide what to gather before round 1, what to carry with each model, and what a
+    client must run. Combine several with ``|``.
+    """
+
+    class_counts: bool = False
+    """Every client's class counts before round 1 (FedShift's global prior, FedGSP's
+    clusters); a federated runtime gathers them from the clients."""
+    client_side: bool = False
+    """The component changes how a client trains (a sampler, a loss, a penalty), so the
+    client must run fedplug's client side (``FedplugTrainer`` or the component itself)."""
+    client_state: bool = False
+    """The component keeps state on each client across rounds (SCAFFOLD's c_k)."""
+    server_payload: tuple[str, ...] = ()
+    """Tensors the server sends down with every model (SCAFFOLD's ``c``)."""
+    reply_extras: tuple[str, ...] = ()
+    """Tensors every client's reply carries besides the model (SCAFFOLD's ``delta_c``,
+    FedNova's ``a_k``)."""
+    pooled_data: str | None = None
+    """Set when the component needs every client's raw data in one place, which only the
+    simulator has: the text says why (FedDiskAb, an oracle ablation)."""
+
+    def __or__(self, other: "ClientNeeds") -> "ClientNeeds":
+        return ClientNeeds(
+            class_counts=self.class_counts or other.class_counts,
+            client_side=self.client_side or other.client_side,
+            client_state=self.client_state or other.client_state,
+            server_payload=tuple(dict.fromkeys(self.server_payload + other.server_payload)),
+            reply_extras=tuple(dict.fromkeys(self.reply_extras + other.reply_extras)),
+            pooled_data=self.pooled_data or other.pooled_data,
+        )
+
+    def describe(self) -> list[str]:
+        """What a client must provide, one phrase each (empty when nothing)."""
+        items = []
+        if self.class_counts:
+            items.append("its class counts before round 1")
+        if self.client_side:
+            items.append("fedplug's client side in its training loop")
+        if self.client_state:
+            items.append("state kept across rounds")
+        if self.server_payload:
+            items.append(f"the server's payload {list(self.server_payload)} with every model")
+        if self.reply_extras:
+            items.append(f"{list(self.reply_extras)} in every reply")
+        return items
+
 
 # --------------------------------------------------------------------------- samplers
 
 
 class Sampler(ABC):
     """Decides which local samples a client visits, and in which order, in one epoch."""
+
+    def client_needs(self) -> ClientNeeds:
+        """A sampler other than the uniform one runs on the client."""
+        return ClientNeeds(client_side=True)
 
     @abstractmethod
     def epoch_indices(
@@ -114,11 +184,24 @@ class LossTransform:
     the vectorised engine's padded batches.
     """
 
+    def client_needs(self) -> ClientNeeds:
+        """Any loss but plain cross-entropy runs on the client."""
+        return ClientNeeds(client_side=True)
+
     def prepare(self, federation: Any) -> "PhaseCost | None":
         """Compute what the transform needs from the whole federation, once, before
-        round 0 (FedShift's global prior; FedDisk's density-ratio weights). ``federation``
-        is a :class:`fedplug.data.federation.Federation`. Returns the communication cost of
-        any extra phase it ran, or ``None``."""
+        round 1 (FedShift's global prior). ``federation`` is the
+        :class:`fedplug.data.federation.Federation` on the simulator; on a federated
+        runtime it holds only ``class_counts`` (K x C) and ``num_clients``, unless
+        :meth:`client_needs` sets ``pooled_data``. Returns the communication cost of any
+        extra phase it ran, or ``None``. Work on the clients' own data belongs in
+        :meth:`setup_phase`."""
+        return None
+
+    def setup_phase(self) -> "Any | None":
+        """A :class:`fedplug.setup_phase.SetupPhase` that runs on the clients' data before
+        round 1, in steps the server drives (FedDisk's MADE training); ``None`` when there
+        is none. Every runtime runs it the same way, after :meth:`prepare`."""
         return None
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
@@ -194,11 +277,12 @@ class Aggregator(ABC):
     that client): :meth:`client_context`, :meth:`client_penalty`, :meth:`client_finish`.
     """
 
-    requires_plain_sgd: ClassVar[bool] = False
-    """True when the client-side maths assumes SGD without momentum (SCAFFOLD)."""
-
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
+
+    def client_needs(self) -> ClientNeeds:
+        """What the aggregator's client side needs (default: nothing; server-only)."""
+        return ClientNeeds()
 
     def initialize(self, global_vector: Tensor) -> None:
         """Called once with the initial global model."""
@@ -258,10 +342,21 @@ class WeightedMean:
         self.weight += weight
         self.count += 1
 
-    def mean(self) -> Tensor:
-        if self.total is None or self.weight <= 0:
+    @property
+    def empty(self) -> bool:
+        """True until a vector with positive total weight has been added."""
+        return self.total is None or self.weight <= 0
+
+    def mean(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``sum_k weight_k v_k / sum_k weight_k``, summed in float64 and returned as
+        ``dtype``; ask for ``torch.float64`` to go on computing at full precision.
+
+        Raises:
+            ValueError: nothing with positive weight was added (:attr:`empty`).
+        """
+        if self.total is None or self.empty:
             raise ValueError("no client update reached the aggregator this round")
-        return (self.total / self.weight).float()
+        return (self.total / self.weight).to(dtype)
 
 
 # ---------------------------------------------------------------------------- groupers
@@ -287,8 +382,18 @@ class RoundPlan:
 class Grouper(ABC):
     """Forms the round's chains from the sampled clients."""
 
+    def client_needs(self) -> ClientNeeds:
+        """What forming the groups needs (default: nothing)."""
+        return ClientNeeds()
+
     def prepare(self, class_counts: np.ndarray) -> None:
-        """Called once with the K x C class-count matrix of all clients."""
+        """Called once with the K x C class-count matrix of all clients (zeros when
+        :meth:`client_needs` asks for no class counts and the runtime has none)."""
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray) -> dict[str, float]:
+        """Metrics of one round's plan, recorded with the round (FedGSP's CPD);
+        ``class_counts`` as given to :meth:`prepare`."""
+        return {}
 
     @abstractmethod
     def plan(self, round_number: int, clients: np.ndarray, rng: np.random.Generator) -> RoundPlan:

@@ -42,6 +42,12 @@ COMPONENT_FIELDS = {
 ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
 
 
+def component_entry(value: Any) -> Any:
+    """A component entry in its long form: ``aggregator: fedavg`` is short for
+    ``aggregator: {name: fedavg}``. Anything but a string is returned as it is."""
+    return {"name": value} if isinstance(value, str) else value
+
+
 class StrictModel(StrictConfig):
     """Base of the config sections (see :class:`fedplug.components.StrictConfig`)."""
 
@@ -195,8 +201,7 @@ def _name_check(registry: Registry, field: str):
     noun = kind[:-1].replace("_", " ")
 
     def check(value: Any) -> Any:
-        if isinstance(value, str):  # shorthand: `aggregator: fedavg`
-            value = {"name": value}
+        value = component_entry(value)
         if isinstance(value, dict):
             name = value.get("name")
             if name is None:
@@ -319,15 +324,22 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as error:
         raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({error})") from None
-    keys = key.strip().split(".")
+    return set_dotted(data, key.strip(), value)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """``data`` with the dotted ``key`` set to ``value``, merged by :func:`deep_merge`.
+
+    A name given to a component field switches the component
+    (``train.aggregator=fedavgm``); a value under it tunes the component
+    (``train.aggregator.momentum=0.5``).
+    """
+    keys = key.split(".")
     override: dict[str, Any] = {}
     node = override
     for part in keys[:-1]:
         node = node.setdefault(part, {})
-    node[keys[-1]] = value
-    # `--set train.aggregator=fedavgm` switches algorithm; `--set train.aggregator.momentum=0.5` tunes it.
-    if isinstance(value, str) and keys[-1] in COMPONENT_FIELDS:
-        node[keys[-1]] = {"name": value}
+    node[keys[-1]] = component_entry(value) if keys[-1] in COMPONENT_FIELDS else value
     return deep_merge(data, override)
 
 

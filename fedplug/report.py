@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from fedplug.errors import DataError
+from fedplug.simulation.results import rounds_to_target
 
 # ------------------------------------------------------------------------------ inputs
 
@@ -107,15 +108,6 @@ def load_run_metrics(
 
 
 # --------------------------------------------------------------------------- summaries
-
-
-def rounds_to_target(history: Sequence[dict[str, Any]], target: float) -> int | None:
-    """The first round whose accuracy is at least ``target`` (None if none is)."""
-    for record in history:
-        accuracy = record.get("accuracy")
-        if accuracy is not None and accuracy >= target:
-            return int(record["round"])
-    return None
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ import numpy as np
 from pydantic import Field, ValidationError
 
 from fedplug.components import StrictConfig
-from fedplug.config import apply_override, deep_merge, format_validation_error, validate_experiment
+from fedplug.config import apply_override, deep_merge, format_validation_error, set_dotted, validate_experiment
 from fedplug.errors import ConfigError, DataError
 from fedplug.registry import Registry
+from fedplug.simulation.results import first_round_reaching
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.+-]+$")
 """Grid value labels and algorithm labels become folder names: keep them to these characters."""
@@ -177,7 +178,7 @@ def run_document(spec: StudySpec, cell: dict[str, str], algorithm: str, seed: in
     document["train"] = deep_merge(document.get("train") or {}, spec.algorithms[algorithm] or {})
     for axis, label in cell.items():
         for key, value in spec.grid[axis][label].items():
-            document = _set_dotted(document, key, value)
+            document = set_dotted(document, key, value)
     train = dict(document["train"])
     train["seed"] = seed
     document["train"] = train
@@ -186,20 +187,6 @@ def run_document(spec: StudySpec, cell: dict[str, str], algorithm: str, seed: in
     study["seeds"] = [seed]
     document["study"] = study
     return document
-
-
-def _set_dotted(document: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
-    """``document`` with ``key`` (dotted) set to ``value``, merged like ``--set``."""
-    keys = key.split(".")
-    override: dict[str, Any] = {}
-    node = override
-    for part in keys[:-1]:
-        node = node.setdefault(part, {})
-    node[keys[-1]] = {"name": value} if isinstance(value, str) and keys[-1] in _COMPONENT_KEYS else value
-    return deep_merge(document, override)
-
-
-_COMPONENT_KEYS = ("dataset", "partition", "model", "sampler", "loss_transform", "aggregator", "grouper")
 
 
 def expand_study(spec: StudySpec, registry: Registry | None = None, overrides: Sequence[str] = ()) -> list[StudyRun]:
@@ -256,7 +243,7 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
     if not isinstance(history, list):
         raise DataError("metrics.json has no 'history' list; delete the run folder and run the study again")
     setup = int(summary.get("setup_rounds") or 0)
-    reached = next((record for record in history if (record.get("accuracy") or 0.0) >= target), None)
+    reached = first_round_reaching(history, target)
     cpds = [float(record["cpd_median"]) for record in history if _finite(record.get("cpd_median"))]
     accuracies = [float(record["accuracy"]) for record in history if _finite(record.get("accuracy"))]
     return {

@@ -7,10 +7,10 @@ Layout in MLflow:
 - **params**: the resolved config flattened to dotted keys (:func:`fedplug.config.flatten`,
   e.g. ``train.aggregator.momentum``) plus the run's derived values under ``derived.``
   (FedAvgM's effective learning rate, model bytes, FLOPs per sample);
-- **metrics** per round with ``step = round``: every numeric field of
-  :class:`~fedplug.simulation.results.RoundRecord` (accuracy, loss,
-  client_accuracy_mean/std, bytes_up/down, cumulative_bytes, cpd_median/mean, seconds,
-  failures, ...), and at the end the run's summary (final_accuracy, best_accuracy,
+- **metrics** per round with ``step = round``: every number of
+  :meth:`~fedplug.simulation.results.RoundRecord.as_dict` (accuracy, loss,
+  client_accuracy_mean/std, bytes_up/down, cumulative_bytes, seconds, failures, ..., and
+  what the components report, e.g. cpd_median/mean), and at the end the run's summary (final_accuracy, best_accuracy,
   rounds_to_target, total_bytes, total_seconds);
 - **tags**: dataset, partition and the four algorithm slots (sampler, loss_transform,
   aggregator, grouper), plus ``fedplug.algorithm`` and ``fedplug.seed``;
@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,6 @@ logger = logging.getLogger("fedplug.tracking")
 
 LOCAL_STORE_NAME = "mlflow.db"
 HEALTH_TIMEOUT_SECONDS = 3.0
-ROUND_METRICS = tuple(field.name for field in fields(RoundRecord) if field.name != "round")
-"""The per-round metric keys: every field of RoundRecord except the step itself."""
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LENGTH = 6000
@@ -190,8 +188,11 @@ def choose_tracking_uri(
 
 
 def round_metrics(record: RoundRecord) -> dict[str, float]:
-    """The metrics logged for one round: every finite numeric RoundRecord field."""
-    values = {key: getattr(record, key) for key in ROUND_METRICS}
+    """The metrics logged for one round: every finite number of
+    :meth:`RoundRecord.as_dict` (the components' metrics, e.g. ``cpd_median``, included)
+    except the round itself, which is the step."""
+    values = record.as_dict()
+    del values["round"]
     return {key: float(value) for key, value in values.items() if _finite_number(value)}
 
 

@@ -24,7 +24,7 @@ for _name, _value in (
 
 from pydantic import BaseModel, ValidationError
 
-from fedplug.config import deep_merge, format_validation_error, read_yaml
+from fedplug.config import component_entry, deep_merge, format_validation_error, read_yaml
 from fedplug.errors import ConfigError, FedplugError
 
 PARAMS_FILE = Path("params.yaml")
@@ -65,8 +65,7 @@ def validate_model(model: type[Model], data: Any, where: str) -> Model:
 def validate_component(registry: Any, kind: str, data: Any, where: str) -> Any:
     """Validate one component entry (``{"name": ..., params}``) with the config class
     registered under its name, e.g. ``data.dataset`` or ``train.loss_transform``."""
-    if isinstance(data, str):
-        data = {"name": data}
+    data = component_entry(data)
     if not isinstance(data, dict) or "name" not in data:
         raise ConfigError(
             f"invalid config:\n{where}: missing 'name:'; choose one of: {', '.join(registry.names(kind))}"

@@ -6,7 +6,8 @@ label of ``algorithms`` it writes a folder ``data/density/<label>/``:
 
 - when the label's loss transform is FedDisk or FedDiskAb (any
   :class:`~fedplug.algorithms.feddisk.SampleWeightConfig`): the weights file
-  ``<cache_key>.npz`` (local and global MADE models, discriminator, per-sample weights;
+  ``<cache_key>.npz`` (the per-sample weights and the phase's cost, from the loss
+  transform's ``prepare`` and setup phase run as the simulator runs them;
   :func:`~fedplug.algorithms.feddisk.cache_key`) and ``info.json`` (its key, the time it
   took, and the rounds and bytes of the MADE phase);
 - otherwise only ``info.json`` saying that no density model is needed (cheap: the dataset
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fedplug.algorithms.feddisk import SampleWeightConfig
-    from fedplug.config import validate_section
+    from fedplug.config import DEFAULT_COMPONENTS, validate_section
     from fedplug.plugins import default_registry
 
     params = read_params(args.params)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     names: dict[str, str] = {}
     for label in labels:
         where = f"algorithms.{label}.loss_transform"
-        slot = merged_train_slot(params, label, "loss_transform") or {"name": "cross_entropy"}
+        slot = merged_train_slot(params, label, "loss_transform") or DEFAULT_COMPONENTS["loss_transform"]
         loss_transform = validate_component(registry, "loss_transforms", slot, where)
         names[label] = loss_transform.name
         if isinstance(loss_transform, SampleWeightConfig):
@@ -130,6 +131,7 @@ def ensure_weights(
     """Make ``folder/<cache_key>.npz`` exist (kept, copied from another label's folder with
     the same key, or computed) and return the label's ``info.json`` content."""
     from fedplug.algorithms.feddisk import cache_key, load_weights, partition_fingerprint
+    from fedplug.setup_phase import prepare_loss_transform
 
     key = cache_key(
         federation.dataset_name,
@@ -155,7 +157,7 @@ def ensure_weights(
         transform = registry.build(
             "loss_transforms", loss_transform.model_copy(update={"cache_dir": str(folder)})
         )
-        transform.prepare(federation)
+        prepare_loss_transform(transform, federation)  # FedDisk's phase 1 runs here, once
         seconds, status = time.perf_counter() - started, "computed"
     cost = load_weights(target).cost
     print(f"pretrain_density: {label}: {loss_transform.name} weights {status} ({key})")

@@ -10,7 +10,7 @@ Reads ``data``, ``train``, ``algorithms.<algorithm>`` and ``study`` (DVC deps), 
 - ``metrics.json`` (final/best accuracy, rounds to target, bytes, and every round),
   ``config.yaml`` (the resolved config), ``run_info.json`` (versions, machine),
   ``model.pt`` (the final global model), written by :func:`fedplug.experiment.run_experiment`;
-- ``rounds.csv`` (per-round plot data) and ``curves.png`` (this run's learning curves).
+- ``rounds.csv`` (every round's record, one column per key) and ``curves.png`` (this run's learning curves).
 
 Resuming: the simulator checkpoints after every round to ``checkpoint.pt`` in the same
 folder, and the MLflow run id is kept in ``mlflow_run.json``. Neither is a DVC output (DVC
@@ -44,21 +44,6 @@ from common import (
 
 CHECKPOINT_NAME = "checkpoint.pt"
 TRACKING_STATE_NAME = "mlflow_run.json"
-ROUND_FIELDS = (
-    "round",
-    "accuracy",
-    "loss",
-    "client_accuracy_mean",
-    "client_accuracy_std",
-    "bytes_up",
-    "bytes_down",
-    "cumulative_bytes",
-    "seconds",
-    "participants",
-    "failures",
-    "cpd_median",
-    "cpd_mean",
-)
 
 
 def run_folder(runs: Path, algorithm: str, seed: int) -> Path:
@@ -70,14 +55,12 @@ def resolved_config(
     params: dict[str, Any], algorithm: str, seed: int, density_dir: Path, registry: Any
 ) -> Any:
     """The validated experiment config of this run (``algorithms`` left out)."""
-    from fedplug.config import validate_experiment, with_algorithm
+    from fedplug.config import component_entry, validate_experiment, with_algorithm
 
     merged = with_algorithm(params, algorithm)
     train = dict(merged.get("train") or {})
     train["seed"] = seed
-    loss_transform = train.get("loss_transform")
-    if isinstance(loss_transform, str):
-        loss_transform = {"name": loss_transform}
+    loss_transform = component_entry(train.get("loss_transform"))
     if isinstance(loss_transform, dict) and loss_transform.get("name") in registry.names(
         "loss_transforms"
     ):
@@ -171,7 +154,7 @@ def train(
     )
     tracker.log_params({"fedplug.algorithm": algorithm, **flatten(config)})
     if done_before:
-        tracker.log_history(RoundRecord(**record) for record in done_before)
+        tracker.log_history(RoundRecord.from_dict(record) for record in done_before)
         print(f"train: resuming from {checkpoint} after round {len(done_before)}")
 
     def report(record: RoundRecord) -> None:
@@ -190,7 +173,9 @@ def train(
         tracker.fail()
         raise
     history = [record.as_dict() for record in result.history]
-    write_curve_csv(history, out / "rounds.csv", ROUND_FIELDS)
+    # Every key of every round, so the metrics a component reports (cpd_median) get a column.
+    columns = list(dict.fromkeys(key for row in history for key in row))
+    write_curve_csv(history, out / "rounds.csv", columns)
     plot_run_curves(
         history, out / "curves.png", f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
     )

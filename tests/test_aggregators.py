@@ -30,7 +30,7 @@ from fedplug.algorithms.fedopt import (
 from fedplug.algorithms.fedprox import FedProx, FedProxConfig
 from fedplug.algorithms.scaffold import Scaffold, ScaffoldConfig
 from fedplug.algorithms.uniform import NoGrouping, NoGroupingConfig
-from fedplug.components import Aggregator, ClientUpdate, LocalTraining
+from fedplug.components import Aggregator, ClientUpdate, LocalTraining, WeightedMean
 from fedplug.errors import TrainingError
 from fedplug.registry import Registry
 
@@ -107,6 +107,23 @@ def test_aggregators_reject_an_empty_round(build: Callable[[], Aggregator]) -> N
 def test_aggregation_rejects_a_negative_weight() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         FedAvg(FedAvgConfig(), 2).aggregate(vec(0, 0), [update(0, (1, 1), -1)])
+
+
+def test_weighted_mean_sums_in_float64_and_returns_the_asked_precision() -> None:
+    # Prepare: (0.1, 1) weight 1 and (0.2, 4) weight 2.
+    mean = WeightedMean()
+    assert mean.empty
+    mean.add(vec(0.1, 1), 1.0)
+    mean.add(vec(0.2, 4), 2.0)
+
+    # Execute
+    exact = mean.mean(torch.float64)
+
+    # Assert: (w0 * 1 + w1 * 2) / 3 over the float32 inputs, in float64; the default is its float32.
+    inputs = [torch.tensor(value, dtype=torch.float32).double() for value in (0.1, 0.2)]
+    assert exact.dtype == torch.float64 and not mean.empty
+    assert exact.tolist() == [float((inputs[0] * 1 + inputs[1] * 2) / 3), 3.0]
+    assert torch.equal(mean.mean(), exact.float())
 
 
 def test_all_zero_weights_are_an_empty_round() -> None:
@@ -449,15 +466,19 @@ def test_scaffold_penalty_ignores_the_buffer_tail_of_the_vector() -> None:
     assert params["w"].grad.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
-def test_scaffold_rejects_momentum_and_other_optimizers() -> None:
+def test_scaffold_config_accepts_only_plain_sgd() -> None:
+    # The correction enters as a penalty whose gradient is c - c_k, which is SCAFFOLD's
+    # step only under SGD without momentum: the config refuses anything else, each
+    # problem with its own reason.
     config = ScaffoldConfig()
-    assert Scaffold.requires_plain_sgd
     plain = SimpleNamespace(optimizer=SimpleNamespace(name="sgd", momentum=0.0))
     heavy_ball = SimpleNamespace(optimizer=SimpleNamespace(name="sgd", momentum=0.9))
     adam = SimpleNamespace(optimizer=SimpleNamespace(name="adam", momentum=0.0))
+    adam_with_momentum = SimpleNamespace(optimizer=SimpleNamespace(name="adam", momentum=0.9))
     assert config.incompatibilities(plain) == []
-    assert "momentum" in config.incompatibilities(heavy_ball)[0]
+    assert "train.optimizer.momentum" in config.incompatibilities(heavy_ball)[0]
     assert "train.optimizer.name" in config.incompatibilities(adam)[0]
+    assert len(config.incompatibilities(adam_with_momentum)) == 2
 
 
 def test_scaffold_state_dict_round_trip() -> None:

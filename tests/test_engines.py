@@ -114,6 +114,12 @@ class Recorder:
             outcomes.append(outcome)
             yield outcome
 
+    def derived_params(self) -> dict[str, Any]:
+        return self.engine.derived_params()
+
+    def close(self) -> None:
+        self.engine.close()
+
 
 # ------------------------------------------------------------------ fixtures and helpers
 

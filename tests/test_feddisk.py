@@ -38,6 +38,7 @@ from fedplug.data.federation import ClientData, Federation
 from fedplug.errors import DataError, TrainingError
 from fedplug.models.made import MADE, PaddedSets
 from fedplug.plugins import collect_registry
+from fedplug.setup_phase import prepare_loss_transform
 
 DIM = 16
 
@@ -455,6 +456,46 @@ def test_prepare_computes_once_then_loads_from_the_cache(
         )
 
 
+def test_feddisks_setup_phase_fills_the_cache_and_a_cached_prepare_skips_it(
+    tmp_path: Path,
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+) -> None:
+    # Prepare: FedDisk as the simulator prepares it (prepare, then its setup phase).
+    federation, _ = two_mode_clients
+    config = FedDiskConfig(
+        made_hidden=5,
+        made_max_epochs=2,
+        global_rounds=2,
+        classifier_epochs=2,
+        cache_dir=str(tmp_path),
+    )
+    reference = compute_feddisk_weights(federation, config, np.random.default_rng(config.seed))
+    first = FedDisk(config)
+    # Execute
+    cost = prepare_loss_transform(first, federation)
+    second = FedDisk(config)
+    cached_cost = second.prepare(federation)
+    # Assert: the phase ran once, gave the weights compute_feddisk_weights gives, and
+    # left them in the cache, from which the second transform needs no phase.
+    [cached] = list(tmp_path.iterdir())
+    key = cache_key("synthetic", partition_fingerprint(federation), 0, config)
+    assert cached.name == f"{key}.npz"
+    assert cost == cached_cost == reference.cost == first.cost
+    assert first.setup_phase() is None and second.setup_phase() is None
+    for client in federation.clients:
+        ours = second.client_context(client.client_id, client.class_counts)["sample_weight"]
+        theirs = first.client_context(client.client_id, client.class_counts)["sample_weight"]
+        assert torch.equal(ours, theirs)
+        assert np.array_equal(ours.numpy(), reference.weights[client.client_id])
+
+
+def test_feddisk_without_a_federation_leaves_the_cache_alone(tmp_path: Path) -> None:
+    # Flower's prepare sees class counts only: the phase runs on the nodes, uncached.
+    transform = FedDisk(FedDiskConfig(cache_dir=str(tmp_path)))
+    assert transform.prepare(object()) is None
+    assert transform.setup_phase() is not None and not list(tmp_path.iterdir())
+
+
 def test_cache_for_other_client_sizes_is_a_data_error(
     tmp_path: Path,
     two_mode_clients: tuple[Federation, list[np.ndarray]],
@@ -484,3 +525,14 @@ def test_both_transforms_register_through_the_hook() -> None:
     built = registry.build("loss_transforms", FedDiskAbConfig())
     assert isinstance(built, FedDiskAb)
     assert isinstance(registry.build("loss_transforms", FedDiskConfig()), FedDisk)
+
+
+def test_a_node_whose_data_changed_after_the_setup_phase_is_refused():
+    from fedplug.algorithms.feddisk.phase import SAMPLE_WEIGHTS, FedDiskPhase
+
+    phase = FedDiskPhase(FedDiskConfig())
+    state = {SAMPLE_WEIGHTS: torch.ones(5)}
+    phase.check_data(state, 5)  # the weights cover the data: no error
+    with pytest.raises(DataError, match="cover 5 samples but its training data has 4"):
+        phase.check_data(state, 4)
+    assert torch.equal(phase.client_context(state)["sample_weight"], torch.ones(5))

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from fedplug import hookspecs
 from fedplug.algorithms import fedgsp
-from fedplug.algorithms.cost_model import LinkAndDevice, round_cost
+from fedplug.cost_model import LinkAndDevice, round_cost
 from fedplug.algorithms.fedgsp import (
     MAX_GROWTH,
     BalancedAssigner,

@@ -293,6 +293,44 @@ def test_too_many_failures_stop_the_run_since_fedml_cannot_replay_a_round(small_
         coordinator.handle_replies(replies)
 
 
+def test_a_round_where_every_client_fails_stops_the_run_since_fedml_cannot_replay(small_experiment):
+    # Prepare: 2 sampled clients, both fail. The aggregator raises TrainingError on an
+    # empty round (before the round core, only ValueError was caught and the run
+    # crashed with the aggregator's message instead).
+    config = experiment(small_experiment, rounds=1, client_fraction=1.0 / 3.0)
+    coordinator = coordinator_for(config, workers=2)
+    trainers = workers_for(config, coordinator, 2)
+    replies = []
+    for slot, trainer in enumerate(trainers):
+        trainer.set_model_params(coordinator.message[slot])
+        answer = trainer.worker.train(0)
+        answer["results"] = [
+            TaskResult(result.client_id, result.chain_index, error="RuntimeError: out of memory")
+            for result in answer["results"]
+        ]
+        replies.append(answer)
+
+    # Execute / Assert
+    with pytest.raises(
+        TrainingError, match="2 of 2 client updates failed and FedML cannot replay a round"
+    ):
+        coordinator.handle_replies(replies)
+
+
+def test_effective_learning_rate_is_the_simulators(small_experiment):
+    # Prepare: FedAvgM with momentum 0.9, client lr 0.5, server lr 1.0.
+    config = experiment(small_experiment, aggregator={"name": "fedavgm", "momentum": 0.9})
+    registry = default_registry()
+    simulator = Simulator(config.train, build_federation(config.data, registry), registry)
+
+    # Execute
+    derived = coordinator_for(config, workers=2).result.derived_params
+
+    # Assert: client lr x server lr / (1 - momentum) = 0.5 x 1.0 / 0.1, under the same key.
+    expected = simulator.derived_params()["effective_learning_rate"]
+    assert derived["effective_learning_rate"] == expected == pytest.approx(0.5 * 1.0 / (1 - 0.9))
+
+
 def test_loss_transform_state_travels_with_the_first_step_only(small_experiment):
     # Prepare: FedShift's prior is computed on the server (prepare) and shipped.
     config = experiment(small_experiment, client_fraction=1.0, loss_transform={"name": "fedshift"})

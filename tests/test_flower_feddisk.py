@@ -1,5 +1,6 @@
-"""FedDisk on Flower: phase 1 over ``train.feddisk`` messages, delivered in-process by
-LoopbackGrid, against the built-in simulator; its traffic; failures during it."""
+"""FedDisk on Flower: phase 1, its setup phase, over ``train.feddisk`` messages delivered
+in-process by LoopbackGrid, against the built-in simulator; its traffic; failures during
+it."""
 
 from __future__ import annotations
 
@@ -18,27 +19,32 @@ from fedplug.adapters.flower import (
     make_client_app,
     run_on_grid,
 )
-from fedplug.adapters.flower.density import (
-    FEDDISK_ACTION,
-    FEDDISK_MESSAGE_TYPE,
+from fedplug.adapters.flower.setup_phase import (
     STEP,
-    feddisk_loss_context,
+    TENSORS_KEY,
+    VALUES_KEY,
+    load_phase_state,
 )
 from fedplug.adapters.flower.loopback import FIRST_NODE_ID, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
     EXPERIMENT_ID,
     experiment_message_config,
     handle_evaluate,
-    handle_feddisk,
     handle_query,
+    handle_setup_phase,
     handle_train,
 )
-from fedplug.adapters.flower.records import CONFIG_KEY, METRICS_KEY, MODEL_KEY, model_record
+from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY, model_record
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedplug.algorithms.feddisk import SAMPLE_WEIGHT_KEY, compute_feddisk_weights
+from fedplug.algorithms.feddisk import (
+    SAMPLE_WEIGHT_KEY,
+    FedDiskConfig,
+    FedDiskPhase,
+    compute_feddisk_weights,
+)
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError, TrainingError
@@ -46,6 +52,8 @@ from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
 
 NUM_CLIENTS = 3
+FEDDISK_ACTION = "feddisk"
+FEDDISK_MESSAGE_TYPE = f"train.{FEDDISK_ACTION}"
 FEDDISK = {
     "name": "feddisk",
     "made_hidden": 8,
@@ -61,6 +69,12 @@ PHASES: dict[str, dict[str, Any]] = {
     # The federated validation NLL rises before the cap: the model before the rise is kept.
     "rise": {"made_lr": 0.1, "made_features": "observed", "global_rounds": 6},
 }
+
+
+def node_weights(context: Context, namespace: str) -> torch.Tensor:
+    """The sample weights FedDisk's setup phase left on a node."""
+    state = load_phase_state(context, namespace, FEDDISK_ACTION)
+    return FedDiskPhase(FedDiskConfig()).client_context(state)[SAMPLE_WEIGHT_KEY]
 
 
 def feddisk_experiment(phase: str, **train: Any) -> Any:
@@ -91,9 +105,7 @@ class FlowerRun:
     def node_weights(self, client: int) -> torch.Tensor:
         """The sample weights phase 1 left on client ``client``'s node."""
         namespace = f"fedplug.{experiment_message_config(self.config)[EXPERIMENT_ID]}"
-        context = self.grid.contexts[FIRST_NODE_ID + client]
-        size = int(self.strategy.directory.sizes[client])
-        return feddisk_loss_context(context, namespace, size, "cpu")[SAMPLE_WEIGHT_KEY]
+        return node_weights(self.grid.contexts[FIRST_NODE_ID + client], namespace)
 
 
 def run_recorded(phase: str) -> FlowerRun:
@@ -183,7 +195,8 @@ def test_a_users_client_app_with_a_data_loader_gets_the_same_weights() -> None:
 
     @app.train(FEDDISK_ACTION)
     def feddisk(message: Message, context: Context) -> Message:
-        return trainer.feddisk(loaders[int(context.node_config["partition-id"])], message, context)
+        loader = loaders[int(context.node_config["partition-id"])]
+        return trainer.setup_phase(loader, message, context)
 
     grid = LoopbackGrid(app, NUM_CLIENTS)
     strategy = FedplugStrategy(
@@ -197,8 +210,7 @@ def test_a_users_client_app_with_a_data_loader_gets_the_same_weights() -> None:
     # Assert
     assert strategy.setup_cost == reference.cost
     for client, weights in enumerate(reference.weights):
-        context = grid.contexts[FIRST_NODE_ID + client]
-        held = feddisk_loss_context(context, "fedplug", len(weights), "cpu")[SAMPLE_WEIGHT_KEY]
+        held = node_weights(grid.contexts[FIRST_NODE_ID + client], "fedplug")
         torch.testing.assert_close(held, torch.as_tensor(weights), rtol=0, atol=1e-6)
 
 
@@ -227,21 +239,22 @@ def test_phase_one_messages_carry_only_made_parameters_and_scalars(
     ]
     # The traffic reported is the MADE parameters that travelled, nothing else.
     cost = flower.strategy.setup_cost
-    assert sum(array_bytes(m.content.array_records.get(MODEL_KEY)) for m in sent) == cost.bytes_down
-    assert sum(array_bytes(r.content.array_records.get(MODEL_KEY)) for r in flower.replies) == (
+    assert sum(array_bytes(m.content.array_records.get(TENSORS_KEY)) for m in sent) == (
+        cost.bytes_down
+    )
+    assert sum(array_bytes(r.content.array_records.get(TENSORS_KEY)) for r in flower.replies) == (
         cost.bytes_up
     )
     made_names = {"layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
     for reply in flower.replies:
-        assert set(reply.content.array_records) <= {MODEL_KEY}
-        assert set(reply.content.array_records.get(MODEL_KEY, {})) in (set(), made_names)
-        assert set(reply.content.metric_records[METRICS_KEY]) <= {
-            "num-examples",
-            "fedplug.client-id",
-            "fedplug.input-dim",
-            "fedplug.input-min",
-            "fedplug.input-max",
-            "fedplug.validation-nll",
+        assert set(reply.content.array_records) <= {TENSORS_KEY}
+        assert set(reply.content.array_records.get(TENSORS_KEY, {})) in (set(), made_names)
+        assert set(reply.content.config_records[VALUES_KEY]) <= {
+            "num-samples",
+            "input-dim",
+            "input-min",
+            "input-max",
+            "validation-nll",
         }
     # Later train messages carry no weights: they stay on the nodes.
     trains = [m for m in flower.grid.delivered if m.metadata.message_type == MessageType.TRAIN]
@@ -265,7 +278,7 @@ def client_app_failing_at(step: str, client: int) -> ClientApp:
             and int(context.node_config["partition-id"]) == client
         ):
             raise RuntimeError(f"injected failure on client {client}")
-        return handle_feddisk(message, context)
+        return handle_setup_phase(message, context)
 
     return app
 
@@ -275,8 +288,8 @@ def test_a_node_failing_in_phase_one_stops_the_run_naming_it() -> None:
     grid = LoopbackGrid(client_app_failing_at("train", 1), NUM_CLIENTS)
     with pytest.raises(
         TrainingError,
-        match=r"FedDisk phase 1, step 'train': client 1 \(node 1001\) raised: .*injected failure "
-        r"on client 1.*need the MADEs of every client",
+        match=r"setup phase 'feddisk', step 'train': client 1 \(node 1001\) raised: .*injected "
+        r"failure on client 1.*needs every client",
     ):
         run_on_grid(grid, config)
     assert not any(m.metadata.message_type == MessageType.TRAIN for m in grid.delivered)
@@ -306,7 +319,7 @@ def test_a_client_app_without_the_feddisk_handler_is_told_how_to_add_it() -> Non
     app = ClientApp()
     app.query()(handle_query)
     app.train()(handle_train)
-    with pytest.raises(TrainingError, match=r"step 'range'.*@app\.train\(\"feddisk\"\)"):
+    with pytest.raises(TrainingError, match=r"step 'range'.*@app\.train\('feddisk'\)"):
         run_on_grid(LoopbackGrid(app, NUM_CLIENTS), feddisk_experiment("cap"))
 
 

@@ -17,11 +17,10 @@ import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import run_on_grid
-from fedplug.adapters.flower.density import FEDDISK_ACTION
 from fedplug.adapters.flower.nodes import (
     handle_evaluate,
-    handle_feddisk,
     handle_query,
+    handle_setup_phase,
     handle_train,
 )
 from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY
@@ -102,7 +101,7 @@ def train_or_fail(message: Message, context: Context) -> Message:
 client_app = ClientApp()
 client_app.query()(handle_query)
 client_app.train()(train_or_fail)
-client_app.train(FEDDISK_ACTION)(handle_feddisk)
+client_app.train("feddisk")(handle_setup_phase)  # FedDisk's setup phase
 client_app.evaluate()(handle_evaluate)
 
 
@@ -137,8 +136,10 @@ def flower_runs() -> dict[str, Any]:
             )
 
     collector = _Collect()
-    logger = logging.getLogger("fedplug.adapters.flower")
-    logger.addHandler(collector)
+    # The adapter's own warnings, and the round core's (dropped clients, retries).
+    loggers = [logging.getLogger(name) for name in ("fedplug.adapters.flower", "fedplug.round")]
+    for logger in loggers:
+        logger.addHandler(collector)
     try:
         run_simulation(
             server,
@@ -147,7 +148,8 @@ def flower_runs() -> dict[str, Any]:
             backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
         )
     finally:
-        logger.removeHandler(collector)
+        for logger in loggers:
+            logger.removeHandler(collector)
     outcome["warnings"] = collector.lines
     return outcome
 
@@ -184,7 +186,7 @@ def test_failures_on_ray_are_counted_logged_and_left_out(flower_runs: dict[str, 
     assert (
         "client 1 raised during training" in warnings and "injected failure on client 1" in warnings
     )
-    assert "client 2 returned non-finite (NaN/Inf) parameters" in warnings
+    assert "dropped client(s) [2]: returned non-finite (NaN/Inf) parameters" in warnings
     # The same round without the two broken clients, in-process.
     from test_flower_strategy import fedavg_of
 

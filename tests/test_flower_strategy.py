@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import torch
 from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid, make_client_app, run_on_grid
-from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
+from fedplug.adapters.flower.nodes import (
+    experiment_message_config,
+    handle_evaluate,
+    handle_query,
+    handle_train,
+)
 from fedplug.adapters.flower.records import (
     CHAIN_POSITION,
     CONFIG_KEY,
@@ -20,11 +25,13 @@ from fedplug.adapters.flower.records import (
     LOSS_STATE_KEY,
     MODEL_KEY,
     decode_loss_state,
+    model_record,
     record_to_vector,
     vector_layout,
 )
 from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import Strategy
 
 from fedplug.algorithms.fedshift import global_prior
 from fedplug.config import validate_experiment
@@ -122,6 +129,36 @@ def test_fedgsp_chain_models_travel_through_the_server(small_experiment: dict[st
         )
     torch.testing.assert_close(
         strategy.final_vector, record_to_vector(replies[-1].content[MODEL_KEY], layout)
+    )
+
+
+def test_flowers_own_start_drives_the_strategy(small_experiment: dict[str, Any]) -> None:
+    # Prepare: FedGSP (chains of several members) for two rounds.
+    config = experiment(small_experiment, FEDGSP)
+    _, reference = run_on_grid(
+        LoopbackGrid(make_client_app(), NUM_CLIENTS), config, federated_evaluation=False
+    )
+    strategy = FedplugStrategy(
+        config.train,
+        num_clients=NUM_CLIENTS,
+        num_classes=4,
+        input_shape=(12,),
+        message_config=experiment_message_config(config),
+        federated_evaluation=False,
+    )
+    # Execute: Flower's base Strategy.start, which knows nothing of setup or hand-offs.
+    result = Strategy.start(
+        strategy,
+        LoopbackGrid(make_client_app(), NUM_CLIENTS),
+        model_record(strategy.model),
+        num_rounds=config.train.rounds,
+    )
+    # Assert: the same final model as fedplug's own start.
+    torch.testing.assert_close(
+        record_to_vector(result.arrays, vector_layout(strategy.model)),
+        reference.final_vector,
+        rtol=0,
+        atol=0,
     )
 
 
@@ -240,7 +277,8 @@ def test_nan_and_misshapen_replies_are_rejected_with_reasons(
     with caplog.at_level(logging.WARNING, logger="fedplug.adapters.flower"):
         result, strategy = run_on_grid(grid, config)
     assert result.history[0].failures == 2
-    assert "dropped client(s) [2]: client 2 returned non-finite (NaN/Inf) parameters" in caplog.text
+    # The last member's model is screened by the round core, in the simulator's words.
+    assert "dropped client(s) [2]: returned non-finite (NaN/Inf) parameters" in caplog.text
     assert (
         "dropped client(s) [3]: client 3 returned '1.weight' of shape (3,), expected (16, 12)"
         in caplog.text
@@ -266,6 +304,80 @@ def test_too_many_failures_retry_the_round_then_stop(small_experiment: dict[str,
         sum(message.metadata.message_type == "train" for message in grid.delivered)
         == 3 * NUM_CLIENTS
     )
+
+
+def test_a_round_where_every_client_fails_is_retried(small_experiment: dict[str, Any]) -> None:
+    # Prepare: every ClientApp raises once, so attempt 1 brings the aggregator no update
+    # (FedAvg raises TrainingError on none); train.failures allows one retry.
+    config = experiment(
+        small_experiment,
+        {"rounds": 1, "client_fraction": 1.0, "failures": {"max_round_retries": 1}},
+    )
+    grid = LoopbackGrid(
+        faulty_client_app(raise_on=set(range(NUM_CLIENTS)), raise_first_only=True), NUM_CLIENTS
+    )
+    # Execute
+    flower, strategy = run_on_grid(grid, config)
+    # Assert: the round ran twice and ended as if nothing had failed.
+    assert (
+        sum(message.metadata.message_type == "train" for message in grid.delivered)
+        == 2 * NUM_CLIENTS
+    )
+    assert flower.history[0].failures == 0
+    torch.testing.assert_close(
+        strategy.final_vector, fedavg_of(config, list(range(NUM_CLIENTS))), rtol=0, atol=1e-6
+    )
+
+
+def test_a_bad_chain_member_stops_its_chain(
+    small_experiment: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: round 1 of FedGSP is one chain of the four clients; its second member
+    # sends NaN. One failed chain of one is tolerated, and never retried.
+    config = experiment(
+        small_experiment,
+        {**FEDGSP, "rounds": 1, "failures": {"max_failed_fraction": 1.0, "max_round_retries": 0}},
+    )
+    app = ClientApp()
+    app.query()(handle_query)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        reply = handle_train(message, context)
+        if int(message.content[CONFIG_KEY][CHAIN_POSITION]) == 1:
+            arrays = reply.content.array_records[MODEL_KEY]
+            first = next(iter(arrays))
+            broken = arrays[first].numpy().copy()
+            broken.flat[0] = np.nan
+            arrays[first] = Array(broken)
+        return reply
+
+    grid = LoopbackGrid(app, NUM_CLIENTS)
+    # Execute: the only chain fails, so the round has no usable update and stops.
+    with caplog.at_level(logging.WARNING), pytest.raises(TrainingError, match=r"1 of 1 client updates failed"):
+        run_on_grid(grid, config, federated_evaluation=False)
+    # Assert: nobody trained after the bad member, and the reason names it.
+    trains = [message for message in grid.delivered if message.metadata.message_type == "train"]
+    assert [int(message.content[CONFIG_KEY][CHAIN_POSITION]) for message in trains] == [0, 1]
+    bad = int(trains[1].content[CONFIG_KEY]["fedplug.client-id"])
+    assert f"client {bad} returned non-finite (NaN/Inf) parameters" in caplog.text
+
+
+def test_derived_params_are_the_simulators(small_experiment: dict[str, Any]) -> None:
+    # Prepare: FedAvgM with momentum 0.9 and server_lr 1.0; the clients' lr is the config's.
+    config = experiment(
+        small_experiment, {"rounds": 1, "aggregator": {"name": "fedavgm", "momentum": 0.9}}
+    )
+    grid = LoopbackGrid(make_client_app(), NUM_CLIENTS)
+    # Execute
+    flower, _ = run_on_grid(grid, config, federated_evaluation=False)
+    simulated, _ = run_experiment(config, None)
+    # Assert: client_lr * server_lr / (1 - momentum), as the simulator logs it.
+    expected = config.train.optimizer.lr * 1.0 / (1 - 0.9)
+    assert flower.derived_params["effective_learning_rate"] == pytest.approx(expected)
+    assert flower.derived_params["engine"] == "flower"
+    for key in ("effective_learning_rate", "model_bytes", "train_flops_per_sample"):
+        assert flower.derived_params[key] == simulated.derived_params[key]
 
 
 def test_a_retried_round_restores_scaffold_client_state(small_experiment: dict[str, Any]) -> None:

@@ -20,12 +20,12 @@ from fedplug.report import (
     comparison_markdown,
     curve_rows,
     format_bytes,
-    rounds_to_target,
     run_metrics_from_summary,
     summarize,
     summary_metrics,
     write_report,
 )
+from fedplug.simulation.results import rounds_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -72,6 +72,8 @@ def run(
 def test_rounds_to_target_is_the_first_round_at_or_above_it() -> None:
     assert rounds_to_target(history(0.5, 0.9, 0.85, 0.95), 0.9) == 2
     assert rounds_to_target(history(0.5, 0.6), 0.9) is None
+    # metrics.json writes a NaN accuracy as null: such a round never reaches the target.
+    assert rounds_to_target([{"round": 1, "accuracy": None}, {"round": 2, "accuracy": 0.9}], 0.9) == 2
 
 
 def test_summaries_average_seeds_and_count_who_reached_the_target() -> None:

@@ -71,8 +71,7 @@ def record(round_number: int, accuracy: float) -> RoundRecord:
         seconds=0.5,
         participants=2,
         failures=0,
-        cpd_median=float("nan"),
-        cpd_mean=float("nan"),
+        metrics={"cpd_median": float("nan"), "cpd_mean": float("nan")},
     )
 
 
@@ -102,6 +101,14 @@ def test_round_metrics_skip_nan_and_keep_every_numeric_field() -> None:
     assert "round" not in metrics
     assert "cpd_median" not in metrics and "cpd_mean" not in metrics  # NaN: nothing to plot
     assert all(math.isfinite(value) for value in metrics.values())
+
+
+def test_round_metrics_log_what_the_components_report_under_their_own_names() -> None:
+    reported = record(2, 0.5)
+    reported.metrics = {"cpd_median": 0.25, "cpd_mean": 0.5}
+    metrics = round_metrics(reported)
+    assert metrics["cpd_median"] == 0.25 and metrics["cpd_mean"] == 0.5
+    assert "metrics" not in metrics
 
 
 def test_params_payload_writes_lists_as_json_and_cuts_long_values() -> None:

@@ -1,38 +1,39 @@
 """The server side: rounds, steps, aggregation and evaluation, driven by FedML's calls.
 
-:class:`Coordinator` is what the FedML ``ServerAggregator`` delegates to. It follows the
-built-in simulator's round (:mod:`fedplug.simulation.simulator`) step for step: the same
-sampled clients and groups (:func:`.protocol.plan_rounds`), the same aggregator fed the
-chains' final models in plan order, the same screening of unusable updates, the same
-evaluation and the same :class:`~fedplug.simulation.results.RoundRecord`.
+:class:`Coordinator` is what the FedML ``ServerAggregator`` delegates to. It moves models
+and messages; the round itself (plan, screening, weight rule, aggregation, record,
+derived params) is :class:`fedplug.federated_round.RoundCore`'s, the same object the
+built-in simulator and the Flower strategy call, so a round here is the simulator's
+round step for step.
 
 One difference is forced by FedML: a round cannot be replayed. FedML's server advances
 its round counter after every aggregation and has no message to undo one
 (``fedml/cross_silo/server/fedml_server_manager.py``,
-``handle_message_receive_model_from_client``), so where the simulator retries a round with
-too many failed clients (``train.failures.max_round_retries``), the coordinator stops the
-run with a :class:`~fedplug.errors.TrainingError`.
+``handle_message_receive_model_from_client``), so the core runs with
+``can_replay=False``: where the simulator retries a round with too many failed clients
+(``train.failures.max_round_retries``), the run stops with a
+:class:`~fedplug.errors.TrainingError` that says so.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
-from fedplug.algorithms.cost_model import LinkAndDevice, round_cost
-from fedplug.algorithms.fedgsp import cpd_summary
-from fedplug.components import ClientUpdate, PhaseCost, RoundPlan
+from fedplug.cost_model import LinkAndDevice
+from fedplug.components import RoundPlan
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
+from fedplug.federated_round import ClientFailure, Outcome, RoundCore, chain_update
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
+from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model
@@ -63,10 +64,11 @@ class Coordinator:
 
     Args:
         train_config: the validated ``train`` section.
-        federation: the whole federation (for evaluation and the loss transform's
-            ``prepare``).
+        federation: the whole federation (for evaluation and for preparing the loss
+            transform, setup phase included).
         registry: the component registry.
-        schedule: every round's plan (:func:`.protocol.plan_rounds`).
+        schedule: every round's plan and the grouper that formed them
+            (:func:`.protocol.plan_rounds`).
         workers: the number of worker ranks W.
         target_accuracy: for :attr:`RunResult.rounds_to_target` (default None).
         on_round: called with each finished round's record (default: nothing).
@@ -85,29 +87,45 @@ class Coordinator:
         on_round: Callable[[RoundRecord], None] | None = None,
         link: LinkAndDevice | None = None,
     ) -> None:
+        if schedule.grouper is None:
+            raise ValueError(
+                "the FedML coordinator needs the schedule of plan_rounds, which carries its grouper"
+            )
         self.config = train_config
         self.federation = federation
         self.schedule = schedule
         self.workers = workers
         self.on_round = on_round
-        self.link = link or LinkAndDevice()
         self.model = build_model(train_config, registry, federation, federation.device)
         self.aggregator = registry.build(
             "aggregators", train_config.aggregator, federation.num_clients
         )
         self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
-        self.client_sizes = np.array([client.num_samples for client in federation.clients])
-        self.train_flops = training_flops_per_sample(self.model, federation.input_shape)
         self.global_vector = model_to_vector(self.model)
-        setup_cost = self.loss_transform.prepare(federation) or PhaseCost(0, 0, 0)
+        self.core = RoundCore(
+            train_config,
+            aggregator=self.aggregator,
+            grouper=schedule.grouper,
+            num_clients=federation.num_clients,
+            class_counts=federation.class_counts,
+            client_sizes=np.array([client.num_samples for client in federation.clients]),
+            model_bytes=self.global_vector.numel() * 4,
+            train_flops=training_flops_per_sample(self.model, federation.input_shape),
+            link=link,
+            can_replay=False,
+            runtime="FedML",
+        )
+        setup_cost = prepare_loss_transform(self.loss_transform, federation)
         self.aggregator.initialize(self.global_vector)
         self.result = RunResult(
             [],
             target_accuracy,
             setup_rounds=setup_cost.rounds,
             setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
-            derived_params=self._derived_params(),
+            derived_params=self.core.derived_params(
+                ENGINE_NAME, fedml_rounds=schedule.fedml_rounds, fedml_workers=workers
+            ),
         )
         self.step = 0
         self._loss_transform_state: dict[str, Any] | None = self.loss_transform.state_dict()
@@ -132,14 +150,15 @@ class Coordinator:
         for slot, message in enumerate(replies):
             if message.get("fedplug_step") != self.step:
                 raise TrainingError(
-                    f"worker {slot} replied for step {message.get('fedplug_step')} while the server is at step "
-                    f"{self.step}; the ranks are out of step"
+                    f"worker {slot} replied for step {message.get('fedplug_step')} while the server "
+                    f"is at step {self.step}; the ranks are out of step"
                 )
             results.extend(message["results"])
         received = [(result.client_id, result.chain_index) for result in results]
         if sorted(received) != sorted(expected):
             raise TrainingError(
-                f"step {self.step}: the workers answered for tasks {sorted(received)} instead of {sorted(expected)}"
+                f"step {self.step}: the workers answered for tasks {sorted(received)} instead of "
+                f"{sorted(expected)}"
             )
         for result in results:
             self._record(result)
@@ -204,118 +223,38 @@ class Coordinator:
             key: value.to(self.federation.device) for key, value in result.extras.items()
         }
 
+    def _outcome(self, chain: _Chain) -> Outcome:
+        """What a chain ended the round with, for the core to screen."""
+        if chain.error is not None or chain.vector is None:
+            return ClientFailure(chain.members, chain.error or "sent no model")
+        return chain_update(
+            chain.members,
+            chain.vector,
+            samples=chain.samples,
+            steps=chain.steps,
+            extras=chain.extras,
+            plan=self.plan,
+            seconds=chain.seconds,
+        )
+
     def _finish_round(self) -> None:
-        """Aggregate the chains' final models, evaluate, and record the round."""
-        config = self.config
-        round_index = self.round_index
-        model_bytes = self.global_vector.numel() * self.global_vector.element_size()
-        participants = sum(len(chain.members) for chain in self.chains)
-        tally = {"accepted": 0, "failures": 0, "bytes_up": 0}
-        updates = self._screen(tally, model_bytes)
-        try:
-            new_vector: Tensor | None = self.aggregator.aggregate(self.global_vector, updates)
-        except ValueError:
-            if tally["accepted"]:
-                raise
-            new_vector = None
-        failed_fraction = tally["failures"] / max(len(self.chains), 1)
-        if new_vector is None or failed_fraction > config.failures.max_failed_fraction:
-            raise TrainingError(
-                f"round {round_index + 1}: {tally['failures']} of {len(self.chains)} client updates failed "
-                f"(train.failures.max_failed_fraction = {config.failures.max_failed_fraction}); FedML cannot "
-                "replay a round, so the FedML adapter stops instead of retrying; see the log for each reason"
-            )
-        if not torch.isfinite(new_vector).all():
-            raise TrainingError(
-                f"the global model became non-finite at round {round_index + 1}; "
-                "lower train.optimizer.lr or the server learning rate"
-            )
-        self.global_vector = new_vector
-        vector_to_model(new_vector, self.model)
-        evaluation = self.evaluator.evaluate(self.model)
-        groups = self.plan.groups if self.plan.groups is not None else self.plan.chains
-        cpd_median, cpd_mean = cpd_summary(
-            groups, self.federation.class_counts, getattr(config.grouper, "cpd_sigma", 1.0)
+        """Aggregate the chains' final models (FedML has already trained the round, so the
+        core's one attempt is what the workers sent), evaluate, and record the round."""
+        outcomes = [self._outcome(chain) for chain in self.chains]
+        attempt = self.core.run(
+            self.round_index, self.global_vector, self.plan, lambda _attempt: outcomes
         )
-        cost = round_cost(
-            self.plan.chains,
-            self.client_sizes,
-            config.local_epochs,
-            self.train_flops,
-            model_bytes,
-            self.link,
-        )
-        bytes_down = (model_bytes + tensors_num_bytes(self.payload)) * participants
-        record = RoundRecord(
-            round=round_index + 1,
-            accuracy=evaluation.accuracy,
-            loss=evaluation.loss,
-            client_accuracy_mean=evaluation.client_accuracy_mean,
-            client_accuracy_std=evaluation.client_accuracy_std,
-            bytes_up=tally["bytes_up"],
-            bytes_down=bytes_down,
-            cumulative_bytes=self.result.total_bytes + tally["bytes_up"] + bytes_down,
-            seconds=time.perf_counter() - self.round_started,
-            participants=participants,
-            failures=tally["failures"],
-            cpd_median=float(cpd_median),
-            cpd_mean=float(cpd_mean),
-            compute_seconds_model=float(cost.compute_seconds),
-            communication_seconds_model=float(cost.communication_seconds),
+        self.global_vector = attempt.vector
+        vector_to_model(attempt.vector, self.model)
+        record = self.core.record(
+            self.round_index,
+            self.plan,
+            attempt,
+            self.evaluator.evaluate(self.model),
+            payload_bytes=tensors_num_bytes(self.payload),
+            bytes_so_far=self.result.total_bytes,
+            started=self.round_started,
         )
         self.result.history.append(record)
         if self.on_round is not None:
             self.on_round(record)
-
-    def _screen(self, tally: dict[str, int], model_bytes: int) -> Iterator[ClientUpdate]:
-        """The chains' final models as updates, in plan order; unusable ones are counted
-        and logged, as the simulator does."""
-        timeout = self.config.failures.client_timeout_seconds
-        weighting = self.plan.weighting
-        for chain in self.chains:
-            reason = chain.error
-            vector = chain.vector
-            if reason is None:
-                if vector is None or vector.shape != self.global_vector.shape:
-                    shape = None if vector is None else tuple(vector.shape)
-                    reason = (
-                        f"returned {shape} parameters, expected {tuple(self.global_vector.shape)}"
-                    )
-                elif not torch.isfinite(vector).all():
-                    reason = "returned non-finite (NaN/Inf) parameters"
-                elif any(not torch.isfinite(extra).all() for extra in chain.extras.values()):
-                    reason = "returned non-finite extras"
-                elif timeout is not None and chain.seconds > timeout:
-                    reason = f"took {chain.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"
-            if reason is not None or vector is None:
-                tally["failures"] += 1
-                logger.warning(
-                    "round %d: dropped client(s) %s: %s",
-                    self.round_index + 1,
-                    chain.members,
-                    reason,
-                )
-                continue
-            tally["accepted"] += 1
-            tally["bytes_up"] += len(chain.members) * model_bytes + tensors_num_bytes(chain.extras)
-            yield ClientUpdate(
-                client_id=chain.members[-1],
-                vector=vector,
-                weight=float(chain.samples) if weighting == "samples" else 1.0,
-                num_steps=chain.steps,
-                extras=chain.extras,
-                chain=list(chain.members),
-                seconds=chain.seconds,
-            )
-
-    def _derived_params(self) -> dict[str, Any]:
-        derived: dict[str, Any] = {}
-        aggregator_config = self.config.aggregator
-        if hasattr(aggregator_config, "effective_learning_rate"):
-            derived["effective_learning_rate"] = aggregator_config.effective_learning_rate()
-        derived["train_flops_per_sample"] = int(self.train_flops)
-        derived["model_bytes"] = int(self.global_vector.numel() * 4)
-        derived["engine"] = ENGINE_NAME
-        derived["fedml_rounds"] = self.schedule.fedml_rounds
-        derived["fedml_workers"] = self.workers
-        return derived

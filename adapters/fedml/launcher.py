@@ -192,7 +192,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 def _load_result(path: Path) -> RunResult:
     data = json.loads(path.read_text())
-    data["history"] = [RoundRecord(**record) for record in data["history"]]
+    data["history"] = [RoundRecord.from_dict(record) for record in data["history"]]
     return RunResult(**data)
 
 

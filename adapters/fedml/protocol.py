@@ -25,14 +25,10 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from fedplug.components import RoundPlan
+from fedplug.components import Grouper, RoundPlan
 from fedplug.errors import ConfigError
+from fedplug.federated_round import participants, plan_round
 from fedplug.registry import Registry
-from fedplug.simulation.simulator import sample_clients
-
-GROUPER_RNG_TAG = 0x6E0
-"""The grouper's generator is ``default_rng([seed, round, GROUPER_RNG_TAG])``, as in the
-built-in simulator, so both draw the same groups."""
 
 
 def owner_of(client_id: int, workers: int) -> int:
@@ -103,6 +99,9 @@ class Schedule:
     up front: ``comm_round``)."""
 
     plans: list[RoundPlan]
+    grouper: Grouper | None = None
+    """The prepared grouper that formed the plans; the coordinator reports its round
+    metrics (:meth:`fedplug.components.Grouper.round_metrics`)."""
 
     @property
     def steps_per_round(self) -> list[int]:
@@ -123,23 +122,19 @@ class Schedule:
 
 
 def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray) -> Schedule:
-    """Sample and group every round exactly as :class:`fedplug.simulation.simulator.Simulator`
-    does, in round order, with the same generators."""
+    """Every round's plan, in round order, from the round core
+    (:func:`fedplug.federated_round.plan_round`): the clients and groups the simulator
+    draws for the same config."""
     grouper = registry.build("groupers", train_config.grouper)
     grouper.prepare(class_counts)
-    num_clients = class_counts.shape[0]
     plans = []
     for round_index in range(train_config.rounds):
-        clients = sample_clients(
-            num_clients, train_config.client_fraction, train_config.seed, round_index
-        )
-        rng = np.random.default_rng([train_config.seed, round_index, GROUPER_RNG_TAG])
-        plan = grouper.plan(round_index + 1, clients, rng)
-        members = [client for chain in plan.chains for client in chain]
+        plan = plan_round(train_config, grouper, class_counts.shape[0], round_index)
+        members = participants(plan)
         if len(members) != len(set(members)):
             raise ConfigError(
                 f"grouper {train_config.grouper.name!r} put a client into two chains of round "
                 f"{round_index + 1}; the FedML adapter trains each client once per round"
             )
         plans.append(plan)
-    return Schedule(plans)
+    return Schedule(plans, grouper)

@@ -4,9 +4,10 @@
   aggregator and grouper decide what goes to which node and how replies combine
   (FedGSP's chains included).
 - :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
-  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; FedDisk's
-  phase 1 with :meth:`FedplugTrainer.feddisk`).
-- :mod:`.density`: FedDisk's phase 1 over ``train.feddisk`` messages.
+  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; a loss
+  transform's setup phase, FedDisk's, with :meth:`FedplugTrainer.setup_phase`).
+- :mod:`.setup_phase`: any loss transform's setup phase over ``train.<phase name>``
+  messages (:func:`~.setup_phase.run_setup_phase`).
 - :mod:`.apps`: a ready ``server_app`` / ``client_app`` pair that runs any fedplug
   experiment config, plus :func:`make_server_app` for ``run_simulation``.
 - :class:`LoopbackGrid`: an in-process grid for tests and debugging.
@@ -17,11 +18,10 @@ See ``docs/flower.md``.
 from .apps import make_client_app, make_server_app, run_on_grid
 from .loopback import LoopbackGrid
 from .priors import ClassCounts, gather_class_counts
-from .strategy import UNSUPPORTED_LOSS_TRANSFORMS, FedplugStrategy, central_evaluation
+from .strategy import FedplugStrategy, central_evaluation
 from .trainer import FedplugTrainer
 
 __all__ = [
-    "UNSUPPORTED_LOSS_TRANSFORMS",
     "ClassCounts",
     "FedplugStrategy",
     "FedplugTrainer",

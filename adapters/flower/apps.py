@@ -45,15 +45,15 @@ from fedplug.registry import Registry
 from fedplug.simulation.results import RunResult
 from fedplug.simulation.simulator import resolve_device
 
-from .density import FEDDISK_ACTION
 from .nodes import (
     experiment_message_config,
     handle_evaluate,
-    handle_feddisk,
     handle_query,
+    handle_setup_phase,
     handle_train,
 )
 from .records import number
+from .setup_phase import register_setup_phases, setup_phase_names
 from .strategy import FedplugStrategy, RoundObserver, central_evaluation
 
 RUN_CONFIG_PATH = "fedplug-config"
@@ -241,7 +241,10 @@ def make_client_app() -> ClientApp:
     app = ClientApp()
     app.query()(handle_query)
     app.train()(handle_train)
-    app.train(FEDDISK_ACTION)(handle_feddisk)
+    # One handler per setup phase an installed loss transform declares (FedDisk's).
+    from fedplug.plugins import default_registry
+
+    register_setup_phases(app, handle_setup_phase, setup_phase_names(default_registry()))
     app.evaluate()(handle_evaluate)
     return app
 

@@ -5,22 +5,25 @@ A :class:`~fedplug.components.RoundPlan` chain of length L costs L message excha
 position 0 of every chain trains in the first exchange (from the global model),
 position 1 in the second (from the model position 0 returned), and so on; chains of
 different lengths simply drop out of later exchanges. Plain FedAvg-style plans (chains
-of one) take one exchange, as any Flower strategy does. Every reply is checked at once;
-a chain whose member failed, or sent a model of the wrong shape or with non-finite
-values, stops there with a logged reason and is counted as one failure of the round.
+of one) take one exchange, as any Flower strategy does.
+
+A member's reply is decoded at once, and an intermediate member's model is checked by
+the round core's own rule (:func:`fedplug.federated_round.unusable`): a chain whose
+member failed stops there. What the chains end with becomes one
+:class:`~fedplug.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
+the round core screens, logs and aggregates as on every runtime.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 from flwr.app import Message
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.federated_round import ClientFailure, Outcome, chain_update, unusable
 
 from .records import (
     CLIENT_ID,
@@ -37,6 +40,8 @@ from .records import (
 )
 
 logger = logging.getLogger("fedplug.adapters.flower")
+
+Layout = list[tuple[str, tuple[int, ...]]]
 
 
 @dataclass
@@ -66,11 +71,17 @@ class ChainProgress:
 
 @dataclass
 class RoundInProgress:
-    """The chains of one round, advanced one exchange at a time."""
+    """The chains of one round, advanced one exchange at a time.
+
+    ``layout`` is the model's (name, shape) layout, to decode replies; ``timeout`` is
+    ``train.failures.client_timeout_seconds``, checked on intermediate members too.
+    """
 
     server_round: int
     plan: RoundPlan
     global_vector: Tensor
+    layout: Layout
+    timeout: float | None = None
     chains: list[ChainProgress] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -88,7 +99,6 @@ class RoundInProgress:
         self,
         waiting: dict[int, ChainProgress],
         replies: list[Message],
-        layout: list[tuple[str, tuple[int, ...]]],
         node_of_reply: dict[int, int],
     ) -> None:
         """Advance every chain of ``waiting`` (client id -> chain) with its reply.
@@ -108,33 +118,14 @@ class RoundInProgress:
                 continue
             answered.add(client_id)
             chain = waiting[client_id]
-            reason = self._advance(chain, client_id, reply, layout)
+            reason = self._advance(chain, client_id, reply)
             if reason is not None:
-                chain.fail(reason)
-                logger.warning(
-                    "round %d: dropped client(s) %s: client %d %s",
-                    self.server_round,
-                    chain.chain,
-                    client_id,
-                    reason,
-                )
+                chain.fail(f"client {client_id} {reason}")
         for client_id, chain in waiting.items():
             if client_id not in answered:
-                chain.fail("sent no reply in time")
-                logger.warning(
-                    "round %d: dropped client(s) %s: client %d sent no reply in time",
-                    self.server_round,
-                    chain.chain,
-                    client_id,
-                )
+                chain.fail(f"client {client_id} sent no reply in time")
 
-    @staticmethod
-    def _advance(
-        chain: ChainProgress,
-        client_id: int,
-        reply: Message,
-        layout: list[tuple[str, tuple[int, ...]]],
-    ) -> str | None:
+    def _advance(self, chain: ChainProgress, client_id: int, reply: Message) -> str | None:
         """Take one member's reply into the chain; return why it is unusable, or None."""
         if reply.has_error():
             return f"raised during training: {reply.error.reason}"
@@ -152,49 +143,36 @@ class RoundInProgress:
         if answered_as != client_id:
             return f"answered as client {answered_as}, not as client {client_id}"
         try:
-            vector = record_to_vector(content.array_records[MODEL_KEY], layout)
+            vector = record_to_vector(content.array_records[MODEL_KEY], self.layout)
         except ValueError as error:
             return str(error)
-        if not torch.isfinite(vector).all():
-            return "returned non-finite (NaN/Inf) parameters"
-        extras = record_to_tensors(content.array_records.get(EXTRAS_KEY))
-        if any(not torch.isfinite(extra).all() for extra in extras.values()):
-            return "returned non-finite extras"
         chain.vector = vector
-        chain.extras = extras
+        chain.extras = record_to_tensors(content.array_records.get(EXTRAS_KEY))
         chain.samples += samples
         chain.steps += steps
         chain.seconds += seconds
         chain.position += 1
+        if chain.position < len(chain.chain):  # the last member's model is screened by the core
+            return unusable(self._update(chain), tuple(self.global_vector.shape), self.timeout)
         return None
 
-    def updates(self, timeout_seconds: float | None) -> Iterator[ClientUpdate]:
-        """The finished chains' updates, in plan order (the simulator's order, so a
-        running sum adds the same numbers in the same order)."""
-        for chain in self.chains:
-            if chain.failure is not None:
-                continue
-            if timeout_seconds is not None and chain.seconds > timeout_seconds:
-                chain.fail(
-                    f"took {chain.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout_seconds}"
-                )
-                logger.warning(
-                    "round %d: dropped client(s) %s: %s",
-                    self.server_round,
-                    chain.chain,
-                    chain.failure,
-                )
-                continue
-            yield ClientUpdate(
-                client_id=chain.chain[-1],
-                vector=chain.vector,
-                weight=float(chain.samples) if self.plan.weighting == "samples" else 1.0,
-                num_steps=chain.steps,
-                extras=chain.extras,
-                chain=list(chain.chain),
-                seconds=chain.seconds,
-            )
+    def _update(self, chain: ChainProgress) -> ClientUpdate:
+        return chain_update(
+            chain.chain[: chain.position],
+            chain.vector,
+            samples=chain.samples,
+            steps=chain.steps,
+            extras=chain.extras,
+            plan=self.plan,
+            seconds=chain.seconds,
+        )
 
-    @property
-    def failures(self) -> int:
-        return sum(chain.failure is not None for chain in self.chains)
+    def outcomes(self) -> list[Outcome]:
+        """One outcome per chain, in plan order (the simulator's order, so a running sum
+        adds the same numbers in the same order)."""
+        return [
+            ClientFailure(list(chain.chain), chain.failure)
+            if chain.failure is not None
+            else self._update(chain)
+            for chain in self.chains
+        ]

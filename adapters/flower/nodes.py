@@ -1,5 +1,5 @@
 """The ready ClientApp's work on a node: rebuild this node's client of a fedplug
-experiment and answer the server's query, train, FedDisk phase-1 and evaluate messages.
+experiment and answer the server's query, train, setup-phase and evaluate messages.
 
 The server sends the experiment (its ``data`` and ``train`` sections, as JSON) with
 every message, so nodes need no config file and always run the server's config. A node
@@ -165,16 +165,16 @@ def handle_train(message: Message, context: Context) -> Message:
     )
 
 
-def handle_feddisk(message: Message, context: Context) -> Message:
-    """Do one step of FedDisk's phase 1 on this client's training data
-    (:meth:`FedplugTrainer.feddisk`).
+def handle_setup_phase(message: Message, context: Context) -> Message:
+    """Do one step of the loss transform's setup phase on this client's training data
+    (:meth:`FedplugTrainer.setup_phase`).
 
     Raises:
         ConfigError: the server asked this node about another client.
     """
     node = node_experiment(message, context)
     _check_client(message, context)
-    return node.trainer.feddisk(
+    return node.trainer.setup_phase(
         node.client,
         message,
         context,

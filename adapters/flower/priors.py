@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,19 +38,15 @@ logger = logging.getLogger("fedplug.adapters.flower")
 
 @dataclass(frozen=True)
 class ClassCounts:
-    """What :meth:`fedplug.components.LossTransform.prepare` may read on Flower: the
-    K x C class counts (a stand-in for the simulator's Federation, which also holds the
-    data that never leaves a Flower node)."""
+    """What :meth:`fedplug.components.LossTransform.prepare` receives on a federated
+    runtime: the K x C ``class_counts`` and ``num_clients`` (a stand-in for the
+    simulator's Federation, which also holds the data that never leaves a Flower node)."""
 
     class_counts: np.ndarray
+    num_clients: int = field(init=False)
 
-    @property
-    def num_clients(self) -> int:
-        return int(self.class_counts.shape[0])
-
-    @property
-    def num_classes(self) -> int:
-        return int(self.class_counts.shape[1])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_clients", int(self.class_counts.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -61,10 +57,6 @@ class NodeDirectory:
     """client id -> Flower node id."""
     class_counts: np.ndarray
     """K x C."""
-
-    @property
-    def client_of(self) -> dict[int, int]:
-        return {node: client for client, node in self.node_of.items()}
 
     @property
     def sizes(self) -> np.ndarray:

@@ -22,8 +22,8 @@ key                      record        content
 ``"fedplug.extras"``     ArrayRecord   the aggregator's client extras, e.g. delta_c (up)
 ======================== ============= =====================================================
 
-FedDisk's phase-1 messages (type ``train.feddisk``) use ``"arrays"`` for MADE parameters
-and ``"config"`` / ``"metrics"`` with keys of their own (:mod:`.density`).
+A setup phase's messages (type ``train.<phase name>``) carry the step's tensors and
+values in records of their own (:mod:`.setup_phase`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from torch import Tensor, nn
 
 from fedplug.errors import ConfigError
@@ -60,7 +60,6 @@ SECONDS = "fedplug.seconds"
 CLASS_COUNTS = "fedplug.class-counts"
 PARTITION_ID = "fedplug.partition-id"
 NUM_PARTITIONS = "fedplug.num-partitions"
-TRAIN_LOSS = "train-loss"
 ACCURACY = "accuracy"
 LOSS = "loss"
 
@@ -126,10 +125,6 @@ def record_to_tensors(
     return {
         key: torch.from_numpy(np.array(array.numpy())).to(device) for key, array in record.items()
     }
-
-
-def get_array_record(content: RecordDict, key: str) -> ArrayRecord | None:
-    return content.array_records.get(key)
 
 
 # ---------------------------------------------------------------- loss-transform state

@@ -1,35 +1,33 @@
 """Server side: a Flower strategy (Message API) that runs any fedplug train config.
 
-:class:`FedplugStrategy` does on a Flower grid what :class:`fedplug.simulation.simulator.Simulator`
-does in one process, with the same components and the same random streams:
+:class:`FedplugStrategy` moves models and messages; the round itself is
+:class:`fedplug.federated_round.RoundCore`'s, the same as the simulator's:
 
 1. **setup** (once): a ``query`` message asks every node for its class counts
-   (:mod:`.priors`); the loss transform (FedShift's prior) and the grouper (FedGSP's
-   clusters) are prepared from them, and the aggregator is built for K clients. A loss
-   transform whose preparation needs the clients' data runs it over messages instead
-   (FedDisk's phase 1, :mod:`.density`), and its result stays on the nodes.
-2. **each round**: sample clients (:func:`~fedplug.simulation.simulator.sample_clients`),
-   let the grouper plan the chains (generator ``[seed, round, 0x6E0]``), and train:
-   one exchange per chain position (:mod:`.chains`); a chain's model is handed to its
-   next member through the server. The aggregator's server payload (SCAFFOLD's c) goes
-   down with every model, its client extras (SCAFFOLD's delta_c, FedNova's a_k) come
-   back in the reply, and ``fedplug.num-steps`` carries the local step count.
-3. **screen and aggregate**: error replies, missing replies and replies with a wrong
-   shape or non-finite values are dropped with a logged reason; the rest stream, in plan
-   order, into :meth:`fedplug.components.Aggregator.aggregate`. Too many failures retry
-   the round (``train.failures``), as in the simulator; clients that trained in the
-   failed attempt start again from the state they had (see
-   :func:`.trainer.load_client_state`).
-4. **evaluate**: ``evaluate_fn`` (central, on the server's test set) and, optionally,
-   an ``evaluate`` message to every node for its local test split.
+   (:mod:`.priors`); that also tells which node holds which client. The loss transform is
+   prepared from the counts (FedShift's prior), then its setup phase, if it declares one,
+   runs over messages (FedDisk's density models; the result stays on the nodes). The
+   grouper is prepared from the counts too (FedGSP's clusters).
+2. **each round**: the core plans it (sampling and the grouper's chains, with the
+   simulator's random streams); one exchange per chain position (:mod:`.chains`), a
+   chain's model handed to its next member through the server. The aggregator's server
+   payload (SCAFFOLD's c) goes down with every model, its client extras (SCAFFOLD's
+   delta_c, FedNova's a_k) come back in the reply, ``fedplug.num-steps`` carries the
+   local step count.
+3. **screen, aggregate or retry**: every chain becomes a ``ClientUpdate`` or a
+   ``ClientFailure``, and :meth:`RoundCore.run` screens them, aggregates, and retries
+   the round under ``train.failures``; clients that trained in a failed attempt start
+   again from the state they had (see :func:`.trainer.load_client_state`).
+4. **evaluate and record**: ``evaluate_fn`` (central, on the server's test set) and,
+   optionally, an ``evaluate`` message to every node for its local test split; the core
+   writes the round's record.
 
-Not supported on Flower: FedDiskAb, which pools raw data (see
-:data:`UNSUPPORTED_LOSS_TRANSFORMS`).
+A component that needs every client's raw data in one place (``ClientNeeds.pooled_data``,
+FedDiskAb) is refused with the component's own reason.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -37,61 +35,44 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import Tensor, nn
 
-from fedplug.algorithms.cost_model import LinkAndDevice, round_cost
-from fedplug.algorithms.fedgsp import cpd_summary
+from fedplug.cost_model import LinkAndDevice
 from fedplug.components import PhaseCost, RoundPlan
 from fedplug.config import validate_section
-from fedplug.errors import ConfigError, TrainingError
+from fedplug.errors import ConfigError
+from fedplug.federated_round import Attempt, Evaluation, Outcome, RoundCore, client_needs
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.simulator import build_model, resolve_device, sample_clients
-from fedplug.simulation.vectors import model_to_vector, tensors_num_bytes, vector_to_model
+from fedplug.simulation.simulator import build_model, resolve_device
+from fedplug.simulation.vectors import tensors_num_bytes, vector_to_model
 
 from .chains import RoundInProgress
-from .density import MESSAGE_PHASES
+from .messages import client_accuracy, evaluate_message, train_message
 from .priors import ClassCounts, NodeDirectory, gather_class_counts
 from .records import (
     ACCURACY,
     CHAIN_POSITION,
     CLIENT_ID,
-    CONFIG_KEY,
     LOSS,
-    LOSS_INFO_KEY,
-    LOSS_STATE_KEY,
-    METRICS_KEY,
-    MODEL_KEY,
     NUM_CLASSES,
     NUM_CLIENTS,
-    NUM_EXAMPLES,
-    PAYLOAD_KEY,
     ROUND,
     encode_loss_state,
-    integer,
     model_record,
     number,
     record_to_vector,
     tensors_to_record,
     vector_layout,
 )
+from .setup_phase import run_setup_phase
 
 logger = logging.getLogger("fedplug.adapters.flower")
-
-UNSUPPORTED_LOSS_TRANSFORMS = {
-    "feddisk_ab": (
-        "FedDiskAb is an oracle ablation that pools raw client data, which a Flower "
-        "deployment must not do; run it with the built-in simulator (`fedplug run`)"
-    ),
-}
-"""Loss transforms this adapter refuses, with the reason (FedDiskAb's ``prepare`` needs
-every client's raw data)."""
 
 RoundObserver = Callable[[RoundRecord], None]
 CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
@@ -103,14 +84,6 @@ class _ModelShape:
 
     input_shape: tuple[int, ...]
     num_classes: int
-
-
-@dataclass
-class _RoundOutcome:
-    vector: Tensor | None
-    accepted: int
-    failures: int
-    bytes_up: int
 
 
 class FedplugStrategy(Strategy):
@@ -137,7 +110,8 @@ class FedplugStrategy(Strategy):
         observers: called with every round's :class:`RoundRecord`.
 
     Raises:
-        ConfigError: the config names a component this adapter cannot run on Flower.
+        ConfigError: a component needs every client's raw data in one place
+            (``ClientNeeds.pooled_data``), which a Flower deployment must not do.
     """
 
     def __init__(
@@ -162,11 +136,6 @@ class FedplugStrategy(Strategy):
             registry = default_registry()
         if isinstance(train_config, Mapping):
             train_config = validate_section("train", dict(train_config), registry)
-        reason = UNSUPPORTED_LOSS_TRANSFORMS.get(train_config.loss_transform.name)
-        if reason is not None:
-            raise ConfigError(
-                f"train.loss_transform {train_config.loss_transform.name!r} cannot run on Flower: {reason}"
-            )
         if num_clients < 1 or num_classes < 1:
             raise ConfigError(
                 f"num_clients ({num_clients}) and num_classes ({num_classes}) must be positive"
@@ -175,6 +144,16 @@ class FedplugStrategy(Strategy):
         self.registry = registry
         self.num_clients = num_clients
         self.num_classes = num_classes
+        self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
+        self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients)
+        self.grouper = registry.build("groupers", train_config.grouper)
+        sampler = registry.build("samplers", train_config.sampler)
+        needs = client_needs(sampler, self.loss_transform, self.aggregator, self.grouper)
+        if needs.pooled_data is not None:
+            raise ConfigError(
+                f"train.loss_transform {train_config.loss_transform.name!r} cannot run on "
+                f"Flower: {needs.pooled_data}"
+            )
         self.device = resolve_device(train_config.device)
         if model is None:
             if input_shape is None:
@@ -194,22 +173,23 @@ class FedplugStrategy(Strategy):
         self.link = link or LinkAndDevice()
         self.target_accuracy = target_accuracy
         self.observers = list(observers)
-        # Built in setup(), once the nodes have reported.
+        # Set by setup(), once the nodes have reported.
         self.directory: NodeDirectory | None = None
-        self.loss_transform: Any = None
-        self.aggregator: Any = None
-        self.grouper: Any = None
+        self.core: RoundCore | None = None
         self.setup_cost = PhaseCost(0, 0, 0)
         self._loss_records: tuple[ArrayRecord, ConfigRecord] | None = None
+        # The round in progress (configure_train .. aggregate_train).
         self._plans: dict[int, RoundPlan] = {}
         self._round: RoundInProgress | None = None
         self._grid: Grid | None = None
+        self._exchange_timeout = train_config.failures.client_timeout_seconds or 3600.0
         self._exchange_config: dict[str, Any] = {}
         self._payload_record: ArrayRecord | None = None
         self._payload_bytes = 0
-        self._evaluating: dict[int, int] = {}
         self._waiting: dict[int, Any] = {}
         self._node_of_reply: dict[int, int] = {}
+        self._attempt: Attempt | None = None
+        self._evaluating: dict[int, int] = {}
         self.run_result: RunResult | None = None
         self.final_vector: Tensor | None = None
 
@@ -230,14 +210,13 @@ class FedplugStrategy(Strategy):
         )
 
     def setup(self, grid: Grid, timeout: float | None = None) -> NodeDirectory:
-        """Gather the nodes' class counts and prepare the components (see :mod:`.priors`),
-        running FedDisk's phase 1 over messages when the loss transform is FedDisk
-        (:mod:`.density`).
+        """Gather the nodes' class counts (see :mod:`.priors`), prepare the loss
+        transform from them, run its setup phase over messages when it declares one,
+        prepare the grouper, and start the round core.
 
         Raises:
-            TrainingError: the nodes did not all report, or a node failed in FedDisk's
-                phase 1.
-            ConfigError: the loss transform needs more than class counts to prepare.
+            TrainingError: the nodes did not all report, or a node failed in the setup
+                phase.
         """
         directory = gather_class_counts(
             grid,
@@ -247,75 +226,89 @@ class FedplugStrategy(Strategy):
             wait_seconds=self.node_wait_seconds,
             timeout=timeout,
         )
-        config = self.config
-        self.loss_transform = self.registry.build("loss_transforms", config.loss_transform)
-        phase = MESSAGE_PHASES.get(config.loss_transform.name)
-        if phase is not None:
-            self.setup_cost = phase(
-                grid,
-                directory,
-                config.loss_transform,
-                message_config={
-                    NUM_CLIENTS: self.num_clients,
-                    NUM_CLASSES: self.num_classes,
-                    **self.message_config,
-                },
-                timeout=timeout,
-            )
-            self._loss_records = None
-        else:
-            self._prepare_from_class_counts(directory)
-        self.aggregator = self.registry.build("aggregators", config.aggregator, self.num_clients)
-        self.grouper = self.registry.build("groupers", config.grouper)
+        self.setup_cost = self._prepare_loss_transform(grid, directory, timeout)
         self.grouper.prepare(directory.class_counts)
+        self.core = RoundCore(
+            self.config,
+            aggregator=self.aggregator,
+            grouper=self.grouper,
+            num_clients=self.num_clients,
+            class_counts=directory.class_counts,
+            client_sizes=directory.sizes,
+            model_bytes=self._model_bytes(),
+            train_flops=self.train_flops,
+            link=self.link,
+            runtime="flower",
+        )
         self.directory = directory
         return directory
 
-    def _prepare_from_class_counts(self, directory: NodeDirectory) -> None:
-        """Prepare the loss transform on the server and keep its state to send."""
+    def _prepare_loss_transform(
+        self, grid: Grid, directory: NodeDirectory, timeout: float | None
+    ) -> PhaseCost:
+        """Prepare the loss transform from the class counts, then run its setup phase on
+        the nodes; keep the prepared state to send with every train message."""
+        message_config = {
+            NUM_CLIENTS: self.num_clients,
+            NUM_CLASSES: self.num_classes,
+            **self.message_config,
+        }
+        transform = self.loss_transform
+        cost = transform.prepare(ClassCounts(directory.class_counts)) or PhaseCost(0, 0, 0)
+        phase = transform.setup_phase()  # after prepare, which may have loaded its result
+        if phase is not None:
+            extra = run_setup_phase(
+                grid, directory.node_of, phase, message_config=message_config, timeout=timeout
+            )
+            cost = PhaseCost(
+                cost.rounds + extra.rounds,
+                cost.bytes_up + extra.bytes_up,
+                cost.bytes_down + extra.bytes_down,
+            )
+        state = transform.state_dict()
         name = self.config.loss_transform.name
-        try:
-            self.setup_cost = self.loss_transform.prepare(
-                ClassCounts(directory.class_counts)
-            ) or PhaseCost(0, 0, 0)
-        except AttributeError as error:
-            raise ConfigError(
-                f"train.loss_transform {name!r} cannot run on Flower: its prepare() reads more "
-                f"than the clients' class counts ({error})"
-            ) from None
-        state = self.loss_transform.state_dict()
         self._loss_records = encode_loss_state(state, name) if state else None
+        return cost
 
-    def _require_setup(self) -> NodeDirectory:
-        if self.directory is None:
+    def _require_core(self) -> RoundCore:
+        if self.core is None:
             raise RuntimeError(
                 "call FedplugStrategy.setup(grid) (start() does) before the first round"
             )
+        return self.core
+
+    def _require_setup(self) -> NodeDirectory:
+        self._require_core()
+        assert self.directory is not None  # set with the core
         return self.directory
 
     # ------------------------------------------------------------------------ train
 
     def plan(self, server_round: int) -> RoundPlan:
-        """The round's chains: the simulator's sampling and grouping, computed once per
-        round (a retried round trains the same plan)."""
+        """The round's chains, computed once per round (a retried round trains the same
+        plan)."""
         if server_round not in self._plans:
-            config = self.config
-            round_index = server_round - 1
-            clients = sample_clients(
-                self.num_clients, config.client_fraction, config.seed, round_index
-            )
-            rng = np.random.default_rng([config.seed, round_index, 0x6E0])
-            self._plans = {server_round: self.grouper.plan(server_round, clients, rng)}
+            self._plans = {server_round: self._require_core().plan(server_round - 1)}
         return self._plans[server_round]
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Start a round: plan it and return the messages of every chain's first member."""
-        self._require_setup()
+        """Start a round: plan it and return the messages of every chain's first member.
+        Before the first round, when :meth:`start` did not, run :meth:`setup` and start
+        the aggregator from ``arrays`` (so Flower's own ``Strategy.start`` and wrapping
+        strategies can drive this one)."""
+        if self.core is None:
+            self.setup(grid)
+            self.aggregator.initialize(record_to_vector(arrays, self.layout))
         self._grid = grid
-        global_vector = record_to_vector(arrays, self.layout)
-        self._round = RoundInProgress(server_round, self.plan(server_round), global_vector)
+        self._round = RoundInProgress(
+            server_round,
+            self.plan(server_round),
+            record_to_vector(arrays, self.layout),
+            self.layout,
+            self.config.failures.client_timeout_seconds,
+        )
         self._exchange_config = dict(config)
         payload = self.aggregator.server_payload()
         self._payload_record = tensors_to_record(payload) if payload else None
@@ -333,35 +326,47 @@ class FedplugStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Take the last replies, screen every chain's result and aggregate them."""
-        outcome, metrics = self._aggregate(replies)
-        if outcome.vector is None:
-            return None, metrics
-        return self._vector_record(outcome.vector), metrics
+        """Take the replies, finish the round's chains (hand-offs through the grid that
+        :meth:`configure_train` was given), and let the round core screen, aggregate and,
+        under ``train.failures``, replay the round.
 
-    def _aggregate(self, replies: Iterable[Message]) -> tuple[_RoundOutcome, MetricRecord]:
-        self._absorb(replies)
+        Raises:
+            TrainingError: too many clients failed in every attempt, or the global model
+                became non-finite.
+        """
         round_ = self._require_round()
-        if not round_.complete:
-            raise RuntimeError(
-                "chains of this round still have members to train; drive the round with "
-                "FedplugStrategy.start() (or configure_hand_off) rather than one exchange"
-            )
-        updates = list(round_.updates(self.config.failures.client_timeout_seconds))
-        model_bytes = self._model_bytes()
-        bytes_up = sum(
-            len(update.chain) * model_bytes + tensors_num_bytes(update.extras) for update in updates
-        )
-        try:
-            vector: Tensor | None = self.aggregator.aggregate(round_.global_vector, iter(updates))
-        except ValueError:
-            if updates:
-                raise
-            vector = None
+        self._exchange(self.configure_hand_off(server_round, replies))
+
+        def train_attempt(attempt: int) -> list[Outcome]:
+            if attempt > 0:
+                arrays = self._vector_record(round_.global_vector)
+                grid = self._grid
+                assert grid is not None  # set by configure_train
+                config = ConfigRecord(self._exchange_config)
+                self._exchange(self.configure_train(server_round, arrays, config, grid))
+            return self._require_round().outcomes()
+
+        core = self._require_core()
+        attempt = core.run(server_round - 1, round_.global_vector, round_.plan, train_attempt)
+        self._attempt = attempt
+        tally = attempt.tally
         metrics = MetricRecord(
-            {"accepted": len(updates), "failures": round_.failures, "bytes-up": bytes_up}
+            {
+                "accepted": tally.accepted,
+                "failures": tally.failures,
+                "bytes-up": tally.bytes_up,
+                "attempts": attempt.attempts,
+            }
         )
-        return _RoundOutcome(vector, len(updates), round_.failures, bytes_up), metrics
+        return self._vector_record(attempt.vector), metrics
+
+    def _exchange(self, messages: list[Message]) -> None:
+        """Send ``messages`` and every hand-off they lead to, until the round's chains are done."""
+        grid = self._grid
+        while messages:
+            assert grid is not None  # set by configure_train
+            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
+            messages = self.configure_hand_off(self._require_round().server_round, replies)
 
     def _require_round(self) -> RoundInProgress:
         if self._round is None:
@@ -370,9 +375,7 @@ class FedplugStrategy(Strategy):
 
     def _absorb(self, replies: Iterable[Message]) -> None:
         if self._waiting:
-            self._require_round().absorb(
-                self._waiting, list(replies), self.layout, self._node_of_reply
-            )
+            self._require_round().absorb(self._waiting, list(replies), self._node_of_reply)
         self._waiting, self._node_of_reply = {}, {}
 
     def _next_messages(self) -> list[Message]:
@@ -388,39 +391,24 @@ class FedplugStrategy(Strategy):
             client = chain.next_client
             node = directory.node_of[client]
             if node not in connected:
-                chain.fail(f"its node {node} is no longer connected")
-                logger.warning(
-                    "round %d: dropped client(s) %s: %s",
-                    round_.server_round,
-                    chain.chain,
-                    chain.failure,
-                )
+                chain.fail(f"client {client}'s node {node} is no longer connected")
                 continue
             record = records.get(id(chain.vector))
             if record is None:
                 record = records[id(chain.vector)] = self._vector_record(chain.vector)
-            content = RecordDict(
-                {
-                    MODEL_KEY: record,
-                    CONFIG_KEY: ConfigRecord(
-                        {
-                            **self._common_config(round_.server_round, client),
-                            CHAIN_POSITION: chain.position,
-                            **self._exchange_config,
-                        }
-                    ),
-                }
-            )
-            if self._payload_record is not None:
-                content[PAYLOAD_KEY] = self._payload_record
-            if self._loss_records is not None:
-                content[LOSS_STATE_KEY], content[LOSS_INFO_KEY] = self._loss_records
+            config = {
+                **self._common_config(round_.server_round, client),
+                CHAIN_POSITION: chain.position,
+                **self._exchange_config,
+            }
             messages.append(
-                Message(
-                    content,
-                    dst_node_id=node,
-                    message_type=MessageType.TRAIN,
-                    group_id=str(round_.server_round),
+                train_message(
+                    node,
+                    round_.server_round,
+                    record,
+                    config,
+                    payload=self._payload_record,
+                    loss_state=self._loss_records,
                 )
             )
             self._waiting[client] = chain
@@ -457,18 +445,8 @@ class FedplugStrategy(Strategy):
             node: client for client, node in directory.node_of.items() if node in connected
         }
         return [
-            Message(
-                RecordDict(
-                    {
-                        MODEL_KEY: arrays,
-                        CONFIG_KEY: ConfigRecord(
-                            {**self._common_config(server_round, client), **dict(config)}
-                        ),
-                    }
-                ),
-                dst_node_id=node,
-                message_type=MessageType.EVALUATE,
-                group_id=str(server_round),
+            evaluate_message(
+                node, server_round, arrays, {**self._common_config(server_round, client), **config}
             )
             for node, client in sorted(self._evaluating.items(), key=lambda item: item[1])
         ]
@@ -476,37 +454,9 @@ class FedplugStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Mean and (population) spread of the per-client accuracies, over the clients
-        with a non-empty local test split (the simulator's definition)."""
-        accuracies: dict[int, float] = {}
-        for reply in replies:
-            client = self._evaluating.get(reply.metadata.src_node_id)
-            if reply.has_error():
-                logger.warning(
-                    "round %d: client %s failed to evaluate: %s",
-                    server_round,
-                    client,
-                    reply.error.reason,
-                )
-                continue
-            metrics = reply.content.metric_records.get(METRICS_KEY)
-            if client is None or metrics is None:
-                continue
-            try:
-                if integer(metrics, NUM_EXAMPLES, 0) > 0:
-                    accuracies[client] = number(metrics, ACCURACY)
-            except ValueError as error:
-                logger.warning("round %d: client %s %s", server_round, client, error)
-        if not accuracies:
-            return None
-        values = np.array([accuracies[client] for client in sorted(accuracies)])
-        return MetricRecord(
-            {
-                "client-accuracy-mean": float(values.mean()),
-                "client-accuracy-std": float(values.std()),
-                "clients-evaluated": len(values),
-            }
-        )
+        """Mean and (population) spread of the per-client accuracies (see
+        :func:`.messages.client_accuracy`)."""
+        return client_accuracy(replies, self._evaluating, server_round)
 
     # ------------------------------------------------------------------------ start
 
@@ -542,14 +492,10 @@ class FedplugStrategy(Strategy):
             time.perf_counter() - started_setup,
         )
         num_rounds = self.config.rounds if num_rounds is None else num_rounds
-        exchange_timeout = timeout
-        if self.config.failures.client_timeout_seconds is not None:
-            exchange_timeout = min(timeout, self.config.failures.client_timeout_seconds)
-        global_vector = (
-            record_to_vector(initial_arrays, self.layout)
-            if initial_arrays is not None
-            else model_to_vector(self.model)
-        )
+        client_timeout = self.config.failures.client_timeout_seconds
+        self._exchange_timeout = timeout if client_timeout is None else min(timeout, client_timeout)
+        arrays = initial_arrays if initial_arrays is not None else model_record(self.model)
+        global_vector = record_to_vector(arrays, self.layout)
         self.aggregator.initialize(global_vector)
         train_config = train_config if train_config is not None else ConfigRecord()
         evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
@@ -557,24 +503,39 @@ class FedplugStrategy(Strategy):
         history: list[RoundRecord] = []
         total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
         for server_round in range(1, num_rounds + 1):
-            global_vector, record, train_metrics = self._run_round(
-                grid,
+            started = time.perf_counter()
+            messages = list(self.configure_train(server_round, arrays, train_config, grid))
+            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            assert new_arrays is not None and self._attempt is not None  # or it raised
+            arrays, global_vector = new_arrays, self._attempt.vector
+            result.train_metrics_clientapp[server_round] = train_metrics
+            evaluation = self._evaluate(
+                server_round, arrays, evaluate_config, evaluate_fn, grid, result
+            )
+            record = self._require_core().record(
+                server_round - 1,
+                self.plan(server_round),
+                self._attempt,
+                evaluation,
+                payload_bytes=self._payload_bytes,
+                bytes_so_far=total_bytes,
+                started=started,
+            )
+            logger.info(
+                "round %d: accuracy %.4f, %d/%d chains accepted, %.2fs",
                 server_round,
-                global_vector,
-                exchange_timeout,
-                train_config,
-                evaluate_config,
-                evaluate_fn,
-                total_bytes,
-                result,
+                record.accuracy,
+                self._attempt.tally.accepted,
+                len(self.plan(server_round).chains),
+                record.seconds,
             )
             total_bytes = record.cumulative_bytes
             history.append(record)
-            result.train_metrics_clientapp[server_round] = train_metrics
             for observer in self.observers:
                 observer(record)
-        result.arrays = self._vector_record(global_vector)
         self.final_vector = global_vector
+        result.arrays = self._vector_record(global_vector)
         self.run_result = RunResult(
             history,
             self.target_accuracy,
@@ -584,128 +545,36 @@ class FedplugStrategy(Strategy):
         )
         return result
 
-    def derived_params(self) -> dict[str, Any]:
-        """As the simulator reports them, with ``engine: flower``."""
-        derived: dict[str, Any] = {
-            "train_flops_per_sample": int(self.train_flops),
-            "model_bytes": self._model_bytes(),
-            "engine": "flower",
-        }
-        if hasattr(self.config.aggregator, "effective_learning_rate"):
-            derived["effective_learning_rate"] = self.config.aggregator.effective_learning_rate()
-        return derived
-
-    def _run_round(
+    def _evaluate(
         self,
-        grid: Grid,
         server_round: int,
-        global_vector: Tensor,
-        timeout: float,
-        train_config: ConfigRecord,
+        arrays: ArrayRecord,
         evaluate_config: ConfigRecord,
         evaluate_fn: CentralEvaluation | None,
-        bytes_so_far: int,
+        grid: Grid,
         result: Result,
-    ) -> tuple[Tensor, RoundRecord, MetricRecord]:
-        config = self.config
-        started = time.perf_counter()
-        plan = self.plan(server_round)
-        participants = sum(len(chain) for chain in plan.chains)
-        arrays = self._vector_record(global_vector)
-        policy = config.failures
-        for attempt in range(policy.max_round_retries + 1):
-            saved = copy.deepcopy(self.aggregator.state_dict())
-            messages = list(self.configure_train(server_round, arrays, train_config, grid))
-            while messages:
-                replies = grid.send_and_receive(messages, timeout=timeout)
-                messages = self.configure_hand_off(server_round, replies)
-            outcome, train_metrics = self._aggregate([])
-            failed_fraction = outcome.failures / max(len(plan.chains), 1)
-            if outcome.vector is not None and failed_fraction <= policy.max_failed_fraction:
-                new_vector = outcome.vector
-                break
-            self.aggregator.load_state_dict(saved)
-            logger.warning(
-                "round %d: %d of %d updates failed (limit %.0f%%); attempt %d of %d",
-                server_round,
-                outcome.failures,
-                len(plan.chains),
-                100 * policy.max_failed_fraction,
-                attempt + 1,
-                policy.max_round_retries + 1,
-            )
-        else:
-            raise TrainingError(
-                f"round {server_round}: {outcome.failures} of {len(plan.chains)} client updates failed in each of "
-                f"{policy.max_round_retries + 1} attempts (train.failures.max_failed_fraction = "
-                f"{policy.max_failed_fraction}); see the log for each client's reason"
-            )
-        if not torch.isfinite(new_vector).all():
-            raise TrainingError(
-                f"the global model became non-finite at round {server_round}; lower train.optimizer.lr "
-                "or the server learning rate"
-            )
-        new_arrays = self._vector_record(new_vector)
-        accuracy = loss = float("nan")
+    ) -> Evaluation:
+        """The round's central and federated evaluation (NaN where there is none)."""
+        accuracy = loss = client_mean = client_std = float("nan")
         if evaluate_fn is not None:
-            central = evaluate_fn(server_round, new_arrays)
+            central = evaluate_fn(server_round, arrays)
             if central is not None:
                 result.evaluate_metrics_serverapp[server_round] = central
                 accuracy = number(central, ACCURACY, float("nan"))
                 loss = number(central, LOSS, float("nan"))
-        client_mean = client_std = float("nan")
-        evaluate_messages = list(
-            self.configure_evaluate(server_round, new_arrays, evaluate_config, grid)
-        )
-        if evaluate_messages:
-            federated = self.aggregate_evaluate(
-                server_round, grid.send_and_receive(evaluate_messages, timeout=timeout)
-            )
+        messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
+        if messages:
+            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
+            federated = self.aggregate_evaluate(server_round, replies)
             if federated is not None:
                 result.evaluate_metrics_clientapp[server_round] = federated
                 client_mean = number(federated, "client-accuracy-mean")
                 client_std = number(federated, "client-accuracy-std")
-        directory = self._require_setup()
-        groups = plan.groups if plan.groups is not None else plan.chains
-        cpd_median, cpd_mean = cpd_summary(
-            groups, directory.class_counts, getattr(config.grouper, "cpd_sigma", 1.0)
-        )
-        model_bytes = self._model_bytes()
-        cost = round_cost(
-            plan.chains,
-            directory.sizes,
-            config.local_epochs,
-            self.train_flops,
-            model_bytes,
-            self.link,
-        )
-        bytes_down = (model_bytes + self._payload_bytes) * participants
-        record = RoundRecord(
-            round=server_round,
-            accuracy=accuracy,
-            loss=loss,
-            client_accuracy_mean=client_mean,
-            client_accuracy_std=client_std,
-            bytes_up=outcome.bytes_up,
-            bytes_down=bytes_down,
-            cumulative_bytes=bytes_so_far + outcome.bytes_up + bytes_down,
-            seconds=time.perf_counter() - started,
-            participants=participants,
-            failures=outcome.failures,
-            cpd_median=float(cpd_median),
-            cpd_mean=float(cpd_mean),
-            compute_seconds_model=float(cost.compute_seconds),
-            communication_seconds_model=float(cost.communication_seconds),
-        )
-        logger.info(
-            "round %d: accuracy %.4f, %d/%d chains accepted, %.2fs",
-            server_round,
-            accuracy,
-            outcome.accepted,
-            len(plan.chains),
-            record.seconds,
-        )
-        return new_vector, record, train_metrics
+        return Evaluation(accuracy, loss, client_mean, client_std)
+
+    def derived_params(self) -> dict[str, Any]:
+        """The round core's derived parameters (the simulator's), with ``engine: flower``."""
+        return self._require_core().derived_params("flower")
 
 
 def central_evaluation(

@@ -18,17 +18,18 @@ A few lines turn a plain Flower PyTorch ClientApp into an IWDS + FedShift one::
     def query(message, context):          # FedShift's prior: the server asks for counts
         return trainer.describe(train_loader, message, context)
 
-For FedDisk, one more handler runs its phase 1 (the sample weights then stay on the node)::
+A loss transform with a setup phase (FedDisk's density models) needs one more handler,
+under the phase's name; what the phase leaves stays on the node (:mod:`.setup_phase`)::
 
     @app.train("feddisk")
-    def feddisk(message, context):
-        return trainer.feddisk(train_loader, message, context)
+    def setup(message, context):
+        return trainer.setup_phase(train_loader, message, context)
 
 Training runs :func:`fedplug.simulation.local_training.train_locally`, the loop the
 built-in simulator runs, so a client behaves identically on both. Everything a client
 needs from the server (the round, its client id, the aggregator's payload, the loss
 transform's prepared state) comes in the message (:mod:`.records`); state that must
-outlive a message (SCAFFOLD's c_k, FedDisk's sample weights) lives in ``context.state``,
+outlive a message (SCAFFOLD's c_k, what a setup phase left) lives in ``context.state``,
 which Flower keeps on the node between messages.
 """
 
@@ -50,6 +51,7 @@ from fedplug.components import Context as LossContext
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
+from fedplug.setup_phase import PhaseInputs, SetupPhase
 from fedplug.simulation.local_training import (
     ClientAlgorithm,
     LocalSchedule,
@@ -58,7 +60,6 @@ from fedplug.simulation.local_training import (
 )
 from fedplug.simulation.vectors import move_tensors, vector_to_model
 
-from .density import NODE_LOSS_CONTEXTS, answer_feddisk
 from .local_data import LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
@@ -87,6 +88,7 @@ from .records import (
     tensors_to_record,
     vector_layout,
 )
+from .setup_phase import answer_setup_step, load_phase_state
 
 DEFAULT_STATE_NAMESPACE = "fedplug"
 DATA_CACHE_SIZE = 4
@@ -130,6 +132,7 @@ class FedplugTrainer:
             train_config.local_epochs, train_config.batch_size, train_config.optimizer
         )
         self._prepared = not _needs_prepare(self.algorithm.loss_transform)
+        self._phase: SetupPhase | None = self.algorithm.loss_transform.setup_phase()
         self._payload_keys: set[str] | None = None
         self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
 
@@ -189,11 +192,12 @@ class FedplugTrainer:
         class_counts: np.ndarray,
         device: torch.device,
     ) -> LossContext:
-        """The loss transform's client context: from what a phase run over messages left
-        on this node (FedDisk's sample weights), else from the state the server sent."""
-        from_node = NODE_LOSS_CONTEXTS.get(self.config.loss_transform.name)
-        if from_node is not None:
-            return from_node(context, state_namespace, int(class_counts.sum()), device)
+        """The loss transform's client context: from what its setup phase left on this
+        node when it declares one, else from the state the server sent."""
+        if self._phase is not None:
+            state = load_phase_state(context, state_namespace, self._phase.name, device)
+            self._phase.check_data(state, int(class_counts.sum()))
+            return move_tensors(self._phase.client_context(state), device)
         self._load_loss_state(content)
         return move_tensors(
             self.algorithm.loss_transform.client_context(client_id, class_counts), device
@@ -334,7 +338,7 @@ class FedplugTrainer:
             reply[EXTRAS_KEY] = tensors_to_record(result.extras)
         return Message(reply, reply_to=message)
 
-    def feddisk(
+    def setup_phase(
         self,
         data: Any,
         message: Message,
@@ -343,24 +347,33 @@ class FedplugTrainer:
         device: torch.device | str = "cpu",
         state_namespace: str = DEFAULT_STATE_NAMESPACE,
     ) -> Message:
-        """Answer one message of FedDisk's phase 1 (type ``train.feddisk``, see
-        :mod:`.density`): register it with ``@app.train("feddisk")``. The MADEs, the
-        classifier and the resulting sample weights stay in ``context.state``; later
-        :meth:`fit` calls weight this client's loss with them.
+        """Answer one message of the loss transform's setup phase (type
+        ``train.<phase name>``, see :mod:`.setup_phase`): register it with
+        ``@app.train("<phase name>")`` (FedDisk: ``"feddisk"``). What the phase keeps, and
+        leaves at its end, stays in ``context.state``; later :meth:`fit` calls take the
+        loss's context from it.
 
         Args:
-            data: the training data :meth:`fit` receives (the weights follow its sample
-                order).
-            message: the server's phase-1 message.
+            data: the training data :meth:`fit` receives (a phase's per-sample results
+                follow its sample order).
+            message: the server's setup-phase message.
             context: the ClientApp's context.
-            device: where the MADEs train (default ``"cpu"``).
+            device: where the phase computes (default ``"cpu"``).
             state_namespace: as in :meth:`fit` (default ``"fedplug"``).
+
+        Raises:
+            ConfigError: the loss transform declares no setup phase, or another one.
         """
+        if self._phase is None:
+            raise ConfigError(
+                f"a {message.metadata.message_type!r} message arrived, but loss transform "
+                f"{self.config.loss_transform.name!r} declares no setup phase"
+            )
         config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
         local = self._local_data(data, torch.device(device))
         inputs = local.inputs[torch.arange(local.num_samples, device=local.labels.device)]
-        client_id = self._client_id(config, context)
-        return answer_feddisk(inputs, client_id, message, context, state_namespace)
+        client = PhaseInputs(self._client_id(config, context), inputs, local.labels)
+        return answer_setup_step(self._phase, client, message, context, state_namespace, device)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Any, message: Message) -> Message:

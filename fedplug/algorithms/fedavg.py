@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, WeightedMean
@@ -73,10 +74,10 @@ def average_models(updates: Iterable[ClientUpdate], aggregator_name: str) -> Mod
     for update in updates:
         check_update_weight(update)
         accumulator.add(update.vector, update.weight)
-    if accumulator.total is None or accumulator.weight <= 0:
+    if accumulator.empty:
         raise no_updates_error(aggregator_name)
     return ModelAverage(
-        mean=accumulator.total / accumulator.weight,
+        mean=accumulator.mean(torch.float64),
         total_weight=accumulator.weight,
         count=accumulator.count,
     )

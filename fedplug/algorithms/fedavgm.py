@@ -46,6 +46,10 @@ class FedAvgMConfig(ComponentConfig):
     nesterov: bool = False
     """Use Nesterov momentum (default False; the paper's experiments use True)."""
 
+    def derived_values(self, train: Any) -> dict[str, Any]:
+        """The paper's effective learning rate, from the clients' ``train.optimizer.lr``."""
+        return {"effective_learning_rate": self.effective_learning_rate(train.optimizer.lr)}
+
     def effective_learning_rate(self, client_learning_rate: float = 1.0) -> float:
         """The paper's effective learning rate ``eta / (1 - beta)``.
 

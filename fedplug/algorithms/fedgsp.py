@@ -36,7 +36,7 @@ import numpy as np
 from ortools.graph.python.min_cost_flow import SimpleMinCostFlow
 from pydantic import Field
 
-from fedplug.components import ComponentConfig, Grouper, RoundPlan
+from fedplug.components import ClientNeeds, ComponentConfig, Grouper, RoundPlan
 from fedplug.hookspecs import Register, hookimpl
 
 GrowthKind = Literal["linear", "log", "exp"]
@@ -560,6 +560,16 @@ def cpd_summary(
     return float(np.median(pairs, overwrite_input=True)), mean
 
 
+def group_cpd_metrics(plan: RoundPlan, class_counts: np.ndarray | None, sigma: float) -> dict[str, float]:
+    """``cpd_median`` and ``cpd_mean`` between the groups of ``plan`` (its chains when it
+    names no groups); empty when the class counts are unknown."""
+    if class_counts is None:
+        return {}
+    groups = plan.groups if plan.groups is not None else plan.chains
+    median, mean = cpd_summary(groups, class_counts, sigma)
+    return {"cpd_median": float(median), "cpd_mean": float(mean)}
+
+
 # ------------------------------------------------------------------------ the grouper
 
 
@@ -617,6 +627,14 @@ class FedGSPGrouper(Grouper):
     def __init__(self, config: FedGSPConfig) -> None:
         self.config = config
         self.class_counts: np.ndarray | None = None
+
+    def client_needs(self) -> ClientNeeds:
+        """ICG groups clients by their class counts; random groups need nothing."""
+        return ClientNeeds(class_counts=self.config.mode != "naive")
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """The paper's CPD (eq. 14) between the round's groups, with ``cpd_sigma``."""
+        return group_cpd_metrics(plan, class_counts, self.config.cpd_sigma)
 
     def prepare(self, class_counts: np.ndarray) -> None:
         class_counts = np.asarray(class_counts, dtype=np.float64)

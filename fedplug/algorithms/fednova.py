@@ -33,6 +33,7 @@ from torch import Tensor
 
 from fedplug.algorithms.fedavg import check_update_weight, no_updates_error
 from fedplug.components import (
+    ClientNeeds,
     Aggregator,
     ClientUpdate,
     ComponentConfig,
@@ -88,6 +89,10 @@ class FedNova(Aggregator):
         super().__init__(num_clients)
         self.config = config
 
+    def client_needs(self) -> ClientNeeds:
+        """Each client reports its normalising factor a_k with its model."""
+        return ClientNeeds(client_side=True, reply_extras=(NORM_KEY,))
+
     def client_finish(
         self,
         start_vector: Tensor,
@@ -119,9 +124,9 @@ class FedNova(Aggregator):
                 normalized = torch.zeros_like(current)
             normalized_updates.add(normalized, update.weight)
             total_factor += update.weight * factor
-        if normalized_updates.total is None or normalized_updates.weight <= 0:
+        if normalized_updates.empty:
             raise no_updates_error(self.config.name)
-        mean_normalized = normalized_updates.total / normalized_updates.weight
+        mean_normalized = normalized_updates.mean(torch.float64)
         effective_steps = total_factor / normalized_updates.weight
         return (current - effective_steps * mean_normalized).float()
 

@@ -34,7 +34,7 @@ import numpy as np
 from torch import Tensor
 from torch.nn import functional as F
 
-from fedplug.components import ComponentConfig, Context, LossTransform, as_tensor_context
+from fedplug.components import ClientNeeds, ComponentConfig, Context, LossTransform, as_tensor_context
 from fedplug.errors import DataError
 from fedplug.hookspecs import Register, hookimpl
 
@@ -95,6 +95,10 @@ class _GlobalPriorTransform(LossTransform):
 
     def __init__(self) -> None:
         self.prior: np.ndarray | None = None
+
+    def client_needs(self) -> ClientNeeds:
+        """The global prior comes from every client's class counts."""
+        return ClientNeeds(class_counts=True, client_side=True)
 
     def prepare(self, federation: Any) -> None:
         """Compute P(y) from ``federation.class_counts``.

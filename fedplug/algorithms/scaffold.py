@@ -22,7 +22,7 @@ How the correction enters local training: :meth:`Scaffold.client_context` hands 
 the flat vector ``c - c_k`` and :meth:`Scaffold.client_penalty` adds
 ``<c - c_k, w - x>`` to every batch's loss. Its gradient is exactly ``c - c_k``, so plain
 SGD on the penalised loss takes the step above. This only holds for SGD without
-momentum (``requires_plain_sgd``), which the config checks. The penalty is measured from
+momentum, which :meth:`ScaffoldConfig.incompatibilities` checks. The penalty is measured from
 the round's start x so that its value starts at 0 and the logged loss stays readable.
 
 The flat vectors hold the parameters first and then the floating-point buffers
@@ -42,6 +42,7 @@ from torch import Tensor
 
 from fedplug.algorithms.fedavg import no_updates_error
 from fedplug.components import (
+    ClientNeeds,
     Aggregator,
     ClientUpdate,
     ComponentConfig,
@@ -90,12 +91,19 @@ class Scaffold(Aggregator):
             sum(delta_c) / K).
     """
 
-    requires_plain_sgd = True
-
     def __init__(self, config: ScaffoldConfig, num_clients: int) -> None:
         super().__init__(num_clients)
         self.config = config
         self.control: Tensor | None = None
+
+    def client_needs(self) -> ClientNeeds:
+        """c down with every model, c_k kept on each client, delta_c up in every reply."""
+        return ClientNeeds(
+            client_side=True,
+            client_state=True,
+            server_payload=(SERVER_VARIATE_KEY,),
+            reply_extras=(VARIATE_CHANGE_KEY,),
+        )
 
     def initialize(self, global_vector: Tensor) -> None:
         """The server's c starts at 0."""
@@ -176,10 +184,10 @@ class Scaffold(Aggregator):
             models.add(update.vector, 1.0)
             change = update.extras[VARIATE_CHANGE_KEY].detach().double()
             variate_change = change if variate_change is None else variate_change + change
-        if models.total is None or variate_change is None:
+        if models.empty or variate_change is None:
             raise no_updates_error(self.config.name)
         rate = self.config.server_lr
-        mean = models.total / models.weight
+        mean = models.mean(torch.float64)
         current = global_vector.detach().double()
         # x + rate (mean - x), written so that rate = 1 returns the mean exactly.
         next_vector = (1.0 - rate) * current + rate * mean

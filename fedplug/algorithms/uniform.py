@@ -23,7 +23,9 @@ from typing import Literal
 
 import numpy as np
 
+from fedplug.algorithms.fedgsp import DEFAULT_CPD_SIGMA, group_cpd_metrics
 from fedplug.components import (
+    ClientNeeds,
     ComponentConfig,
     Grouper,
     LossTransform,
@@ -49,6 +51,10 @@ class UniformSampler(Sampler):
     def __init__(self, config: UniformSamplerConfig | None = None) -> None:
         self.config = config or UniformSamplerConfig()
 
+    def client_needs(self) -> ClientNeeds:
+        """Any training loop's shuffled epoch: nothing fedplug-specific on the client."""
+        return ClientNeeds()
+
     def epoch_indices(
         self,
         labels: np.ndarray,
@@ -66,9 +72,17 @@ class CrossEntropyConfig(ComponentConfig):
     name: Literal["cross_entropy"] = "cross_entropy"
 
 
+class CrossEntropy(LossTransform):
+    """The base :class:`~fedplug.components.LossTransform`'s loss, plain cross-entropy:
+    what any client's training loop already computes."""
+
+    def client_needs(self) -> ClientNeeds:
+        return ClientNeeds()
+
+
 def build_cross_entropy(config: CrossEntropyConfig) -> LossTransform:
-    """The base :class:`~fedplug.components.LossTransform` is exactly plain cross-entropy."""
-    return LossTransform()
+    """Plain cross-entropy."""
+    return CrossEntropy()
 
 
 class NoGroupingConfig(ComponentConfig):
@@ -95,6 +109,11 @@ class NoGrouping(Grouper):
             weighting="samples",
             groups=[list(chain) for chain in singletons],
         )
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """The CPD between the round's clients (each its own group, as in FedGSP's Figure
+        3a), when the runtime knows the class counts; FedGSP's baseline."""
+        return group_cpd_metrics(plan, class_counts, DEFAULT_CPD_SIGMA)
 
 
 @hookimpl

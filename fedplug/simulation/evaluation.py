@@ -3,21 +3,12 @@ local test split. Always with raw logits (no loss transform, no FedShift shift).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedplug.data.federation import Federation
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    accuracy: float
-    loss: float
-    client_accuracy_mean: float
-    client_accuracy_std: float
+from fedplug.federated_round import Evaluation
 
 
 class Evaluator:

@@ -202,6 +202,10 @@ class ParallelEngine:
 
     name = "parallel"
 
+    def derived_params(self) -> dict[str, Any]:
+        """The number of worker processes, beside the engine's name."""
+        return {"engine_workers": self.workers}
+
     def __init__(self, model: nn.Module, workers: int | None = None) -> None:
         if "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError(

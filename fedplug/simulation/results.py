@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -23,15 +24,31 @@ class RoundRecord:
     seconds: float
     participants: int
     failures: int
-    cpd_median: float
-    cpd_mean: float
     compute_seconds_model: float = 0.0
     """The FedGSP cost model's compute time for this round (paper eq. 15-17)."""
     communication_seconds_model: float = 0.0
     """The cost model's communication time for this round."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the components report about the round themselves
+    (:meth:`fedplug.components.Grouper.round_metrics`: ``cpd_median``, ``cpd_mean``);
+    written beside the fixed fields."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {key: _json_number(value) for key, value in asdict(self).items()}
+        """The record as one flat dict: the fixed fields, then the components' metrics."""
+        values = asdict(self)
+        metrics = values.pop("metrics")
+        return {key: _json_number(value) for key, value in {**values, **metrics}.items()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "RoundRecord":
+        """Read :meth:`as_dict`'s output back (null numbers as NaN)."""
+        names = {item.name for item in fields(cls)} - {"metrics"}
+        fixed = {key: (float("nan") if value is None else value) for key, value in values.items() if key in names}
+        if isinstance(values.get("metrics"), dict):  # asdict()'s form, as checkpoints hold it
+            metrics = dict(values["metrics"])
+        else:
+            metrics = {key: (float("nan") if value is None else float(value)) for key, value in values.items() if key not in names}
+        return cls(**fixed, metrics=metrics)
 
 
 @dataclass
@@ -57,10 +74,7 @@ class RunResult:
     def rounds_to_target(self) -> int | None:
         if self.target_accuracy is None:
             return None
-        for record in self.history:
-            if record.accuracy >= self.target_accuracy:
-                return record.round
-        return None
+        return rounds_to_target((record.as_dict() for record in self.history), self.target_accuracy)
 
     @property
     def total_bytes(self) -> int:
@@ -82,6 +96,25 @@ class RunResult:
             "derived": self.derived_params,
             "history": [record.as_dict() for record in self.history],
         }
+
+
+def first_round_reaching(history: Iterable[Mapping[str, Any]], target: float) -> Mapping[str, Any] | None:
+    """The first round whose accuracy is at least ``target``, or None when none is.
+
+    ``history`` holds rounds as :meth:`RoundRecord.as_dict` writes them (``metrics.json``'s
+    ``history``); a null or NaN accuracy never reaches the target.
+    """
+    for record in history:
+        accuracy = record.get("accuracy")
+        if accuracy is not None and accuracy >= target:
+            return record
+    return None
+
+
+def rounds_to_target(history: Iterable[Mapping[str, Any]], target: float) -> int | None:
+    """The number of :func:`first_round_reaching`'s round (1-based), or None."""
+    reached = first_round_reaching(history, target)
+    return None if reached is None else int(reached["round"])
 
 
 def _json_number(value: Any) -> Any:

@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, Context, RoundPlan
 from fedplug.data.federation import Federation
+from fedplug.federated_round import ClientFailure, chain_update
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
 from fedplug.simulation.vectors import move_tensors
 
+__all__ = ["ClientFailure", "Engine", "RoundContext"]
 
-@dataclass(frozen=True)
-class ClientFailure:
-    """A chain whose training raised, timed out or returned an unusable model."""
 
-    chain: list[int]
-    reason: str
+class Engine(Protocol):
+    """How the simulator trains a round's chains: the sequential, vectorised and parallel
+    engines (the round around them is :class:`fedplug.federated_round.RoundCore`'s)."""
+
+    name: str
+
+    def run_round(
+        self, start_vector: Tensor, plan: RoundPlan, round_index: int, context: "RoundContext"
+    ) -> Iterator[ClientUpdate | ClientFailure]:
+        """One outcome per chain of ``plan``, in plan order."""
+
+    def derived_params(self) -> dict[str, Any]:
+        """The engine's entries in the run's derived params."""
+
+    def close(self) -> None:
+        """Stop anything the engine left running (the parallel engine's workers)."""
 
 
 @dataclass
@@ -54,14 +71,16 @@ class RoundContext:
         plan: RoundPlan,
         seconds: float,
     ) -> ClientUpdate:
-        weight = float(samples) if plan.weighting == "samples" else 1.0
-        return ClientUpdate(
-            client_id=chain[-1],
-            vector=vector,
-            weight=weight,
-            num_steps=steps,
-            extras=extras,
-            chain=list(chain),
-            seconds=seconds,
-        )
+        """A chain's update under the round's weight rule
+        (:func:`fedplug.federated_round.chain_update`)."""
+        return chain_update(chain, vector, samples=samples, steps=steps, extras=extras, plan=plan, seconds=seconds)
 
+    def save(self, clients: list[int]) -> dict[int, dict[str, Tensor]]:
+        """Copies of ``clients``' states, for a replayed round."""
+        return {k: copy.deepcopy(self.client_states[k]) for k in clients if k in self.client_states}
+
+    def restore(self, clients: list[int], saved: dict[int, dict[str, Tensor]]) -> None:
+        """Put back :meth:`save`'s copies (clients that had no state get none)."""
+        for client in clients:
+            self.client_states.pop(client, None)
+        self.client_states.update(saved)

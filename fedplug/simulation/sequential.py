@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from torch import Tensor, nn
 
@@ -65,6 +65,13 @@ class SequentialEngine:
     model: nn.Module
 
     name = "sequential"
+
+    def derived_params(self) -> dict[str, Any]:
+        """The engine's entries in the run's derived params (none)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to stop: this engine trains in the calling process."""
 
     def run_round(
         self, start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext

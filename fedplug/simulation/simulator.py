@@ -31,9 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedplug.algorithms.cost_model import LinkAndDevice, round_cost
-from fedplug.algorithms.fedgsp import cpd_summary
-from fedplug.components import ClientUpdate, PhaseCost
+from fedplug.cost_model import LinkAndDevice
+from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.models.flops import training_flops_per_sample
@@ -43,9 +42,13 @@ from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
 from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.round_context import ClientFailure, RoundContext
+from fedplug.federated_round import RoundCore, sample_clients
+from fedplug.setup_phase import prepare_loss_transform
+from fedplug.simulation.round_context import RoundContext
 from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.vectors import all_finite, model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
+from fedplug.simulation.vectors import model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
+
+__all__ = ["Simulator", "build_model", "resolve_device", "sample_clients"]
 
 logger = logging.getLogger("fedplug.simulation")
 
@@ -58,13 +61,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device is {name!r} but this machine has no CUDA device; use 'cpu' or 'auto'")
     return torch.device(name)
-
-
-def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> np.ndarray:
-    """The sorted ids of this round's clients (at least one)."""
-    count = max(1, int(round(fraction * num_clients)))
-    rng = np.random.default_rng([seed, round_index, 0xC11E])
-    return np.sort(rng.choice(num_clients, size=count, replace=False))
 
 
 def build_model(train_config: Any, registry: Registry, federation: Federation, device: torch.device) -> torch.nn.Module:
@@ -81,13 +77,6 @@ def config_fingerprint(train_config: Any, federation: Federation) -> str:
     digest.update(federation.class_counts.tobytes())
     digest.update(federation.dataset_name.encode())
     return digest.hexdigest()[:16]
-
-
-@dataclass
-class _Tally:
-    accepted: int = 0
-    failures: int = 0
-    bytes_up: int = 0
 
 
 class Simulator:
@@ -130,8 +119,18 @@ class Simulator:
         self.engine = self._choose_engine()
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.fingerprint = config_fingerprint(train_config, federation)
-        self.train_flops = training_flops_per_sample(self.model, federation.input_shape)
-        self.client_sizes = np.array([client.num_samples for client in federation.clients])
+        self.core = RoundCore(
+            train_config,
+            aggregator=self.algorithm.aggregator,
+            grouper=self.grouper,
+            num_clients=num_clients,
+            class_counts=federation.class_counts,
+            client_sizes=np.array([client.num_samples for client in federation.clients]),
+            model_bytes=model_to_vector(self.model).numel() * 4,
+            train_flops=training_flops_per_sample(self.model, federation.input_shape),
+            link=link,
+            checkpoint=self.checkpoint_path,
+        )
 
     def _choose_engine(self) -> Any:
         requested = self.config.engine
@@ -167,11 +166,11 @@ class Simulator:
             self.grouper.load_state_dict(state["grouper"])
             self.algorithm.loss_transform.load_state_dict(state["loss_transform"])
             client_states = move_tensors(state["client_states"], self.device)
-            history = [RoundRecord(**record) for record in state["history"]]
+            history = [RoundRecord.from_dict(record) for record in state["history"]]
             setup_cost = PhaseCost(**state["setup_cost"])
             logger.info("resuming from %s after round %d", self.checkpoint_path, len(history))
         else:
-            setup_cost = self.algorithm.loss_transform.prepare(self.federation) or setup_cost
+            setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
             self.algorithm.aggregator.initialize(global_vector)
         context = RoundContext(self.federation, self.algorithm, self.schedule, config.seed, client_states)
         result = RunResult(
@@ -190,136 +189,40 @@ class Simulator:
                 for observer in self.observers:
                     observer(record)
         finally:  # the parallel engine joins its last round's workers
-            getattr(self.engine, "close", lambda: None)()
+            self.engine.close()
         vector_to_model(global_vector, self.model)
         self.final_vector = global_vector
         return result
 
     def derived_params(self) -> dict[str, Any]:
         """Values computed from the config, logged with the run's params."""
-        derived: dict[str, Any] = {
-            "train_flops_per_sample": int(self.train_flops),
-            "model_bytes": int(model_to_vector(self.model).numel() * 4),
-            "engine": self.engine.name,
-        }
-        if hasattr(self.engine, "workers"):
-            derived["engine_workers"] = self.engine.workers
-        aggregator_config = self.config.aggregator
-        if hasattr(aggregator_config, "effective_learning_rate"):
-            # Hsu et al. report eta / (1 - beta), eta being the clients' learning rate.
-            derived["effective_learning_rate"] = aggregator_config.effective_learning_rate(self.config.optimizer.lr)
-        return derived
+        return self.core.derived_params(self.engine.name, **self.engine.derived_params())
 
     def _run_round(
         self, round_index: int, global_vector: Tensor, context: RoundContext, bytes_so_far: int
     ) -> tuple[Tensor, RoundRecord]:
-        config = self.config
         started = time.perf_counter()
-        clients = sample_clients(self.federation.num_clients, config.client_fraction, config.seed, round_index)
-        plan = self.grouper.plan(round_index + 1, clients, np.random.default_rng([config.seed, round_index, 0x6E0]))
-        participants = [client for chain in plan.chains for client in chain]
-        aggregator = self.algorithm.aggregator
-        context.payload = aggregator.server_payload()
-        model_bytes = global_vector.numel() * global_vector.element_size()
-        bytes_down_each = model_bytes + tensors_num_bytes(context.payload)
-        for attempt in range(config.failures.max_round_retries + 1):
-            saved_server = copy.deepcopy(aggregator.state_dict())
-            saved_clients = {k: copy.deepcopy(context.client_states[k]) for k in participants if k in context.client_states}
-            tally = _Tally()
-            outcomes = self.engine.run_round(global_vector, plan, round_index, context)
-            updates = self._screen(outcomes, global_vector, tally, model_bytes, round_index)
-            try:
-                new_vector: Tensor | None = aggregator.aggregate(global_vector, updates)
-            except (ValueError, TrainingError):
-                if tally.accepted:
-                    raise
-                new_vector = None  # every update failed: nothing to aggregate; retry the round
-            finally:  # an engine's workers stop now, even if the aggregator stopped early
-                getattr(outcomes, "close", lambda: None)()
-            failed_fraction = tally.failures / max(len(plan.chains), 1)
-            if new_vector is not None and failed_fraction <= config.failures.max_failed_fraction:
-                break
-            aggregator.load_state_dict(saved_server)
-            for client in participants:
-                context.client_states.pop(client, None)
-            context.client_states.update(saved_clients)
-            logger.warning(
-                "round %d: %d of %d updates failed (limit %.0f%%); attempt %d of %d",
-                round_index + 1, tally.failures, len(plan.chains), 100 * config.failures.max_failed_fraction,
-                attempt + 1, config.failures.max_round_retries + 1,
-            )
-        else:
-            raise TrainingError(
-                f"round {round_index + 1}: {tally.failures} of {len(plan.chains)} client updates failed in each of "
-                f"{config.failures.max_round_retries + 1} attempts (train.failures.max_failed_fraction = "
-                f"{config.failures.max_failed_fraction}); see the log for each client's reason"
-            )
-        assert new_vector is not None
-        if not all_finite(new_vector):
-            raise TrainingError(
-                f"the global model became non-finite at round {round_index + 1}; the last good state is "
-                f"{'the checkpoint at ' + str(self.checkpoint_path) if self.checkpoint_path else 'round ' + str(round_index)}"
-                "; lower train.optimizer.lr or the server learning rate"
-            )
-        vector_to_model(new_vector, self.model)
+        plan = self.core.plan(round_index)
+        context.payload = self.algorithm.aggregator.server_payload()
+        attempt = self.core.run(
+            round_index,
+            global_vector,
+            plan,
+            lambda _: self.engine.run_round(global_vector, plan, round_index, context),
+            client_states=context,
+        )
+        vector_to_model(attempt.vector, self.model)
         evaluation = self.evaluator.evaluate(self.model)
-        groups = plan.groups if plan.groups is not None else plan.chains
-        sigma = getattr(config.grouper, "cpd_sigma", 1.0)
-        cpd_median, cpd_mean = cpd_summary(groups, self.federation.class_counts, sigma)
-        cost = round_cost(
-            plan.chains, self.client_sizes, config.local_epochs, self.train_flops, model_bytes, self.link
+        record = self.core.record(
+            round_index,
+            plan,
+            attempt,
+            evaluation,
+            payload_bytes=tensors_num_bytes(context.payload),
+            bytes_so_far=bytes_so_far,
+            started=started,
         )
-        bytes_down = bytes_down_each * len(participants)
-        record = RoundRecord(
-            round=round_index + 1,
-            accuracy=evaluation.accuracy,
-            loss=evaluation.loss,
-            client_accuracy_mean=evaluation.client_accuracy_mean,
-            client_accuracy_std=evaluation.client_accuracy_std,
-            bytes_up=tally.bytes_up,
-            bytes_down=bytes_down,
-            cumulative_bytes=bytes_so_far + tally.bytes_up + bytes_down,
-            seconds=time.perf_counter() - started,
-            participants=len(participants),
-            failures=tally.failures,
-            cpd_median=float(cpd_median),
-            cpd_mean=float(cpd_mean),
-            compute_seconds_model=float(cost.compute_seconds),
-            communication_seconds_model=float(cost.communication_seconds),
-        )
-        return new_vector, record
-
-    def _screen(
-        self,
-        outcomes: Iterator[ClientUpdate | ClientFailure],
-        global_vector: Tensor,
-        tally: _Tally,
-        model_bytes: int,
-        round_index: int,
-    ) -> Iterator[ClientUpdate]:
-        """Pass on usable updates; count and log the rest."""
-        timeout = self.config.failures.client_timeout_seconds
-        for outcome in outcomes:
-            reason = None
-            if isinstance(outcome, ClientFailure):
-                reason, chain = outcome.reason, outcome.chain
-            else:
-                chain = outcome.chain
-                if outcome.vector.shape != global_vector.shape:
-                    reason = f"returned {tuple(outcome.vector.shape)} parameters, expected {tuple(global_vector.shape)}"
-                elif not all_finite(outcome.vector):
-                    reason = "returned non-finite (NaN/Inf) parameters"
-                elif any(extra.numel() and not all_finite(extra.reshape(-1)) for extra in outcome.extras.values()):
-                    reason = "returned non-finite extras"
-                elif timeout is not None and outcome.seconds > timeout:
-                    reason = f"took {outcome.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"
-            if reason is not None:
-                tally.failures += 1
-                logger.warning("round %d: dropped client(s) %s: %s", round_index + 1, chain, reason)
-                continue
-            tally.accepted += 1
-            tally.bytes_up += len(chain) * model_bytes + tensors_num_bytes(outcome.extras)
-            yield outcome
+        return attempt.vector, record
 
     def _checkpoint_state(
         self, global_vector: Tensor, client_states: dict, history: list[RoundRecord], setup_cost: PhaseCost

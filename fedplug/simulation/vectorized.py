@@ -318,6 +318,13 @@ class VectorizedEngine:
 
     name = "vectorized"
 
+    def derived_params(self) -> dict[str, Any]:
+        """The engine's entries in the run's derived params (none)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to stop: this engine trains in the calling process."""
+
     def __post_init__(self) -> None:
         from fedplug.models.zoo import has_batch_norm
 

@@ -1,0 +1,260 @@
+"""Any loss transform's setup phase (:class:`fedplug.setup_phase.SetupPhase`) over Flower
+messages: the server drives the phase, every node answers for its own client and keeps
+its client's state in ``context.state``.
+
+Every :class:`~fedplug.setup_phase.SetupStep` the phase's server side yields goes as one
+message of type ``train.<phase name>`` to every node (a ClientApp answers it with
+``@app.train("<phase name>")`` returning ``trainer.setup_phase(data, message, context)``;
+the ready ``client_app`` does for every phase an installed loss transform declares):
+
+============================ ============= ===============================================
+key                          record        content
+============================ ============= ===============================================
+``"config"``                 ConfigRecord  the experiment's entries, ``fedplug.client-id``
+                                           and ``fedplug.setup-step`` (the step's name)
+``"fedplug.setup-values"``   ConfigRecord  the step's values (down) / the reply's (up)
+``"fedplug.setup-tensors"``  ArrayRecord   the step's tensors (down) / the reply's (up);
+                                           absent when there are none
+============================ ============= ===============================================
+
+Between steps a node keeps its client's state under ``<namespace>.setup.<phase name>``
+(:func:`load_phase_state`, :func:`save_phase_state`); after the last step the phase's
+:meth:`~fedplug.setup_phase.SetupPhase.client_context` turns it into the loss transform's
+context for every later train message. Nothing here knows which phase it runs.
+
+A node that fails (raises, sends no reply, replies malformed) stops the run with a
+:class:`~fedplug.errors.TrainingError` naming the step, the client and the node: a phase
+needs every client, and a client without its result could not train afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid
+from pydantic import ValidationError
+from torch import Tensor
+
+from fedplug.components import PhaseCost
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.registry import Registry
+from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, Value
+
+from .records import CLIENT_ID, CONFIG_KEY, record_to_tensors, tensors_to_record
+
+logger = logging.getLogger("fedplug.adapters.flower")
+
+STEP = "fedplug.setup-step"
+"""The ``config`` entry naming the step."""
+VALUES_KEY = "fedplug.setup-values"
+TENSORS_KEY = "fedplug.setup-tensors"
+
+
+def message_type(phase: SetupPhase) -> str:
+    """``train.<phase name>``: the type of every message of ``phase``."""
+    return f"train.{phase.name}"
+
+
+# ------------------------------------------------------------------------- server
+
+
+def run_setup_phase(
+    grid: Grid,
+    node_of: Mapping[int, int],
+    phase: SetupPhase,
+    *,
+    message_config: Mapping[str, Any],
+    timeout: float | None,
+) -> PhaseCost:
+    """Run ``phase`` with every client of ``node_of`` on its node (see the module docstring).
+
+    Args:
+        grid: the ServerApp's grid.
+        node_of: client id -> node id, for every client.
+        phase: the loss transform's setup phase.
+        message_config: entries for every message's ``config`` record (the experiment).
+        timeout: bound of each exchange, seconds (None: no bound).
+
+    Returns:
+        The phase's traffic, as its server side reports it.
+
+    Raises:
+        TrainingError: a node failed or replied malformed (the message names the step,
+            the client and the node).
+    """
+    node_of = dict(sorted(node_of.items()))
+    conversation = phase.server(len(node_of))
+    try:
+        step = next(conversation)
+        while True:
+            replies = _exchange(grid, node_of, phase, step, message_config, timeout)
+            step = conversation.send(replies)
+    except StopIteration as stop:
+        cost = stop.value
+    return cost if cost is not None else PhaseCost(0, 0, 0)
+
+
+def _exchange(
+    grid: Grid,
+    node_of: Mapping[int, int],
+    phase: SetupPhase,
+    step: SetupStep,
+    message_config: Mapping[str, Any],
+    timeout: float | None,
+) -> dict[int, SetupReply]:
+    """``step`` to every node; every client's reply, or a TrainingError naming the first
+    client that failed."""
+    tensors = tensors_to_record(step.tensors) if step.tensors else None
+    messages = []
+    for client, node in node_of.items():
+        content = RecordDict(
+            {
+                CONFIG_KEY: ConfigRecord(
+                    {**message_config, CLIENT_ID: client, STEP: step.name}
+                ),
+                VALUES_KEY: ConfigRecord(dict(step.values)),
+            }
+        )
+        if tensors is not None:
+            content[TENSORS_KEY] = tensors
+        messages.append(
+            Message(
+                content,
+                dst_node_id=node,
+                message_type=message_type(phase),
+                group_id=f"{phase.name}-{step.name}",
+            )
+        )
+    received = {
+        reply.metadata.src_node_id: reply
+        for reply in grid.send_and_receive(messages, timeout=timeout)
+    }
+    replies = {}
+    for client, node in node_of.items():
+        reply = received.get(node)
+        if reply is None:
+            reason = f"sent no reply within {timeout}s"
+        elif reply.has_error():
+            reason = f"raised: {reply.error.reason}"
+        elif VALUES_KEY not in reply.content.config_records:
+            reason = f"replied without a {VALUES_KEY!r} record"
+        else:
+            replies[client] = SetupReply(
+                tensors=record_to_tensors(reply.content.array_records.get(TENSORS_KEY)),
+                values=dict(reply.content.config_records[VALUES_KEY]),
+            )
+            continue
+        raise TrainingError(
+            f"setup phase {phase.name!r}, step {step.name!r}: client {client} (node {node}) "
+            f"{reason}. The phase needs every client, so the run stops. (A ClientApp answers "
+            f"these messages with @app.train({phase.name!r}) returning "
+            "trainer.setup_phase(data, message, context); the ready client_app does.)"
+        )
+    return replies
+
+
+# --------------------------------------------------------------------------- node
+
+
+def answer_setup_step(
+    phase: SetupPhase,
+    data: ClientInputs,
+    message: Message,
+    context: Context,
+    namespace: str,
+    device: torch.device | str = "cpu",
+) -> Message:
+    """Do the step ``message`` carries on this node's client ``data`` and reply; the
+    client's state stays in ``context.state``.
+
+    Raises:
+        ConfigError: the message is of another phase than ``phase``.
+    """
+    if message.metadata.message_type != message_type(phase):
+        raise ConfigError(
+            f"a {message.metadata.message_type!r} message arrived, but this node's loss "
+            f"transform runs the setup phase {phase.name!r} ({message_type(phase)!r})"
+        )
+    content = message.content
+    config = content.config_records.get(CONFIG_KEY, ConfigRecord())
+    step = SetupStep(
+        name=str(config.get(STEP, "")),
+        tensors=record_to_tensors(content.array_records.get(TENSORS_KEY), device),
+        values=dict(content.config_records.get(VALUES_KEY, ConfigRecord())),
+    )
+    state = load_phase_state(context, namespace, phase.name, device)
+    reply = phase.client(step, data, state)
+    save_phase_state(context, namespace, phase.name, state)
+    records = RecordDict({VALUES_KEY: ConfigRecord(dict(reply.values))})
+    if reply.tensors:
+        records[TENSORS_KEY] = tensors_to_record(reply.tensors)
+    return Message(records, reply_to=message)
+
+
+def _state_keys(namespace: str, name: str) -> tuple[str, str]:
+    prefix = f"{namespace}.setup.{name}"
+    return f"{prefix}.tensors", f"{prefix}.values"
+
+
+def load_phase_state(
+    context: Context, namespace: str, name: str, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """The state the client side of phase ``name`` keeps on this node (empty before its
+    first step)."""
+    tensors_key, values_key = _state_keys(namespace, name)
+    state: dict[str, Any] = dict(context.state.config_records.get(values_key, ConfigRecord()))
+    state.update(record_to_tensors(context.state.array_records.get(tensors_key), device))
+    return state
+
+
+def save_phase_state(context: Context, namespace: str, name: str, state: Mapping[str, Any]) -> None:
+    """Keep ``state`` (tensors and plain values) in ``context.state`` for the next step.
+
+    Raises:
+        TypeError: a value is neither a tensor nor an int, float, str or bool.
+    """
+    tensors: dict[str, Tensor] = {}
+    values: dict[str, Value] = {}
+    for key, value in state.items():
+        if isinstance(value, Tensor):
+            tensors[key] = value
+        elif isinstance(value, (int, float, str, bool)):
+            values[key] = value
+        else:
+            raise TypeError(
+                f"setup phase {name!r} keeps {key!r} of type {type(value).__name__} in a client's "
+                "state; only tensors and int, float, str or bool values can be kept"
+            )
+    tensors_key, values_key = _state_keys(namespace, name)
+    context.state[tensors_key] = tensors_to_record(tensors)
+    context.state[values_key] = ConfigRecord(values)
+
+
+# ---------------------------------------------------------------------- discovery
+
+
+def setup_phase_names(registry: Registry) -> list[str]:
+    """The names of the setup phases the loss transforms of ``registry`` declare with
+    their default config: the actions a ready ClientApp answers. A loss transform whose
+    config has no defaults cannot be built here; its users register its handler
+    themselves."""
+    names: list[str] = []
+    for registration in registry.entries("loss_transforms"):
+        try:
+            config = registration.config_class()
+        except ValidationError:
+            continue
+        phase = registration.factory(config).setup_phase()
+        if phase is not None and phase.name not in names:
+            names.append(phase.name)
+    return names
+
+
+def register_setup_phases(app: Any, handler: Any, names: Iterable[str]) -> None:
+    """``app.train(name)(handler)`` for every phase name of ``names``."""
+    for name in names:
+        app.train(name)(handler)

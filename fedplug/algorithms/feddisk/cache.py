@@ -1,0 +1,154 @@
+"""FedDisk's weights cache: phase 1's result stored as ``.npz``.
+
+Phase 1 is a pure function of (federation, config, seed), so its result can be computed
+once (the DVC pipeline runs it as its own stage, ``pretrain_density``) and stored
+(:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. A Federation
+carries no partition id, so :func:`partition_fingerprint` hashes what identifies one: the
+client count, every client's size and class counts, and a few inputs and labels of each
+client (first, middle and last sample; these catch per-client feature noise too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from fedplug.components import PhaseCost
+from fedplug.data.federation import Federation
+from fedplug.errors import DataError
+
+from .weights import FedDiskWeights
+
+if TYPE_CHECKING:
+    from .config import SampleWeightConfig
+
+WEIGHTS_VERSION = 2
+"""Part of :func:`cache_key`; raised whenever the same config and seed would give other
+weights, so that weights cached by an older fedplug are recomputed rather than reused
+(2: every client draws from its own stream,
+:class:`~fedplug.algorithms.feddisk.density.PhaseOneSeeds`)."""
+
+
+def partition_fingerprint(federation: Federation) -> str:
+    """A 16-hex-digit hash identifying a federation's split (see the module docstring):
+    client count, each client's size and class counts, and its first, middle and last
+    training input and label."""
+    digest = hashlib.sha256()
+    digest.update(np.int64(federation.num_clients).tobytes())
+    for client in federation.clients:
+        size = client.num_samples
+        digest.update(np.array([client.client_id, size], dtype=np.int64).tobytes())
+        digest.update(np.asarray(client.class_counts, dtype=np.int64).tobytes())
+        picks = sorted({0, size // 2, size - 1}) if size > 0 else []
+        for index in picks:
+            digest.update(client.train_x[index].detach().cpu().to(torch.float32).numpy().tobytes())
+            digest.update(np.int64(int(client.train_y[index])).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(
+    dataset_name: str, partition_fingerprint: str, seed: int, config: SampleWeightConfig
+) -> str:
+    """File stem of the cached weights: ``<method>-<dataset>-<hash>``, where the hash
+    covers the dataset, the partition fingerprint, the seed, every config field that
+    changes the weights (all but ``cache_dir``) and :data:`WEIGHTS_VERSION`."""
+    fields = config.model_dump(exclude={"cache_dir", "seed"})
+    payload = json.dumps(
+        {
+            "dataset": dataset_name,
+            "partition": partition_fingerprint,
+            "seed": int(seed),
+            "config": fields,
+            "version": WEIGHTS_VERSION,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:20]
+    safe_dataset = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset_name) or "dataset"
+    return f"{config.name}-{safe_dataset}-{digest}"
+
+
+def save_weights(path: str | Path, result: FedDiskWeights) -> None:
+    """Write ``result`` to ``path`` (.npz), atomically: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {
+        f"weights_{index}": np.asarray(w, dtype=np.float32)
+        for index, w in enumerate(result.weights)
+    }
+    arrays["num_clients"] = np.asarray(len(result.weights), dtype=np.int64)
+    arrays["cost"] = np.array(
+        [result.cost.rounds, result.cost.bytes_up, result.cost.bytes_down], dtype=np.int64
+    )
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            np.savez(stream, **arrays)  # type: ignore[arg-type]  # numpy stubs reject **dict
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def load_weights(path: str | Path) -> FedDiskWeights:
+    """Read what :func:`save_weights` wrote.
+
+    Raises:
+        DataError: the file is missing, unreadable, or does not hold finite,
+            non-negative weights; the message names the file.
+    """
+    path = Path(path)
+    problem = f"cached FedDisk weights {str(path)!r} are unreadable or corrupt"
+    advice = "; delete the file so that the weights are recomputed"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            num_clients = int(archive["num_clients"])
+            cost = [int(value) for value in archive["cost"]]
+            weights = [
+                np.asarray(archive[f"weights_{k}"], dtype=np.float32) for k in range(num_clients)
+            ]
+    except FileNotFoundError:
+        raise DataError(f"cached FedDisk weights {str(path)!r} do not exist") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise DataError(f"{problem} ({error}){advice}") from None
+    if len(cost) != 3 or any(value < 0 for value in cost):
+        raise DataError(f"{problem} (bad cost record {cost}){advice}")
+    for index, client_weights in enumerate(weights):
+        if (
+            client_weights.ndim != 1
+            or not np.all(np.isfinite(client_weights))
+            or np.any(client_weights < 0)
+        ):
+            raise DataError(f"{problem} (client {index} weights are not finite and >= 0){advice}")
+    return FedDiskWeights(weights=weights, cost=PhaseCost(*cost))
+
+
+def cache_path(folder: str | Path, federation: Federation, config: SampleWeightConfig) -> Path:
+    """``folder/<cache_key>.npz`` for ``federation`` and ``config`` (its own ``seed``)."""
+    key = cache_key(federation.dataset_name, partition_fingerprint(federation), config.seed, config)
+    return Path(folder) / f"{key}.npz"
+
+
+def check_sizes(result: FedDiskWeights, sizes: Sequence[int], source: str) -> None:
+    """Raise unless ``result`` holds one weight per sample of clients of ``sizes``.
+
+    Raises:
+        DataError: the sizes differ (the message names ``source`` and says what to do).
+    """
+    held = [int(w.shape[0]) for w in result.weights]
+    if held != list(sizes):
+        raise DataError(
+            f"{source} hold weights for {len(held)} clients with sizes {held[:5]}..., but "
+            f"the federation has {len(sizes)} clients with sizes {list(sizes)[:5]}...; delete "
+            "the file so that the weights are recomputed"
+        )

@@ -1,0 +1,500 @@
+"""FedDisk's phase 1 as a :class:`~fedplug.setup_phase.SetupPhase`: the server's side
+(combining input ranges, FedAvg of the MADEs, the federated validation NLL and its
+stopping rule, the cost) and the clients' side (steps 1-4 on each client's own data),
+exchanged in steps that carry only MADE parameters and scalars.
+
+============ ================================ ==================================== ======================
+step         down (server -> clients)         on the client                        up (client -> server)
+============ ================================ ==================================== ======================
+``range``    -                                flatten the inputs                   n_k, D, min, max
+``local``    FedDisk config, seeds, bounds,   split; local MADE (step 1); NLL of   M_1^k, NLL(M_0)
+             M_0                              M_0; round 1 from M_0 (step 2)
+``evaluate`` M_r (the average of round r)     keep M_r                             NLL(M_r)
+``train``    -                                round r + 1 from M_r                 M_{r+1}^k
+``weights``  which model to keep              classifier D, sample weights         n_k
+                                              (steps 3-4), kept in the state
+============ ================================ ==================================== ======================
+
+After ``local`` the server alternates ``evaluate`` and ``train`` until
+:class:`~.density.GlobalMadeStopping` says stop: R global rounds take 2R + 2 exchanges in
+all (``range``, ``local``, R ``evaluate``, R - 1 ``train``, ``weights``). Every M travels
+as its float32 parameters (the masks are rebuilt from the template seed), so the traffic
+is (R + 1) K B down and R K B up (:func:`~.density.made_phase_cost`).
+
+A client keeps, between steps, the phase's settings, its local MADE, the latest and the
+previous global MADE and its global-round generator state, and at the end only its sample
+weights (``weights``), which :meth:`FedDiskPhase.client_context` hands to the loss. The
+client rebuilds its share of the data (:func:`~.density.client_density_data`) from its
+own stream at every step, so its draws do not depend on where it runs.
+
+:meth:`FedDiskPhase.clients` answers a step for many clients at once, vectorised over
+them (the simulator's path, :func:`~fedplug.setup_phase.run_in_process`); a Flower node
+answers for its one client with the same code, so both give the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedplug.components import Context, PhaseCost
+from fedplug.data.federation import Federation
+from fedplug.errors import ConfigError, DataError, TrainingError
+from fedplug.models.made import MADE, train_epochs_stacked
+from fedplug.setup_phase import (
+    ClientInputs,
+    PhaseInputs,
+    SetupPhase,
+    SetupReply,
+    SetupStep,
+    Value,
+    run_in_process,
+)
+
+from .config import FedDiskConfig
+from .density import (
+    ClientDensityData,
+    GlobalMadeStopping,
+    PhaseOneSeeds,
+    average_state_dicts,
+    client_density_data,
+    client_validation_nlls,
+    federated_nll,
+    flat_inputs,
+    input_range,
+    load_made_parameters,
+    made_parameters,
+    made_phase_cost,
+    made_template,
+    parameter_bytes,
+    to_unit_interval,
+    train_local_mades,
+    unit_interval_bounds,
+)
+from .weights import SAMPLE_WEIGHT_KEY, FedDiskWeights, client_sample_weights, sample_weight_context
+
+logger = logging.getLogger("fedplug.algorithms.feddisk")
+
+RANGE, LOCAL, EVALUATE, TRAIN, WEIGHTS = "range", "local", "evaluate", "train", "weights"
+"""The steps, in the order the server runs them (EVALUATE and TRAIN alternate)."""
+LATEST, PREVIOUS, LOCAL_MADE = "latest", "previous", "local"
+"""The MADEs a client keeps: the latest and the previous global one, and its own."""
+
+# Values of steps and replies.
+NUM_SAMPLES = "num-samples"
+INPUT_DIM = "input-dim"
+INPUT_MIN = "input-min"
+INPUT_MAX = "input-max"
+VALIDATION_NLL = "validation-nll"
+CONFIG = "config"
+"""The server's FedDisk config as JSON: every client runs phase 1 with the server's settings."""
+TEMPLATE_SEED = "template-seed"
+CLIENT_SEED = "client-seed"
+LOWER_BOUND = "low"
+UPPER_BOUND = "high"
+"""The global input bounds; both absent when the inputs already lie in [0, 1]."""
+KEEP = "keep"
+"""``"latest"`` or ``"previous"``: the global MADE the classifier uses."""
+
+# What a client keeps in its state besides the settings and the MADEs.
+GENERATOR = "global-generator"
+SAMPLE_WEIGHTS = "sample-weights"
+
+ClientStep = Callable[
+    [SetupStep, Sequence[ClientInputs], Sequence[dict[str, Any]]], list[SetupReply]
+]
+FinishCallback = Callable[[FedDiskWeights, list[Tensor]], None]
+
+
+class FedDiskPhase(SetupPhase):
+    """FedDisk's phase 1 (see the module docstring).
+
+    Args:
+        config: the validated :class:`~.config.FedDiskConfig`.
+        rng: draws the :class:`~.density.PhaseOneSeeds` (default
+            ``numpy.random.default_rng(config.seed)``).
+        on_finish: called by :meth:`finish` with the result and every client's weights
+            (tensors on the clients' device, in client order).
+    """
+
+    name = "feddisk"
+
+    def __init__(
+        self,
+        config: FedDiskConfig,
+        *,
+        rng: np.random.Generator | None = None,
+        on_finish: FinishCallback | None = None,
+    ) -> None:
+        self.config = config
+        self.rng = rng
+        self.on_finish = on_finish
+        self.cost: PhaseCost | None = None
+        self.result: FedDiskWeights | None = None
+        self._steps: dict[str, ClientStep] = {
+            RANGE: self._range,
+            LOCAL: self._local,
+            EVALUATE: self._evaluate,
+            TRAIN: self._train,
+            WEIGHTS: self._weights,
+        }
+
+    # ---------------------------------------------------------------------- server
+
+    def server(self, num_clients: int) -> Generator[SetupStep, dict[int, SetupReply], PhaseCost]:
+        config = self.config
+        rng = self.rng if self.rng is not None else np.random.default_rng(config.seed)
+        seeds = PhaseOneSeeds.draw(rng)
+
+        ranges = yield SetupStep(RANGE)
+        sizes = [int(_value(ranges, client, RANGE, NUM_SAMPLES)) for client in sorted(ranges)]
+        dimensions = {int(_value(ranges, client, RANGE, INPUT_DIM)) for client in ranges}
+        if len(dimensions) != 1:
+            raise DataError(f"the clients' inputs have different sizes {sorted(dimensions)}")
+        bounds = unit_interval_bounds(
+            [
+                (
+                    float(_value(ranges, client, RANGE, INPUT_MIN)),
+                    float(_value(ranges, client, RANGE, INPUT_MAX)),
+                )
+                for client in sorted(ranges)
+            ],
+            "the clients' data",
+        )
+        template = made_template(dimensions.pop(), config, seeds)
+        settings: dict[str, Value] = {
+            CONFIG: config.model_dump_json(),
+            TEMPLATE_SEED: seeds.template,
+            CLIENT_SEED: seeds.clients,
+        }
+        if bounds is not None:
+            settings[LOWER_BOUND], settings[UPPER_BOUND] = bounds
+
+        local = yield SetupStep(LOCAL, tensors=made_parameters(template), values=settings)
+        initial_nll = federated_nll(_nlls(local, LOCAL), sizes)
+        stopping = GlobalMadeStopping(config.global_rounds, initial_nll)
+        updates = _made_updates(local, LOCAL, template)
+        while True:
+            evaluated = yield SetupStep(EVALUATE, tensors=average_state_dicts(updates, sizes))
+            stopping.record(federated_nll(_nlls(evaluated, EVALUATE), sizes))
+            if stopping.finished:
+                break
+            updates = _made_updates((yield SetupStep(TRAIN)), TRAIN, template)
+
+        done = yield SetupStep(WEIGHTS, values={KEEP: PREVIOUS if stopping.rose else LATEST})
+        for client, size in zip(sorted(done), sizes):
+            count = int(_value(done, client, WEIGHTS, NUM_SAMPLES))
+            if count != size:
+                raise _failure(WEIGHTS, client, f"holds {count} weights for {size} samples")
+        self.cost = made_phase_cost(stopping.rounds, len(sizes), parameter_bytes(template))
+        logger.info(
+            "FedDisk phase 1: %d global MADE rounds (federated validation NLL %s), %d bytes up, "
+            "%d down",
+            self.cost.rounds,
+            ", ".join(f"{nll:.4f}" for nll in stopping.history),
+            self.cost.bytes_up,
+            self.cost.bytes_down,
+        )
+        return self.cost
+
+    # ---------------------------------------------------------------------- clients
+
+    def client(self, step: SetupStep, data: ClientInputs, state: dict[str, Any]) -> SetupReply:
+        [reply] = self.clients(step, [data], [state])
+        return reply
+
+    def clients(
+        self,
+        step: SetupStep,
+        data: Sequence[ClientInputs],
+        states: Sequence[dict[str, Any]],
+    ) -> list[SetupReply]:
+        """``step`` for every client of ``data`` at once (vectorised over clients; one
+        client gives what it gives among many).
+
+        Raises:
+            ConfigError: an unknown step, or a step out of order.
+            DataError: a client has fewer than 2 training samples.
+        """
+        run = self._steps.get(step.name)
+        if run is None:
+            raise ConfigError(
+                f"unknown FedDisk phase-1 step {step.name!r}; expected one of {sorted(self._steps)}"
+            )
+        return run(step, data, states)
+
+    def _range(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        replies = []
+        for client, state in zip(data, states):
+            state.clear()  # what an earlier, interrupted or finished, phase left
+            inputs = flat_inputs(client.client_id, client.train_x)
+            low, high = input_range(inputs)
+            values: dict[str, Value] = {
+                NUM_SAMPLES: int(inputs.shape[0]),
+                INPUT_DIM: int(inputs.shape[1]),
+                INPUT_MIN: low,
+                INPUT_MAX: high,
+            }
+            replies.append(SetupReply(values=values))
+        return replies
+
+    def _local(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        for state in states:
+            for key in (CONFIG, TEMPLATE_SEED, CLIENT_SEED, LOWER_BOUND, UPPER_BOUND):
+                if key in step.values:
+                    state[key] = step.values[key]
+        shares, template = self._shares(data, states)
+        local_models = train_local_mades(template, shares, self._settings(states[0])[0])
+        initial = _received(template, step)
+        nlls = client_validation_nlls(initial, [share.validation for share in shares])
+        for state, local_model in zip(states, local_models):
+            _keep(state, LOCAL_MADE, made_parameters(local_model))
+            _keep(state, LATEST, made_parameters(initial))
+        updates = self._global_round([copy.deepcopy(initial) for _ in shares], shares, states)
+        return [
+            SetupReply(tensors=update, values={NUM_SAMPLES: share.num_samples, VALIDATION_NLL: nll})
+            for update, share, nll in zip(updates, shares, nlls)
+        ]
+
+    def _evaluate(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        shares, template = self._shares(data, states)
+        received = _received(template, step)
+        for state in states:
+            _keep(state, PREVIOUS, _kept(state, LATEST))
+            _keep(state, LATEST, made_parameters(received))
+        nlls = client_validation_nlls(received, [share.validation for share in shares])
+        return [SetupReply(values={VALIDATION_NLL: nll}) for nll in nlls]
+
+    def _train(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        shares, template = self._shares(data, states)
+        models = [_made(template, state, LATEST) for state in states]
+        updates = self._global_round(models, shares, states)
+        return [
+            SetupReply(tensors=update, values={NUM_SAMPLES: share.num_samples})
+            for update, share in zip(updates, shares)
+        ]
+
+    def _weights(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        keep = str(step.values.get(KEEP, LATEST))
+        if keep not in (LATEST, PREVIOUS):
+            raise ConfigError(f"{KEEP} must be {LATEST!r} or {PREVIOUS!r}, got {keep!r}")
+        shares, template = self._shares(data, states)
+        weights = client_sample_weights(
+            [_made(template, state, LOCAL_MADE) for state in states],
+            [_made(template, state, keep) for state in states],
+            shares,
+            self._settings(states[0])[0],
+        )
+        replies = []
+        for state, share, client_weights in zip(states, shares, weights):
+            state.clear()
+            state[SAMPLE_WEIGHTS] = torch.as_tensor(client_weights, device=share.inputs.device)
+            replies.append(SetupReply(values={NUM_SAMPLES: int(client_weights.shape[0])}))
+        return replies
+
+    def _settings(
+        self, state: dict[str, Any]
+    ) -> tuple[FedDiskConfig, PhaseOneSeeds, tuple[float, float] | None]:
+        """The phase's settings the ``local`` step stored."""
+        if CONFIG not in state:
+            raise ConfigError(
+                "a FedDisk phase-1 step arrived before the 'local' step on this client; the "
+                "server must run the whole phase"
+            )
+        config = FedDiskConfig.model_validate_json(str(state[CONFIG]))
+        seeds = PhaseOneSeeds(int(state[TEMPLATE_SEED]), int(state[CLIENT_SEED]))
+        bounds = (
+            (float(state[LOWER_BOUND]), float(state[UPPER_BOUND]))
+            if LOWER_BOUND in state
+            else None
+        )
+        return config, seeds, bounds
+
+    def _shares(
+        self, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> tuple[list[ClientDensityData], MADE]:
+        """Every client's share of the data, rebuilt from its own stream (the same at every
+        step), and the MADE every party starts from."""
+        shares = []
+        for client, state in zip(data, states):
+            config, seeds, bounds = self._settings(state)
+            inputs = to_unit_interval(flat_inputs(client.client_id, client.train_x), bounds)
+            shares.append(client_density_data(inputs, config, seeds.client_rng(client.client_id)))
+        config, seeds, _ = self._settings(states[0])
+        template = made_template(int(shares[0].inputs.shape[1]), config, seeds)
+        return shares, template.to(shares[0].inputs.device)
+
+    def _global_round(
+        self,
+        models: list[MADE],
+        shares: Sequence[ClientDensityData],
+        states: Sequence[dict[str, Any]],
+    ) -> list[dict[str, Tensor]]:
+        """Client k trains ``models[k]`` for one global round with its global-round
+        generator, which continues where the previous round left it; returns the trained
+        parameters."""
+        config = self._settings(states[0])[0]
+        for share, state in zip(shares, states):
+            if GENERATOR in state:
+                share.global_generator.set_state(state[GENERATOR].cpu())
+        train_epochs_stacked(
+            models,
+            [share.train for share in shares],
+            lr=config.made_lr,
+            batch_size=config.made_batch_size,
+            epochs=config.global_local_epochs,
+            generators=[share.global_generator for share in shares],
+        )
+        for share, state in zip(shares, states):
+            state[GENERATOR] = share.global_generator.get_state()
+        return [made_parameters(model) for model in models]
+
+    # ---------------------------------------------------------------------- the end
+
+    def finish(self, states: dict[int, dict[str, Any]]) -> None:
+        weights = [
+            self.client_context(states[client])[SAMPLE_WEIGHT_KEY] for client in sorted(states)
+        ]
+        if self.cost is None:
+            raise RuntimeError("FedDiskPhase.finish ran before the server's side ended")
+        self.result = FedDiskWeights(
+            weights=[w.detach().cpu().numpy() for w in weights], cost=self.cost
+        )
+        if self.on_finish is not None:
+            self.on_finish(self.result, weights)
+
+    def check_data(self, state: dict[str, Any], num_samples: int) -> None:
+        """The weights must cover the node's training data (it may have changed since)."""
+        weights = state.get(SAMPLE_WEIGHTS)
+        if weights is not None and int(weights.shape[0]) != num_samples:
+            raise DataError(
+                f"FedDisk's sample weights on this node cover {int(weights.shape[0])} samples but its "
+                f"training data has {num_samples}; the data changed after the setup phase: start the "
+                "run again"
+            )
+
+    def client_context(self, state: dict[str, Any]) -> Context:
+        """``{"sample_weight": w_k}`` from the weights the phase left in ``state``.
+
+        Raises:
+            ConfigError: the phase has not run (to its end) on this client.
+        """
+        weights = state.get(SAMPLE_WEIGHTS)
+        if weights is None:
+            raise ConfigError(
+                "FedDisk's sample weights are not on this node: the server runs FedDisk's setup "
+                "phase before round 1, and this node must answer its 'train.feddisk' messages"
+            )
+        return sample_weight_context(weights)
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _failure(step: str, client: int, reason: str) -> TrainingError:
+    return TrainingError(
+        f"FedDisk phase 1, step {step!r}: client {client} {reason}. FedDisk's sample weights "
+        "need the MADEs of every client, so the run stops"
+    )
+
+
+def _value(replies: dict[int, SetupReply], client: int, step: str, key: str) -> Value:
+    value = replies[client].values.get(key)
+    if value is None or isinstance(value, (str, bool)):
+        raise _failure(step, client, f"replied without a number {key!r}")
+    return value
+
+
+def _nlls(replies: dict[int, SetupReply], step: str) -> list[float]:
+    """Every client's validation NLL, in client order."""
+    return [float(_value(replies, client, step, VALIDATION_NLL)) for client in sorted(replies)]
+
+
+def _made_updates(
+    replies: dict[int, SetupReply], step: str, template: MADE
+) -> list[dict[str, Tensor]]:
+    """Every client's MADE parameters, in client order, checked against ``template``."""
+    updates = []
+    for client in sorted(replies):
+        parameters = replies[client].tensors
+        try:
+            load_made_parameters(copy.deepcopy(template), parameters)
+        except ValueError as error:
+            raise _failure(step, client, str(error)) from None
+        updates.append(dict(parameters))
+    return updates
+
+
+def _received(template: MADE, step: SetupStep) -> MADE:
+    if not step.tensors:
+        raise ConfigError(f"FedDisk phase-1 step {step.name!r} carries no MADE")
+    return load_made_parameters(copy.deepcopy(template), step.tensors)
+
+
+def _keep(state: dict[str, Any], name: str, parameters: dict[str, Tensor]) -> None:
+    """Keep a MADE's parameters in ``state`` under ``name.<parameter>``."""
+    for key in [key for key in state if key.startswith(f"{name}.")]:
+        del state[key]
+    for key, value in parameters.items():
+        state[f"{name}.{key}"] = value
+
+
+def _kept(state: dict[str, Any], name: str) -> dict[str, Tensor]:
+    prefix = f"{name}."
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+def _made(template: MADE, state: dict[str, Any], name: str) -> MADE:
+    """The MADE ``state`` keeps under ``name``."""
+    parameters = _kept(state, name)
+    if not parameters:
+        raise ConfigError(
+            f"this client keeps no {name!r} MADE: the server must run the whole phase"
+        )
+    return load_made_parameters(copy.deepcopy(template), parameters)
+
+
+# ---------------------------------------------------------------------- phase 1
+
+
+def compute_feddisk_weights(
+    federation: Federation, config: FedDiskConfig, rng: np.random.Generator
+) -> FedDiskWeights:
+    """FedDisk's phase 1 (steps 1-4) for every client, in this process.
+
+    Args:
+        federation: the clients; their ``train_x`` are flattened to D dimensions.
+        config: the validated :class:`~.config.FedDiskConfig`.
+        rng: the only source of randomness (:class:`~.density.PhaseOneSeeds` are drawn
+            from it; client k's splits, mini-batch orders and classifier initialisation
+            come from its own stream, keyed by its ``client_id``).
+
+    Returns:
+        The normalised weights of every client's training samples and the traffic of
+        the global MADE rounds.
+    """
+    phase = FedDiskPhase(config, rng=rng)
+    clients = [
+        PhaseInputs(client.client_id, client.train_x, client.train_y)
+        for client in federation.clients
+    ]
+    run_in_process(phase, clients)
+    if phase.result is None:
+        raise RuntimeError("FedDisk's phase 1 ended without a result")
+    return phase.result

@@ -1,0 +1,408 @@
+"""One federated round, for every runtime.
+
+The simulator's engines, the Flower strategy and the FedML coordinator differ only in how
+they move models and messages. Everything else about a round lives here, once:
+
+1. **the plan** (:func:`plan_round`): sample ``client_fraction`` of the K clients (stream
+   ``[seed, round, 0xC11E]``) and let the grouper form the chains (stream
+   ``[seed, round, 0x6E0]``);
+2. **the weight rule** (:func:`chain_update`): a chain's model weighs the samples its
+   members trained on, or 1 when the plan weighs groups uniformly;
+3. **screening** (:func:`screen`): a failed chain, a model of the wrong shape, non-finite
+   parameters or extras, or a chain over ``train.failures.client_timeout_seconds`` is
+   dropped with a logged reason; the rest stream on, in plan order;
+4. **aggregate or retry** (:meth:`RoundCore.run`): an attempt fails when no usable update
+   reached the aggregator or more than ``max_failed_fraction`` of the chains failed; the
+   aggregator's state is restored and the round replayed up to ``max_round_retries``
+   times (a runtime that cannot replay a round stops instead, saying why); a non-finite
+   global model stops the run;
+5. **the record** (:meth:`RoundCore.record`): evaluation, traffic, failures, the
+   grouper's own metrics and the cost model's times, as one :class:`RoundRecord`;
+6. **derived params** (:meth:`RoundCore.derived_params`): what the components' configs
+   report about themselves, plus the runtime's own entries.
+
+Nothing here names an algorithm: components describe themselves through
+:mod:`fedplug.components`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from torch import Tensor
+
+from fedplug.cost_model import LinkAndDevice, round_cost
+from fedplug.components import Aggregator, ClientNeeds, ClientUpdate, Grouper, RoundPlan
+from fedplug.errors import TrainingError
+from fedplug.simulation.results import RoundRecord
+from fedplug.simulation.vectors import all_finite, tensors_num_bytes
+
+logger = logging.getLogger("fedplug.round")
+
+SAMPLING_STREAM = 0xC11E
+"""Tag of the generator that samples a round's clients: ``[seed, round_index, tag]``."""
+GROUPER_STREAM = 0x6E0
+"""Tag of the generator handed to :meth:`fedplug.components.Grouper.plan`."""
+SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
+"""The component slots of a ``train`` config."""
+
+
+@dataclass(frozen=True)
+class ClientFailure:
+    """A chain whose training raised, timed out, or sent nothing usable."""
+
+    chain: list[int]
+    reason: str
+
+
+Outcome = ClientUpdate | ClientFailure
+"""What a runtime reports for each chain of a round."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The global model's test metrics after a round (NaN where a runtime has none)."""
+
+    accuracy: float = float("nan")
+    loss: float = float("nan")
+    client_accuracy_mean: float = float("nan")
+    client_accuracy_std: float = float("nan")
+
+
+# ------------------------------------------------------------------------------- plan
+
+
+def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> np.ndarray:
+    """The sorted ids of this round's clients (at least one)."""
+    count = max(1, int(round(fraction * num_clients)))
+    rng = np.random.default_rng([seed, round_index, SAMPLING_STREAM])
+    return np.sort(rng.choice(num_clients, size=count, replace=False))
+
+
+def plan_round(train_config: Any, grouper: Grouper, num_clients: int, round_index: int) -> RoundPlan:
+    """Round ``round_index`` (0-based): the sampled clients, in the grouper's chains."""
+    clients = sample_clients(num_clients, train_config.client_fraction, train_config.seed, round_index)
+    rng = np.random.default_rng([train_config.seed, round_index, GROUPER_STREAM])
+    return grouper.plan(round_index + 1, clients, rng)
+
+
+def participants(plan: RoundPlan) -> list[int]:
+    """Every client that trains in ``plan``, chain by chain."""
+    return [client for chain in plan.chains for client in chain]
+
+
+# ----------------------------------------------------------------------- weight rule
+
+
+def chain_update(
+    chain: Iterable[int],
+    vector: Tensor,
+    *,
+    samples: int,
+    steps: int,
+    extras: dict[str, Tensor],
+    plan: RoundPlan,
+    seconds: float,
+) -> ClientUpdate:
+    """The update a chain sends the aggregator: its last member's model, weighted by the
+    samples the chain trained on (or 1 when ``plan.weighting`` is ``"uniform"``)."""
+    members = list(chain)
+    return ClientUpdate(
+        client_id=members[-1],
+        vector=vector,
+        weight=float(samples) if plan.weighting == "samples" else 1.0,
+        num_steps=steps,
+        extras=extras,
+        chain=members,
+        seconds=seconds,
+    )
+
+
+# -------------------------------------------------------------------------- screening
+
+
+@dataclass
+class Tally:
+    """What screening let through and dropped in one attempt of a round."""
+
+    accepted: int = 0
+    failures: int = 0
+    bytes_up: int = 0
+    dropped: list[tuple[list[int], str]] = field(default_factory=list)
+
+
+def unusable(update: ClientUpdate, expected_shape: tuple[int, ...], timeout: float | None) -> str | None:
+    """Why ``update`` cannot be aggregated, or ``None`` when it can."""
+    if tuple(update.vector.shape) != tuple(expected_shape):
+        return f"returned {tuple(update.vector.shape)} parameters, expected {tuple(expected_shape)}"
+    if not all_finite(update.vector):
+        return "returned non-finite (NaN/Inf) parameters"
+    if any(extra.numel() and not all_finite(extra.reshape(-1)) for extra in update.extras.values()):
+        return "returned non-finite extras"
+    if timeout is not None and update.seconds > timeout:
+        return f"took {update.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"
+    return None
+
+
+def screen(
+    outcomes: Iterable[Outcome],
+    expected_shape: tuple[int, ...],
+    *,
+    timeout: float | None,
+    model_bytes: int,
+    round_number: int,
+    tally: Tally,
+) -> Iterator[ClientUpdate]:
+    """Pass on the usable updates of ``outcomes``, in order; count and log the rest."""
+    for outcome in outcomes:
+        if isinstance(outcome, ClientFailure):
+            reason = outcome.reason
+        else:
+            reason = unusable(outcome, expected_shape, timeout)
+        if reason is not None:
+            tally.failures += 1
+            tally.dropped.append((list(outcome.chain), reason))
+            logger.warning("round %d: dropped client(s) %s: %s", round_number, list(outcome.chain), reason)
+            continue
+        tally.accepted += 1
+        tally.bytes_up += len(outcome.chain) * model_bytes + tensors_num_bytes(outcome.extras)
+        yield outcome
+
+
+# ------------------------------------------------------------------------- the round
+
+
+class ClientStates(Protocol):
+    """Per-client state a runtime keeps on the server side and must restore when a round
+    is replayed (the simulator's SCAFFOLD c_k); runtimes whose clients keep their own
+    state restore it on the clients."""
+
+    def save(self, clients: list[int]) -> Any: ...
+
+    def restore(self, clients: list[int], saved: Any) -> None: ...
+
+
+@dataclass
+class Attempt:
+    """The accepted outcome of a round: the new global model and what screening saw."""
+
+    vector: Tensor
+    tally: Tally
+    attempts: int
+
+
+TrainAttempt = Callable[[int], Iterable[Outcome]]
+"""Runs one attempt (0-based) of the round's plan on the runtime; returns one outcome per
+chain, in plan order (a generator may train lazily, as the aggregator consumes it)."""
+
+
+class RoundCore:
+    """The round logic of one run, shared by every runtime.
+
+    Args:
+        train_config: the validated ``train`` section.
+        aggregator, grouper: the run's components (built and prepared by the runtime).
+        num_clients: K.
+        class_counts: the K x C class counts, or ``None`` when the runtime has not
+            gathered them (no component asked; metrics that need them are left out).
+        client_sizes: the K training-set sizes, for the cost model (``None``: unknown).
+        model_bytes: the size of the model as sent (float32 parameters).
+        train_flops: training FLOPs per sample, for the cost model (0 when unknown).
+        link: the cost model's link and device rates (default: the FedGSP paper's).
+        can_replay: whether the runtime can train a round again (FedML cannot).
+        runtime: the runtime's name, for messages.
+        checkpoint: where the runtime keeps the last good state, for messages (``None``:
+            it keeps none).
+    """
+
+    def __init__(
+        self,
+        train_config: Any,
+        *,
+        aggregator: Aggregator,
+        grouper: Grouper,
+        num_clients: int,
+        class_counts: np.ndarray | None,
+        client_sizes: np.ndarray | None,
+        model_bytes: int,
+        train_flops: int = 0,
+        link: LinkAndDevice | None = None,
+        can_replay: bool = True,
+        runtime: str = "simulator",
+        checkpoint: Any = None,
+    ) -> None:
+        self.config = train_config
+        self.aggregator = aggregator
+        self.grouper = grouper
+        self.num_clients = num_clients
+        self.class_counts = class_counts
+        self.client_sizes = client_sizes
+        self.model_bytes = int(model_bytes)
+        self.train_flops = int(train_flops)
+        self.link = link or LinkAndDevice()
+        self.can_replay = can_replay
+        self.runtime = runtime
+        self.checkpoint = checkpoint
+
+    # ------------------------------------------------------------------- plan
+
+    def plan(self, round_index: int) -> RoundPlan:
+        """The plan of round ``round_index`` (0-based); a replayed round trains the same."""
+        return plan_round(self.config, self.grouper, self.num_clients, round_index)
+
+    # -------------------------------------------------------- aggregate or retry
+
+    def run(
+        self,
+        round_index: int,
+        global_vector: Tensor,
+        plan: RoundPlan,
+        train: TrainAttempt,
+        client_states: ClientStates | None = None,
+    ) -> Attempt:
+        """Train and aggregate round ``round_index`` under ``train.failures``.
+
+        Raises:
+            TrainingError: every attempt failed (or the one attempt, when the runtime
+                cannot replay), or the new global model is not finite.
+        """
+        policy = self.config.failures
+        attempts = policy.max_round_retries + 1 if self.can_replay else 1
+        members = participants(plan)
+        for attempt in range(attempts):
+            saved_server = copy.deepcopy(self.aggregator.state_dict())
+            saved_clients = client_states.save(members) if client_states is not None else None
+            tally = Tally()
+            outcomes = train(attempt)
+            updates = screen(
+                outcomes,
+                tuple(global_vector.shape),
+                timeout=policy.client_timeout_seconds,
+                model_bytes=self.model_bytes,
+                round_number=round_index + 1,
+                tally=tally,
+            )
+            try:
+                new_vector = self._aggregate(global_vector, updates, tally)
+            finally:  # a lazy runtime stops its remaining work, even if aggregation stopped early
+                if isinstance(outcomes, Generator):
+                    outcomes.close()
+            if new_vector is not None and tally.failures / max(len(plan.chains), 1) <= policy.max_failed_fraction:
+                self._check_finite(new_vector, round_index)
+                return Attempt(new_vector, tally, attempt + 1)
+            self.aggregator.load_state_dict(saved_server)
+            if client_states is not None:
+                client_states.restore(members, saved_clients)
+            if self.can_replay:
+                logger.warning(
+                    "round %d: %d of %d updates failed (limit %.0f%%); attempt %d of %d",
+                    round_index + 1, tally.failures, len(plan.chains), 100 * policy.max_failed_fraction,
+                    attempt + 1, attempts,
+                )
+        tail = (
+            f"in each of {attempts} attempts"
+            if self.can_replay
+            else f"and {self.runtime} cannot replay a round, so the run stops instead of retrying"
+        )
+        raise TrainingError(
+            f"round {round_index + 1}: {tally.failures} of {len(plan.chains)} client updates failed {tail} "
+            f"(train.failures.max_failed_fraction = {policy.max_failed_fraction}); see the log for each "
+            "client's reason"
+        )
+
+    def _aggregate(self, global_vector: Tensor, updates: Iterator[ClientUpdate], tally: Tally) -> Tensor | None:
+        """The aggregator's new model, or ``None`` when no usable update reached it (one
+        rule for every runtime: an aggregator that receives no update raises
+        ``ValueError`` or :class:`TrainingError`)."""
+        try:
+            return self.aggregator.aggregate(global_vector, updates)
+        except (ValueError, TrainingError):
+            if tally.accepted:
+                raise
+            return None
+
+    def _check_finite(self, vector: Tensor, round_index: int) -> None:
+        if not all_finite(vector):
+            last_good = f"the checkpoint at {self.checkpoint}" if self.checkpoint else f"round {round_index}"
+            raise TrainingError(
+                f"the global model became non-finite at round {round_index + 1}; the last good state is "
+                f"{last_good}; lower train.optimizer.lr or the server learning rate"
+            )
+
+    # ----------------------------------------------------------------- record
+
+    def round_metrics(self, plan: RoundPlan) -> dict[str, float]:
+        """The grouper's own metrics of ``plan`` (FedGSP's CPD)."""
+        return {key: float(value) for key, value in self.grouper.round_metrics(plan, self.class_counts).items()}
+
+    def record(
+        self,
+        round_index: int,
+        plan: RoundPlan,
+        attempt: Attempt,
+        evaluation: Evaluation,
+        *,
+        payload_bytes: int,
+        bytes_so_far: int,
+        started: float,
+    ) -> RoundRecord:
+        """The round's record. ``payload_bytes``: what the aggregator sent down with each
+        model; ``bytes_so_far``: traffic before this round; ``started``: the round's
+        ``time.perf_counter()`` at its start."""
+        members = participants(plan)
+        bytes_down = (self.model_bytes + payload_bytes) * len(members)
+        sizes = self.client_sizes if self.client_sizes is not None else np.zeros(self.num_clients, dtype=np.int64)
+        cost = round_cost(plan.chains, sizes, self.config.local_epochs, self.train_flops, self.model_bytes, self.link)
+        tally = attempt.tally
+        return RoundRecord(
+            round=round_index + 1,
+            accuracy=evaluation.accuracy,
+            loss=evaluation.loss,
+            client_accuracy_mean=evaluation.client_accuracy_mean,
+            client_accuracy_std=evaluation.client_accuracy_std,
+            bytes_up=tally.bytes_up,
+            bytes_down=bytes_down,
+            cumulative_bytes=bytes_so_far + tally.bytes_up + bytes_down,
+            seconds=time.perf_counter() - started,
+            participants=len(members),
+            failures=tally.failures,
+            compute_seconds_model=float(cost.compute_seconds),
+            communication_seconds_model=float(cost.communication_seconds),
+            metrics=self.round_metrics(plan),
+        )
+
+    # ---------------------------------------------------------------- derived
+
+    def derived_params(self, engine: str, **runtime_entries: Any) -> dict[str, Any]:
+        """Values computed from the config: the components' own
+        (:meth:`fedplug.components.ComponentConfig.derived_values`), the model's size and
+        FLOPs, the engine, and the runtime's ``runtime_entries``."""
+        return derived_params(self.config, engine, self.model_bytes, self.train_flops, **runtime_entries)
+
+
+def derived_params(train_config: Any, engine: str, model_bytes: int, train_flops: int, **runtime_entries: Any) -> dict[str, Any]:
+    """See :meth:`RoundCore.derived_params`."""
+    derived: dict[str, Any] = {
+        "train_flops_per_sample": int(train_flops),
+        "model_bytes": int(model_bytes),
+        "engine": engine,
+        **runtime_entries,
+    }
+    for slot in SLOTS:
+        derived.update(getattr(train_config, slot).derived_values(train_config))
+    return derived
+
+
+def client_needs(*components: Any) -> ClientNeeds:
+    """The union of what ``components`` (built sampler, loss transform, aggregator,
+    grouper) need from the clients."""
+    needs = ClientNeeds()
+    for component in components:
+        needs = needs | component.client_needs()
+    return needs

@@ -1,0 +1,148 @@
+"""Phases that run on the clients' data before round 1, the same way on every runtime.
+
+A loss transform that must learn something from the clients' own data before training
+(FedDisk's density models) declares a :class:`SetupPhase` through
+:meth:`fedplug.components.LossTransform.setup_phase`. The phase is a conversation: the
+server side (:meth:`SetupPhase.server`, a generator) yields one :class:`SetupStep` at a
+time and receives every client's :class:`SetupReply`; the client side
+(:meth:`SetupPhase.client`) answers a step on one client's data, keeping what it needs in
+a per-client ``state`` dict between steps. Only tensors and plain values travel, so a
+runtime can carry a step as a message:
+
+- the simulator and the FedML coordinator run it in one process
+  (:func:`run_in_process`), handing each client its own data;
+- Flower sends every step as a ``train.<phase name>`` message to every node
+  (:mod:`fedplug.adapters.flower.setup_phase`).
+
+Whatever the runtime, the same client code meets the same data with the same random
+streams, so the phase ends with the same result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from fedplug.components import Context, LossTransform, PhaseCost
+
+Value = int | float | str | bool
+"""A plain value a step or a reply carries."""
+
+
+@dataclass(frozen=True)
+class SetupStep:
+    """One message from the server to every client: a step name, tensors, and values."""
+
+    name: str
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    values: dict[str, Value] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SetupReply:
+    """One client's answer to a :class:`SetupStep`."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    values: dict[str, Value] = field(default_factory=dict)
+
+
+class ClientInputs(Protocol):
+    """What a client's side of a phase reads: its own training data."""
+
+    client_id: int
+    train_x: Tensor
+    train_y: Tensor
+
+
+class SetupPhase(ABC):
+    """A phase before round 1, driven by the server in steps (see the module docstring)."""
+
+    name: str
+    """Short name; on Flower, the message type is ``train.<name>``."""
+
+    @abstractmethod
+    def server(self, num_clients: int) -> Generator[SetupStep, dict[int, SetupReply], PhaseCost]:
+        """The server's side: yield each step, receive ``{client id: reply}`` for every
+        client, and return the phase's traffic (its rounds and bytes)."""
+
+    @abstractmethod
+    def client(self, step: SetupStep, data: ClientInputs, state: dict[str, Any]) -> SetupReply:
+        """One client's answer to ``step``. ``state`` persists between the steps of this
+        client (tensors and plain values only, so a runtime can store it)."""
+
+    def clients(
+        self, step: SetupStep, data: Sequence[ClientInputs], states: Sequence[dict[str, Any]]
+    ) -> list[SetupReply]:
+        """The answers of several clients to ``step`` in one call, in the order of ``data``
+        (``states[i]`` is client ``data[i]``'s state); what :func:`run_in_process` calls.
+        The default asks :meth:`client` for each in turn; a phase may override it to work
+        on all of them at once (FedDisk trains its clients' MADEs vectorised), as long as
+        every client's reply and state are what :meth:`client` would give."""
+        return [self.client(step, client, state) for client, state in zip(data, states)]
+
+    @abstractmethod
+    def finish(self, states: dict[int, dict[str, Any]]) -> None:
+        """After the last step, where every client's ``state`` is at hand (in one
+        process): keep what training needs (the simulator's path)."""
+
+    @abstractmethod
+    def client_context(self, state: dict[str, Any]) -> Context:
+        """After the last step, on a client that kept its own ``state`` (a Flower node):
+        the loss transform's context for that client."""
+
+    def check_data(self, state: dict[str, Any], num_samples: int) -> None:
+        """On a client that kept its own ``state``, before each round's training: raise
+        :class:`fedplug.errors.DataError` when what the phase left no longer fits the
+        client's training data of ``num_samples`` samples (default: no check)."""
+
+
+def run_in_process(phase: SetupPhase, clients: list[ClientInputs]) -> PhaseCost:
+    """Run ``phase`` with every client in this process (the simulator's and FedML's
+    path): each step goes to every client at once (:meth:`SetupPhase.clients`), in id
+    order."""
+    clients = sorted(clients, key=lambda client: client.client_id)
+    ids = [client.client_id for client in clients]
+    states: dict[int, dict[str, Any]] = {client_id: {} for client_id in ids}
+    conversation = phase.server(len(clients))
+    try:
+        step = next(conversation)
+        while True:
+            answers = phase.clients(step, clients, [states[client_id] for client_id in ids])
+            step = conversation.send(dict(zip(ids, answers, strict=True)))
+    except StopIteration as stop:
+        cost = stop.value
+    phase.finish(states)
+    return cost if cost is not None else PhaseCost(0, 0, 0)
+
+
+def prepare_loss_transform(loss_transform: LossTransform, federation: Any) -> PhaseCost:
+    """Prepare ``loss_transform`` in one process that holds the whole ``federation``:
+    :meth:`~fedplug.components.LossTransform.prepare`, then its setup phase, if any. The
+    returned cost adds up both."""
+    cost = loss_transform.prepare(federation) or PhaseCost(0, 0, 0)
+    phase = loss_transform.setup_phase()
+    if phase is None:
+        return cost
+    clients = [
+        PhaseInputs(index, client.train_x, client.train_y)
+        for index, client in enumerate(federation.clients)
+    ]
+    extra = run_in_process(phase, clients)
+    return PhaseCost(
+        cost.rounds + extra.rounds,
+        cost.bytes_up + extra.bytes_up,
+        cost.bytes_down + extra.bytes_down,
+    )
+
+
+@dataclass(frozen=True)
+class PhaseInputs:
+    """One client's :class:`ClientInputs`, as a runtime hands them to a phase."""
+
+    client_id: int
+    train_x: Tensor
+    train_y: Tensor

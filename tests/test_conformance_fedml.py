@@ -1,0 +1,369 @@
+"""Conformance of the FedML adapter: the simulator and FedML's path give the same rounds.
+
+Run by ``make test-fedml`` in ``.venv-fedml``; skipped in the main environment (no
+FedML). FedML's path is the adapter's server (``Coordinator`` inside FedML's
+``ServerAggregator``) and workers (``Worker`` inside FedML's ``ClientTrainer``), called in
+process in the order FedML's cross-silo managers call them; the real ``mpirun`` runs are
+in tests/test_fedml.py.
+
+Covered, each on a tiny synthetic federation (6 clients, 3 sampled, 2 rounds; FedGSP
+sees all six, in chains of 6 and then 3):
+
+- every combination of the built-in aggregators x loss transforms x samplers x groupers
+  that the config accepts and :func:`~fedplug.adapters.fedml.runtime.check_supported`
+  lets through;
+- the test-only plugins of ``tests/conformance_plugins.py`` (a stateful aggregator with
+  a payload and a reply extra, a loss transform with a two-step setup phase, a grouper
+  with its own round metrics), together;
+- faults injected into one client's local training on both paths: a NaN model, a model
+  of the wrong shape, and every client failing (the simulator retries then stops,
+  FedML stops at once, saying it cannot replay a round).
+
+"The same" means: the same final model (within 1e-5; in one process it is bit for bit),
+round records with accuracy and loss within 1e-5 and every other field (failures,
+participants, bytes, cost model, the components' metrics) equal, the same setup phase
+cost, and the same derived params apart from each runtime's own entries.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-fedml`")
+
+from conformance_plugins import AGGREGATOR, GROUPER, LOSS_TRANSFORM, conformance_registry
+
+from fedplug.adapters.fedml import worker as worker_module
+from fedplug.adapters.fedml.coordinator import ENGINE_NAME, Coordinator
+from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer, FedplugServerAggregator
+from fedplug.adapters.fedml.protocol import plan_rounds
+from fedplug.adapters.fedml.runtime import check_supported, fedml_dataset
+from fedplug.adapters.fedml.worker import Worker
+from fedplug.config import validate_experiment
+from fedplug.data.build import build_federation
+from fedplug.data.federation import Federation
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.federated_round import participants
+from fedplug.plugins import default_registry
+from fedplug.simulation import local_training, sequential
+from fedplug.simulation.results import RunResult
+from fedplug.simulation.simulator import Simulator, build_model
+
+REGISTRY = conformance_registry()
+"""The built-in components and the test-only plugins."""
+
+WORKERS = 2
+
+BASE: dict[str, Any] = {
+    "study": {"name": "conformance-fedml", "target_accuracy": 0.5},
+    "data": {
+        "dataset": {
+            "name": "synthetic",
+            "num_train": 360,
+            "num_test": 120,
+            "num_features": 8,
+            "num_classes": 3,
+        },
+        "partition": {"name": "dirichlet_class", "alpha": 0.5, "min_size": 10},
+        "num_clients": 6,
+        "local_test_fraction": 0.2,
+        "seed": 0,
+    },
+    "train": {
+        "model": {"name": "mlp", "hidden": [8]},
+        "client_fraction": 0.5,
+        "rounds": 2,
+        "local_epochs": 1,
+        "batch_size": 16,
+        "optimizer": {"name": "sgd", "lr": 0.3},
+        "seed": 0,
+        "engine": "sequential",
+    },
+}
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "fedprox": {"mu": 0.1},
+    "fedavgm": {"momentum": 0.9},
+    # FedDisk's density models, small.
+    "feddisk": {
+        "made_hidden": 8,
+        "made_max_epochs": 1,
+        "global_rounds": 1,
+        "classifier_hidden": 8,
+        "classifier_epochs": 1,
+    },
+    "feddisk_ab": {"classifier_hidden": 8, "classifier_epochs": 1},
+    # ICG groups; with every client sampled: one chain of 6 in round 1, chains of 3 in round 2.
+    "fedgsp": {"mode": "fedgsp", "growth": "log", "alpha": 2.0, "beta": 1.0, "group_fraction": 1.0},
+}
+"""Settings that make a component do something worth comparing (FedGSP's chains) or keep
+it fast (FedDisk); a key the component's config no longer has is left out, any other
+component runs with its defaults."""
+
+CLIENT_FRACTION = {"fedgsp": 1.0}
+"""FedGSP samples groups itself, so it sees every client."""
+
+SLOTS = {
+    "sampler": "samplers",
+    "loss_transform": "loss_transforms",
+    "aggregator": "aggregators",
+    "grouper": "groupers",
+}
+
+METRIC_TOLERANCE = 1e-5
+APPROXIMATE_FIELDS = {"accuracy", "loss", "client_accuracy_mean", "client_accuracy_std"}
+WALL_TIME_FIELDS = {"seconds"}
+"""Measured, so never equal across runs."""
+RUNTIME_ENTRIES = {"engine", "fedml_rounds", "fedml_workers"}
+"""Derived params that name the runtime rather than the experiment."""
+
+
+def component(kind: str, name: str) -> dict[str, Any]:
+    fields = REGISTRY.get(kind, name).config_class.model_fields
+    settings = {key: value for key, value in SETTINGS.get(name, {}).items() if key in fields}
+    return {"name": name, **settings}
+
+
+def experiment(**slots: str) -> Any:
+    """The base experiment with the named components (``sampler="iwds"``, ...)."""
+    data = copy.deepcopy(BASE)
+    for slot, name in slots.items():
+        data["train"][slot] = component(SLOTS[slot], name)
+        if name in CLIENT_FRACTION:
+            data["train"]["client_fraction"] = CLIENT_FRACTION[name]
+    return validate_experiment(data, REGISTRY)
+
+
+def supported_combinations() -> list[tuple[str, str, str, str]]:
+    """Every built-in (sampler, loss transform, aggregator, grouper) FedML can run."""
+    builtin = default_registry()
+    combinations = []
+    for names in itertools.product(*(builtin.names(kind) for kind in SLOTS.values())):
+        try:
+            config = experiment(**dict(zip(SLOTS, names)))
+            check_supported(config)
+        except ConfigError as error:
+            refused = ("incompatible combination", "cannot run under FedML")
+            if not any(reason in str(error) for reason in refused):
+                raise
+            continue
+        combinations.append(names)
+    return combinations
+
+
+COMBINATIONS = supported_combinations()
+
+
+@pytest.fixture(scope="module")
+def federation() -> Federation:
+    """One federation for every run (neither path changes it)."""
+    return build_federation(experiment().data, REGISTRY)
+
+
+# ---------------------------------------------------------------------------- the paths
+
+
+def simulate(config: Any, federation: Federation) -> tuple[RunResult, Tensor]:
+    simulator = Simulator(config.train, federation, REGISTRY)
+    result = simulator.run()
+    return result, simulator.final_vector
+
+
+def run_on_fedml(config: Any, federation: Federation) -> tuple[RunResult, Tensor]:
+    """The adapter's server and workers, called as FedML's cross-silo managers call them:
+    ``get_model_params`` once, then each step ``set_model_params`` / ``train`` /
+    ``get_model_params`` on every worker, ``aggregate`` and ``set_model_params`` on the
+    server."""
+    check_supported(config)
+    schedule = plan_rounds(config.train, REGISTRY, federation.class_counts)
+    coordinator = Coordinator(config.train, federation, REGISTRY, schedule, WORKERS)
+    server = FedplugServerAggregator(coordinator.model, SimpleNamespace(), coordinator)
+    trainers = [trainer_for(config, federation, slot) for slot in range(WORKERS)]
+    owned = fedml_dataset(federation, WORKERS, eval_batch_size=100)[5]
+    message = server.get_model_params()
+    for step in range(schedule.fedml_rounds):
+        replies = []
+        for slot, trainer in enumerate(trainers):
+            trainer.set_model_params(message[slot])
+            trainer.train(owned[slot], "cpu", SimpleNamespace(round_idx=step))
+            replies.append((0.0, trainer.get_model_params()))
+        message = server.aggregate(replies)
+        server.set_model_params(message)
+    assert coordinator.finished
+    return coordinator.result, coordinator.global_vector
+
+
+def trainer_for(config: Any, federation: Federation, slot: int) -> FedplugClientTrainer:
+    model = build_model(config.train, REGISTRY, federation, federation.device)
+    worker = Worker(config.train, federation, REGISTRY, model, slot, WORKERS)
+    return FedplugClientTrainer(model, SimpleNamespace(), worker)
+
+
+def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunResult]:
+    """Run both paths and assert they agree; return ``(simulator's, FedML's)`` results."""
+    reference, reference_vector = simulate(config, federation)
+    result, vector = run_on_fedml(config, federation)
+    assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
+    assert len(result.history) == len(reference.history) == config.train.rounds
+    for mine, theirs in zip(result.history, reference.history):
+        mine_values, their_values = mine.as_dict(), theirs.as_dict()
+        assert mine_values.keys() == their_values.keys()
+        for key in mine_values.keys() - WALL_TIME_FIELDS:
+            if key in APPROXIMATE_FIELDS:
+                assert close(mine_values[key], their_values[key]), (mine.round, key)
+            else:
+                assert mine_values[key] == their_values[key], (mine.round, key)
+    assert result.setup_rounds == reference.setup_rounds
+    assert result.setup_bytes == reference.setup_bytes
+    assert result.derived_params["engine"] == ENGINE_NAME
+    assert without_runtime(result.derived_params) == without_runtime(reference.derived_params)
+    return reference, result
+
+
+def close(mine: float | None, theirs: float | None) -> bool:
+    """Within METRIC_TOLERANCE; ``None`` is how a record writes NaN."""
+    if mine is None or theirs is None:
+        return mine is theirs
+    return math.isclose(mine, theirs, rel_tol=0.0, abs_tol=METRIC_TOLERANCE)
+
+
+def without_runtime(derived: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in derived.items() if key not in RUNTIME_ENTRIES}
+
+
+# ------------------------------------------------------------------------ combinations
+
+
+def test_every_built_in_slot_value_is_covered():
+    # A component FedML refuses in every combination would vanish from the list silently.
+    builtin = default_registry()
+    for position, kind in enumerate(SLOTS.values()):
+        assert {names[position] for names in COMBINATIONS} == set(builtin.names(kind)), kind
+
+
+@pytest.mark.parametrize(
+    ("sampler", "loss_transform", "aggregator", "grouper"),
+    COMBINATIONS,
+    ids=["-".join(names) for names in COMBINATIONS],
+)
+def test_fedml_conforms_to_the_simulator(federation, sampler, loss_transform, aggregator, grouper):
+    # Prepare
+    config = experiment(
+        sampler=sampler, loss_transform=loss_transform, aggregator=aggregator, grouper=grouper
+    )
+
+    # Execute / Assert
+    assert_conform(config, federation)
+
+
+def test_test_only_plugins_conform(federation):
+    # Prepare: the stateful aggregator, the loss transform with a setup phase and the
+    # grouper with its own metrics, none of which fedplug knows by name.
+    config = experiment(aggregator=AGGREGATOR, loss_transform=LOSS_TRANSFORM, grouper=GROUPER)
+
+    # Execute
+    reference, result = assert_conform(config, federation)
+
+    # Assert: the setup phase ran (two steps) and the plugins' own reports arrived.
+    assert result.setup_rounds == 2
+    assert "conformance_effective_lr" in result.derived_params
+    assert {"chain_count", "largest_chain"} <= result.history[0].metrics.keys()
+    assert result.history[0].metrics["largest_chain"] == 2
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def corrupt_training(
+    monkeypatch: pytest.MonkeyPatch,
+    federation: Federation,
+    clients: set[int],
+    round_index: int,
+    corrupt: Callable[[Tensor], Tensor],
+) -> None:
+    """Make ``clients``' local training in round ``round_index`` return ``corrupt(model)``,
+    on both paths: the simulator's chains and the FedML workers call the same
+    ``train_locally``, patched where each looks it up."""
+    original = local_training.train_locally
+    victims = {id(federation.clients[client].train_x) for client in clients}
+
+    def train_locally(model: Any, start: Tensor, train_x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original(model, start, train_x, *args, **kwargs)
+        if kwargs["round_index"] == round_index and id(train_x) in victims:
+            return dataclasses.replace(result, vector=corrupt(result.vector))
+        return result
+
+    monkeypatch.setattr(sequential, "train_locally", train_locally)
+    monkeypatch.setattr(worker_module, "train_locally", train_locally)
+
+
+def first_round_clients(config: Any, federation: Federation) -> list[int]:
+    return participants(plan_rounds(config.train, REGISTRY, federation.class_counts).plans[0])
+
+
+def nan_model(vector: Tensor) -> Tensor:
+    return torch.full_like(vector, float("nan"))
+
+
+def misshapen_model(vector: Tensor) -> Tensor:
+    return vector[:-1].clone()
+
+
+@pytest.mark.parametrize("corrupt", [nan_model, misshapen_model], ids=["nan", "misshapen"])
+def test_a_corrupted_update_is_dropped_the_same_way(monkeypatch, federation, corrupt):
+    # Prepare: one of round 1's three clients sends a NaN (or too short) model.
+    config = experiment()
+    victim = first_round_clients(config, federation)[1]
+    corrupt_training(monkeypatch, federation, {victim}, 0, corrupt)
+
+    # Execute
+    reference, result = assert_conform(config, federation)
+
+    # Assert: dropped and counted in round 1 on both paths, nothing dropped in round 2.
+    assert [record.failures for record in result.history] == [1, 0]
+    assert [record.failures for record in reference.history] == [1, 0]
+
+
+def test_a_round_where_every_client_fails_stops_fedml_at_once(monkeypatch, federation):
+    # Prepare: every client of round 1 sends a NaN model (also on the simulator's retry).
+    config = experiment()
+    corrupt_training(monkeypatch, federation, set(range(federation.num_clients)), 0, nan_model)
+
+    # Execute / Assert: the simulator retries, then stops; FedML stops at once, saying why.
+    with pytest.raises(TrainingError, match="3 of 3 client updates failed in each of 2 attempts"):
+        simulate(config, federation)
+    with pytest.raises(
+        TrainingError, match="3 of 3 client updates failed and FedML cannot replay a round"
+    ):
+        run_on_fedml(config, federation)
+
+
+def test_the_fault_injection_reaches_both_paths(monkeypatch, federation):
+    # The fault tests above mean something only if the patched function is what both
+    # paths call.
+    original = local_training.train_locally
+    counted = []
+
+    def train_locally(*args: Any, **kwargs: Any) -> Any:
+        counted.append(kwargs["round_index"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sequential, "train_locally", train_locally)
+    monkeypatch.setattr(worker_module, "train_locally", train_locally)
+    config = experiment()
+
+    simulate(config, federation)
+    run_on_fedml(config, federation)
+
+    # Assert: 3 clients in each of 2 rounds, on each path.
+    assert counted == [0, 0, 0, 1, 1, 1] * 2
