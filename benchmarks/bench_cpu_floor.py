@@ -7,7 +7,7 @@ federation for one local epoch (``m`` chosen so a measurement covers about
 them: 6,000 samples at K=10, 600 at K=100). Two paths train exactly those samples:
 
 - **federated**: the code path of ``Simulator._run_round`` without evaluation and
-  checkpointing: ``SequentialEngine.run_round`` -> ``Simulator._screen`` -> the FedAvg
+  checkpointing: ``SequentialEngine.run_round`` -> the round core's ``screen`` -> the FedAvg
   aggregator's streaming weighted mean, on the simulator's own model;
 - **centralised**: one model, a plain torch loop (``torch.randperm`` order, the same batch
   size, ``torch.optim.SGD`` with the same learning rate, ``F.cross_entropy``) over the
@@ -136,8 +136,8 @@ class FloorCase:
     ) -> benchlib.Stopwatch:
         """Times one round over the participants (engine + screening + FedAvg)."""
         from fedplug.components import RoundPlan
+        from fedplug.federated_round import Tally, screen
         from fedplug.simulation.round_context import RoundContext
-        from fedplug.simulation.simulator import _Tally
 
         simulator = self.simulator
         aggregator = simulator.algorithm.aggregator
@@ -148,12 +148,13 @@ class FloorCase:
                 simulator.federation, simulator.algorithm, simulator.schedule, 0, {}
             )
             context.payload = aggregator.server_payload()
-            updates = simulator._screen(
+            updates = screen(
                 simulator.engine.run_round(self.initial_vector, plan, round_index, context),
-                self.initial_vector,
-                _Tally(),
-                self.model_bytes,
-                round_index,
+                tuple(self.initial_vector.shape),
+                timeout=None,
+                model_bytes=self.model_bytes,
+                round_number=round_index + 1,
+                tally=Tally(),
             )
             new_vector = aggregator.aggregate(self.initial_vector, updates)
         if not bool(new_vector.isfinite().all()):
@@ -245,9 +246,9 @@ def overhead_breakdown(case: FloorCase, repeats: int = 11) -> dict[str, Any]:
     import torch
 
     from fedplug.components import WeightedMean
+    from fedplug.federated_round import Tally, screen
     from fedplug.simulation.local_training import local_rng, make_optimizer, train_locally
     from fedplug.simulation.round_context import RoundContext
-    from fedplug.simulation.simulator import _Tally
     from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
     simulator, vector = case.simulator, case.initial_vector
@@ -267,8 +268,15 @@ def overhead_breakdown(case: FloorCase, repeats: int = 11) -> dict[str, Any]:
         "local_rng + sampler.epoch_indices": lambda: algorithm.sampler.epoch_indices(
             labels, client.class_counts, 0, local_rng(0, 0, client.client_id)
         ),
-        "Simulator._screen (one update)": lambda: list(
-            simulator._screen(iter([update]), vector, _Tally(), case.model_bytes, 0)
+        "screen (one update)": lambda: list(
+            screen(
+                iter([update]),
+                tuple(vector.shape),
+                timeout=None,
+                model_bytes=case.model_bytes,
+                round_number=1,
+                tally=Tally(),
+            )
         ),
         "WeightedMean.add (one update)": lambda: accumulator.add(vector, 600.0),
     }
@@ -320,7 +328,7 @@ def overhead_breakdown(case: FloorCase, repeats: int = 11) -> dict[str, Any]:
     # memory-bandwidth interference), so the fastest of several runs is the intrinsic cost.
     plain_ms = min(plain_times) * 1e3
     engine_ms = min(engine_times) * 1e3
-    outside = costs["Simulator._screen (one update)"] + costs["WeightedMean.add (one update)"]
+    outside = costs["screen (one update)"] + costs["WeightedMean.add (one update)"]
     return {
         "client_samples": client.num_samples,
         "steps": steps,

@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fedplug-workers", type=int, default=None, help="worker processes of the parallel engine"
     )
     parser.add_argument(
+        "--no-targets",
+        dest="judge_targets",
+        action="store_false",
+        help="report only: exit 0 whatever the one-core targets say (the equal-cores comparison)",
+    )
+    parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn_mnist"], help="default: mlp cnn_mnist"
     )
     parser.add_argument("--rounds", type=int, default=20, help="rounds for mlp (default 20)")
@@ -455,7 +461,7 @@ def driver_main(args: argparse.Namespace) -> int:
         "load_average_end": benchlib.load_average(),
     }
     benchlib.write_result(args.json, result)
-    return 0 if all(model["meets_target"] for model in models) else 1
+    return 0 if not args.judge_targets or all(model["meets_target"] for model in models) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,19 @@ from typing import Any, Sequence
 from fedplug.errors import ConfigError, FedplugError
 from fedplug.registry import KINDS, Registration
 
+SECTIONS = ("study", "tracking", "data", "train")
+"""The config's sections whose keys ``fedplug list`` shows."""
+UI_COMMAND = "make ui"
+"""Opens the MLflow UI on the project's local store (Makefile)."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedplug", description="Federated learning on non-IID data.")
     commands = parser.add_subparsers(dest="command", required=True)
-    list_parser = commands.add_parser("list", help="every registered component by kind, with its parameters")
-    list_parser.add_argument("kind", nargs="?", choices=KINDS, help="show only this kind")
+    list_parser = commands.add_parser(
+        "list", help="every registered component by kind, with its parameters, and the config's keys with their defaults"
+    )
+    list_parser.add_argument("kind", nargs="?", choices=(*KINDS, *SECTIONS, "trackers"), help="show only this kind or section")
     run_parser = commands.add_parser("run", help="run an experiment from a config file")
     run_parser.add_argument("config", help="YAML config (params.yaml is one)")
     run_parser.add_argument(
@@ -27,6 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument("--out", help="output folder (default: runs/<study>-<config hash>)")
     run_parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     run_parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    tracking = run_parser.add_mutually_exclusive_group()
+    tracking.add_argument(
+        "--track", dest="track", action="store_true", default=None,
+        help="log the run to MLflow (and tracking.backends) even when tracking.enabled is false",
+    )
+    tracking.add_argument(
+        "--no-track", dest="track", action="store_false", help="log nothing to MLflow (tracking.enabled: false)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -54,11 +69,15 @@ def run_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from fedplug.config import load_experiment
-    from fedplug.experiment import default_output_dir, run_experiment
+    from fedplug.experiment import checkpointed_rounds, default_output_dir, prepare_experiment, train_experiment
+    from fedplug.tracking import open_tracker
 
     config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
+    # MLflow logs its store migrations and requirement checks at INFO: not a user's concern.
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     out = Path(args.out) if args.out else default_output_dir(config)
     check_output_folder(out)
+    resume = not args.no_resume
     progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)
 
     def show(record: Any) -> None:
@@ -66,16 +85,70 @@ def run_command(args: argparse.Namespace) -> int:
         progress.set_postfix(accuracy=f"{record.accuracy:.4f}", loss=f"{record.loss:.4f}", refresh=False)
         progress.refresh()
 
-    try:
-        result, _ = run_experiment(config, out, observers=[show], resume=not args.no_resume)
-    finally:
-        progress.close()
+    # Everything that can refuse the run (data, model, checkpoint) before anything is written.
+    simulator = _closing_on_error(progress, prepare_experiment)(config, out, observers=[show], resume=resume)
+    # The config file's folder is the project: its local store is <project>/mlflow.db.
+    project_root = Path(args.config).resolve().parent
+    label = args.algorithm or config.train.aggregator.name
+    tracker = _closing_on_error(progress, open_tracker)(
+        config,
+        out,
+        run_name=f"{config.data.dataset.name}-{label}-seed{config.train.seed}",
+        tags={"fedplug.algorithm": label, "fedplug.seed": str(config.train.seed), "fedplug.runtime": "simulator"},
+        resume=resume,
+        project_root=project_root,
+        enabled=args.track,
+    )
+    if tracker.run_id is not None:
+        print(f"MLflow run {tracker.run_id} in {tracker.uri}" + (" (resumed)" if tracker.resumed else ""), file=sys.stderr)
+    simulator.observers.append(tracker.log_round)
+
+    with tracker:  # FINISHED on success; FAILED (kept for resuming) on an error or Ctrl-C
+        if tracker.resumed:
+            tracker.log_history(checkpointed_rounds(out))  # rounds done before the interruption
+        try:
+            result = train_experiment(config, simulator, out, resume=resume)
+        finally:
+            progress.close()
+        tracker.log_result(result)
+        if tracker.enabled:
+            tracker.log_model(simulator.model, simulator.federation.test_x[:5].cpu())
+            for name in ("config.yaml", "run_info.json", "metrics.json"):
+                tracker.log_artifacts({"": out / name})
     summary = result.summary()
     print(
         f"final accuracy {summary['final_accuracy']:.4f}, best {summary['best_accuracy']:.4f} "
         f"after {summary['rounds']} rounds; wrote {out / 'metrics.json'}"
     )
+    if tracker.run_id is not None:
+        print(f"MLflow run {tracker.run_id}: model {tracker.model_uri}; see it with: {ui_hint(tracker.uri, project_root)}")
     return 0
+
+
+def _closing_on_error(progress: Any, function: Any) -> Any:
+    """``function``, closing the progress bar first when it raises."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            progress.close()
+            raise
+
+    return call
+
+
+def ui_hint(uri: str | None, project_root: Any) -> str:
+    """How to open the MLflow UI on ``uri``: ``make ui`` for the project's local store."""
+    from fedplug.tracking import is_remote, local_tracking_uri
+
+    if uri is None:
+        return ""
+    if is_remote(uri):
+        return f"open {uri} in a browser"
+    if uri == local_tracking_uri(project_root):
+        return f"{UI_COMMAND}  (then open http://127.0.0.1:5000)"
+    return f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
 
 
 def check_output_folder(out: str | os.PathLike[str]) -> None:
@@ -113,16 +186,79 @@ def describe_os_error(error: OSError) -> str:
 
 
 def describe_components(kind: str | None = None) -> str:
+    """``fedplug list``: components by kind, tracker backends, then the config's keys."""
     from fedplug.plugins import default_registry
 
     registry = default_registry()
     lines: list[str] = []
+    if kind in SECTIONS:
+        return describe_sections([kind])
+    if kind == "trackers":
+        return describe_trackers(registry)
     for each_kind in [kind] if kind else KINDS:
         lines.append(f"{each_kind}:")
         for entry in registry.entries(each_kind):
             lines.append(f"  {entry.name:<16} {entry.summary}  [{entry.plugin}]")
             lines += [f"      {line}" for line in describe_parameters(entry)]
+    if kind is None:
+        lines.append(describe_trackers(registry))
+        lines.append(describe_sections(SECTIONS))
     return "\n".join(lines)
+
+
+def describe_trackers(registry: Any) -> str:
+    lines = ["trackers:  (tracking.backends)"]
+    for entry in registry.tracker_entries():
+        summary = (entry.factory.__doc__ or "").strip().splitlines()
+        lines.append(f"  {entry.name:<16} {summary[0] if summary else ''}  [{entry.plugin}]")
+    return "\n".join(lines)
+
+
+def describe_sections(sections: Sequence[str]) -> str:
+    """The keys of each config section with their defaults, as ``--set`` takes them
+    (``train.rounds = 10``); a component slot shows its default component's name."""
+    from fedplug.config import config_models
+    from fedplug.plugins import default_registry
+
+    experiment_model = config_models(default_registry())[0]
+    lines: list[str] = []
+    for section in sections:
+        field = experiment_model.model_fields[section]
+        lines.append(f"{section}:  (keys of the config's {section} section; --set {section}.KEY=VALUE)")
+        lines += [f"  {section}.{line}" for line in describe_fields(field.annotation)]
+    return "\n".join(lines)
+
+
+def describe_fields(model: Any) -> list[str]:
+    """One line per field of pydantic ``model``: ``name = default  (bounds)  doc``."""
+    import typing
+
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        nested = annotation if isinstance(annotation, type) and hasattr(annotation, "model_fields") else None
+        if field.is_required():
+            text = f"{name} (required)"
+        else:
+            default = field.get_default(call_default_factory=True)
+            if hasattr(default, "model_dump"):
+                default = getattr(default, "name", None) or default.model_dump(mode="json")
+            text = f"{name} = {default!r}"
+        if nested is None and typing.get_origin(annotation) is not None:
+            members = [arg for arg in typing.get_args(annotation) if hasattr(arg, "model_fields")]
+            names = sorted(
+                typing.get_args(member.model_fields["name"].annotation)[0]
+                for member in members
+                if "name" in member.model_fields and typing.get_args(member.model_fields["name"].annotation)
+            )
+            if names:
+                text += f"  (one of: {', '.join(names)}; `fedplug list` shows their parameters)"
+        if field.description:
+            text += "  " + " ".join(field.description.split())
+        lines.append(text)
+        if nested is not None and name != "name":
+            lines += [f"{name}.{line}" for line in describe_fields(nested)]
+    return lines
 
 
 def describe_parameters(entry: Registration) -> list[str]:
@@ -136,8 +272,10 @@ def describe_parameters(entry: Registration) -> list[str]:
             for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
             if getattr(item, attribute, None) is not None
         ]
-        default = field.get_default(call_default_factory=True)
-        text = f"{name} = {default!r}"
+        if field.is_required():
+            text = f"{name} (required)"
+        else:
+            text = f"{name} = {field.get_default(call_default_factory=True)!r}"
         if bounds:
             text += f"  ({', '.join(bounds)})"
         if field.description:

@@ -94,6 +94,23 @@ class ComponentConfig(StrictConfig):
 
 # ------------------------------------------------------------------------ client needs
 
+TRAIN_LOSS = "train_loss"
+"""The reply metric holding a client's mean training loss of the round (Flower's
+quickstart key, which Flower's ``QFedAvg`` reads as ``train_loss_key``): the mean, over
+every optimiser step of the client's local training (all of its local epochs), of the
+batch loss that step minimised, evaluated before the step. The batch loss is the one
+fedplug's client trains on: the loss transform's batch mean (plain cross-entropy by
+default) plus any penalty (FedProx's, SCAFFOLD's correction). Flower's PyTorch quickstart
+reports the same mean (``running_loss / len(trainloader)`` with one local epoch). A client
+that trained no batch reports NaN, so its update is screened out. A chain of clients
+(FedGSP's groups) reports its last member's."""
+
+REPLY_METRICS: dict[str, str] = {
+    TRAIN_LOSS: "the mean training loss of the round's local steps",
+}
+"""The reply metrics fedplug's client side computes, by name, with what each means; a
+component may ask for these in :attr:`ClientNeeds.reply_metrics`."""
+
 
 @dataclass(frozen=True)
 class ClientNeeds:
@@ -120,6 +137,13 @@ class ClientNeeds:
     pooled_data: str | None = None
     """Set when the component needs every client's raw data in one place, which only the
     simulator has: the text says why (FedDiskAb, an oracle ablation)."""
+    reply_metrics: tuple[str, ...] = ()
+    """Numbers every client's reply carries in its metrics, by name, each one of
+    :data:`REPLY_METRICS` (``("train_loss",)``: the client's mean training loss, see
+    :data:`TRAIN_LOSS`, which Flower's QFedAvg weighs clients by). The clients compute
+    them only when some component of the run asks; they arrive in
+    :attr:`ClientUpdate.metrics`, and an update whose metric is missing or not finite is
+    screened out."""
 
     def __or__(self, other: "ClientNeeds") -> "ClientNeeds":
         return ClientNeeds(
@@ -129,6 +153,7 @@ class ClientNeeds:
             server_payload=tuple(dict.fromkeys(self.server_payload + other.server_payload)),
             reply_extras=tuple(dict.fromkeys(self.reply_extras + other.reply_extras)),
             pooled_data=self.pooled_data or other.pooled_data,
+            reply_metrics=tuple(dict.fromkeys(self.reply_metrics + other.reply_metrics)),
         )
 
     def describe(self) -> list[str]:
@@ -144,6 +169,11 @@ class ClientNeeds:
             items.append(f"the server's payload {list(self.server_payload)} with every model")
         if self.reply_extras:
             items.append(f"{list(self.reply_extras)} in every reply")
+        if self.reply_metrics:
+            meanings = ", ".join(
+                f"{name!r} ({REPLY_METRICS.get(name, 'a number')})" for name in self.reply_metrics
+            )
+            items.append(f"{meanings} in every reply's metrics")
         return items
 
 
@@ -267,6 +297,9 @@ class ClientUpdate:
     """The clients that trained this model, in order (one unless a grouper chains them)."""
     seconds: float = 0.0
     """Wall time the chain's local training took."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The reply metrics the run's components ask for (:attr:`ClientNeeds.reply_metrics`,
+    e.g. ``train_loss``), the chain's last member's; empty when none is asked for."""
 
 
 class Aggregator(ABC):

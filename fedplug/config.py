@@ -9,7 +9,7 @@ names its path, e.g. ``train.aggregator.momentum: Input should be less than 1``.
 Layout of a config file (``params.yaml`` is one)::
 
     study:      name, seeds, target accuracy          (what the pipeline compares)
-    tracking:   MLflow settings                       (read by the pipeline only)
+    tracking:   where runs are logged (MLflow, TensorBoard) (every runtime)
     data:       dataset, partition, clients           (read by the partition stage)
     train:      model, the four slots, optimiser, ... (read by the train stage)
     algorithms: {label: overrides of train}           (the pipeline's matrix)
@@ -88,8 +88,17 @@ class StudyConfig(StrictModel):
 
 
 class TrackingConfig(StrictModel):
-    """MLflow tracking, used by the pipeline's train and evaluate stages."""
+    """Where runs are tracked (:func:`fedplug.tracking.open_tracker`): ``fedplug run``,
+    the pipeline's train stage, the study runner, Flower's server side and FedML."""
 
+    enabled: bool = True
+    """Log the run; False = log nothing (``fedplug run --track`` / ``--no-track`` override it)."""
+    backends: list[str] = Field(default_factory=lambda: ["mlflow"], min_length=1)
+    """Trackers to log to: ``mlflow``, ``tensorboard`` (event files in the run's
+    ``tensorboard/`` folder), or one a plugin registers (``fedplug_register_trackers``)."""
+    register_model: str | None = Field(None, min_length=1)
+    """Register each run's final model under this name in the MLflow model registry
+    (None = log it with the run only)."""
     uri: str | None = None
     """Tracking URI; None = ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///mlflow.db``."""
     fallback_to_local: bool = False

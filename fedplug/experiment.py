@@ -19,16 +19,19 @@ from fedplug.data.build import build_federation
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import load_checkpoint
-from fedplug.simulation.results import RunResult
+from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
 
 REPORTED_PACKAGES = ("fedplug", "torch", "numpy", "pydantic", "pluggy", "ortools", "flwr", "mlflow", "dvc")
 
 
 def default_output_dir(config: Any) -> Path:
-    """``runs/<study>-<hash of data+train>``: the same command finds its own checkpoint."""
+    """``runs/<dataset>-<aggregator>-<hash of data+train>``: the same command finds its own
+    checkpoint, and the name says what ran (not the study, whose dataset ``--set`` may
+    have changed)."""
     resolved = json.dumps({"data": config.data.model_dump(mode="json"), "train": config.train.model_dump(mode="json")}, sort_keys=True)
-    return Path("runs") / f"{config.study.name}-{hashlib.sha256(resolved.encode()).hexdigest()[:10]}"
+    digest = hashlib.sha256(resolved.encode()).hexdigest()[:10]
+    return Path("runs") / f"{config.data.dataset.name}-{config.train.aggregator.name}-{digest}"
 
 
 def run_experiment(
@@ -42,7 +45,27 @@ def run_experiment(
 ) -> tuple[RunResult, Simulator]:
     """Build the federation, train, and (when ``out_dir`` is given) write
     ``metrics.json``, ``config.yaml`` (the resolved config), ``run_info.json`` and a
-    per-round ``checkpoint.pt`` there."""
+    per-round ``checkpoint.pt`` there: :func:`prepare_experiment`, then
+    :func:`train_experiment`."""
+    simulator = prepare_experiment(
+        config, out_dir, registry=registry, observers=observers, resume=resume, federation=federation
+    )
+    return train_experiment(config, simulator, out_dir, resume=resume), simulator
+
+
+def prepare_experiment(
+    config: Any,
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    registry: Registry | None = None,
+    observers: Iterable[RoundObserver] = (),
+    resume: bool = True,
+    federation: Any = None,
+) -> Simulator:
+    """Everything that can refuse a run, before anything is written: the federation,
+    the simulator, and the checkpoint in ``out_dir`` when resuming (a corrupt one, or
+    one of another config, is refused). More observers can join ``simulator.observers``
+    before :func:`train_experiment`."""
     registry = registry or default_registry()
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = out / "checkpoint.pt" if out is not None else None
@@ -60,6 +83,14 @@ def run_experiment(
         # Refuse a corrupt checkpoint, or one of another config, before writing anything:
         # out_dir keeps the config.yaml that belongs to its checkpoint.
         load_checkpoint(checkpoint, simulator.fingerprint)
+    return simulator
+
+
+def train_experiment(
+    config: Any, simulator: Simulator, out_dir: str | os.PathLike[str] | None, *, resume: bool = True
+) -> RunResult:
+    """Train a prepared experiment and write its files to ``out_dir`` (when given)."""
+    out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_yaml(out / "config.yaml", config.model_dump(mode="json"))
@@ -68,7 +99,22 @@ def run_experiment(
     if out is not None:
         write_json(out / "metrics.json", result.summary())
         torch.save(simulator.model.state_dict(), out / "model.pt")
-    return result, simulator
+    return result
+
+
+def checkpointed_rounds(out_dir: str | os.PathLike[str]) -> list[RoundRecord]:
+    """The rounds the checkpoint in ``out_dir`` holds (empty without a readable one).
+
+    A resumed run's tracker logs them before training continues, so its steps stay in
+    order; :func:`run_experiment` still refuses a checkpoint of another config."""
+    path = Path(out_dir) / "checkpoint.pt"
+    if not path.is_file():
+        return []
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        return [RoundRecord.from_dict(record) for record in state["history"]]
+    except Exception:  # unreadable or foreign: run_experiment reports it
+        return []
 
 
 def run_info() -> dict[str, Any]:
@@ -89,10 +135,13 @@ def run_info() -> dict[str, Any]:
     }
 
 
-def git_commit() -> str | None:
+def git_commit(folder: str | os.PathLike[str] | None = None) -> str | None:
+    """The commit checked out in ``folder``'s git repository (default: the current
+    folder), or None outside a repository."""
     try:
         completed = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False,
+            cwd=folder,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -81,15 +82,27 @@ class Evaluation:
 def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> np.ndarray:
     """The sorted ids of this round's clients (at least one)."""
     count = max(1, int(round(fraction * num_clients)))
+    return sample_among(np.arange(num_clients), count, seed, round_index)
+
+
+def sample_among(candidates: np.ndarray, count: int, seed: int, round_index: int) -> np.ndarray:
+    """``count`` of the sorted ``candidates`` (client ids), drawn with the round's sampling
+    stream, in ascending order."""
     rng = np.random.default_rng([seed, round_index, SAMPLING_STREAM])
-    return np.sort(rng.choice(num_clients, size=count, replace=False))
+    picked = np.sort(rng.choice(len(candidates), size=count, replace=False))
+    return np.asarray(candidates, dtype=np.int64)[picked]
+
+
+def group(train_config: Any, grouper: Grouper, clients: np.ndarray, round_index: int) -> RoundPlan:
+    """The grouper's chains of this round's sampled ``clients``, with the grouper stream."""
+    rng = np.random.default_rng([train_config.seed, round_index, GROUPER_STREAM])
+    return grouper.plan(round_index + 1, clients, rng)
 
 
 def plan_round(train_config: Any, grouper: Grouper, num_clients: int, round_index: int) -> RoundPlan:
     """Round ``round_index`` (0-based): the sampled clients, in the grouper's chains."""
     clients = sample_clients(num_clients, train_config.client_fraction, train_config.seed, round_index)
-    rng = np.random.default_rng([train_config.seed, round_index, GROUPER_STREAM])
-    return grouper.plan(round_index + 1, clients, rng)
+    return group(train_config, grouper, clients, round_index)
 
 
 def participants(plan: RoundPlan) -> list[int]:
@@ -109,9 +122,11 @@ def chain_update(
     extras: dict[str, Tensor],
     plan: RoundPlan,
     seconds: float,
+    metrics: dict[str, float] | None = None,
 ) -> ClientUpdate:
     """The update a chain sends the aggregator: its last member's model, weighted by the
-    samples the chain trained on (or 1 when ``plan.weighting`` is ``"uniform"``)."""
+    samples the chain trained on (or 1 when ``plan.weighting`` is ``"uniform"``), with its
+    last member's reply ``metrics`` (those the components ask for; default none)."""
     members = list(chain)
     return ClientUpdate(
         client_id=members[-1],
@@ -121,6 +136,7 @@ def chain_update(
         extras=extras,
         chain=members,
         seconds=seconds,
+        metrics=dict(metrics) if metrics else {},
     )
 
 
@@ -137,14 +153,27 @@ class Tally:
     dropped: list[tuple[list[int], str]] = field(default_factory=list)
 
 
-def unusable(update: ClientUpdate, expected_shape: tuple[int, ...], timeout: float | None) -> str | None:
-    """Why ``update`` cannot be aggregated, or ``None`` when it can."""
+def unusable(
+    update: ClientUpdate,
+    expected_shape: tuple[int, ...],
+    timeout: float | None,
+    required_metrics: tuple[str, ...] = (),
+) -> str | None:
+    """Why ``update`` cannot be aggregated, or ``None`` when it can. ``required_metrics``:
+    the reply metrics the components ask for (:attr:`ClientNeeds.reply_metrics`), each of
+    which must be present and finite."""
     if tuple(update.vector.shape) != tuple(expected_shape):
         return f"returned {tuple(update.vector.shape)} parameters, expected {tuple(expected_shape)}"
     if not all_finite(update.vector):
         return "returned non-finite (NaN/Inf) parameters"
     if any(extra.numel() and not all_finite(extra.reshape(-1)) for extra in update.extras.values()):
         return "returned non-finite extras"
+    for name in required_metrics:
+        value = update.metrics.get(name)
+        if value is None:
+            return f"reported no {name!r} in its metrics"
+        if not math.isfinite(value):
+            return f"reported {name} = {value} (not finite; a client that trained no batch has none)"
     if timeout is not None and update.seconds > timeout:
         return f"took {update.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"
     return None
@@ -158,13 +187,15 @@ def screen(
     model_bytes: int,
     round_number: int,
     tally: Tally,
+    required_metrics: tuple[str, ...] = (),
 ) -> Iterator[ClientUpdate]:
-    """Pass on the usable updates of ``outcomes``, in order; count and log the rest."""
+    """Pass on the usable updates of ``outcomes``, in order; count and log the rest
+    (:func:`unusable` says why)."""
     for outcome in outcomes:
         if isinstance(outcome, ClientFailure):
             reason = outcome.reason
         else:
-            reason = unusable(outcome, expected_shape, timeout)
+            reason = unusable(outcome, expected_shape, timeout, required_metrics)
         if reason is not None:
             tally.failures += 1
             tally.dropped.append((list(outcome.chain), reason))
@@ -249,6 +280,8 @@ class RoundCore:
         self.can_replay = can_replay
         self.runtime = runtime
         self.checkpoint = checkpoint
+        self.required_metrics = client_needs(aggregator, grouper).reply_metrics
+        """The reply metrics the server-side components read; screening requires them."""
 
     # ------------------------------------------------------------------- plan
 
@@ -287,6 +320,7 @@ class RoundCore:
                 model_bytes=self.model_bytes,
                 round_number=round_index + 1,
                 tally=tally,
+                required_metrics=self.required_metrics,
             )
             try:
                 new_vector = self._aggregate(global_vector, updates, tally)

@@ -114,3 +114,19 @@ def fedplug_register_groupers(register: Register) -> None:
     train alone from the global model; FedGSP builds groups whose members train one after
     another.
     """
+
+
+@hookspec
+def fedplug_register_trackers(register: Callable[[str, Callable[..., object]], None]) -> None:
+    """Register trackers: where a run's params, per-round metrics, tags and model go.
+
+    Called once when the plugin manager loads. ``register(name, factory)`` takes no
+    config class: a tracker is chosen by listing its ``name`` in ``tracking.backends``.
+    ``factory(context)`` receives a :class:`fedplug.tracking.TrackerContext` (the
+    validated config, the run's output folder, run name, tags, fingerprint, resume flag,
+    parent run) and returns a :class:`fedplug.tracking.TrackerBackend`: an object with
+    ``logged_rounds`` (the rounds it already holds, for resuming without duplicates),
+    ``log_params``, ``log_round``, ``log_result``, ``log_model``, ``log_artifacts``,
+    ``set_tags``, ``finish`` and ``fail``. Built in: ``mlflow`` and ``tensorboard``
+    (:mod:`fedplug.tracking`).
+    """

@@ -24,6 +24,7 @@ AUTOLOAD_SWITCH = "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_PLUGINS = (
     "fedplug.data.datasets",
     "fedplug.data.partitions",
+    "fedplug.data.flwr_partitions",
     "fedplug.models.zoo",
     "fedplug.algorithms.uniform",
     "fedplug.algorithms.fedavg",
@@ -36,6 +37,8 @@ BUILTIN_PLUGINS = (
     "fedplug.algorithms.fedshift",
     "fedplug.algorithms.fedgsp",
     "fedplug.algorithms.feddisk",
+    "fedplug.algorithms.flower_strategies",
+    "fedplug.tracking",
 )
 
 
@@ -66,28 +69,50 @@ def collect_registry(manager: pluggy.PluginManager) -> Registry:
     """Call every plugin's register hooks and gather what they register."""
     registry = Registry()
     for kind in KINDS:
-        hook_name = f"fedplug_register_{kind}"
-        for implementation in getattr(manager.hook, hook_name).get_hookimpls():
-            plugin_name = manager.get_name(implementation.plugin) or repr(implementation.plugin)
+        for implementation, plugin_name in _implementations(manager, f"fedplug_register_{kind}"):
 
             def register(name: Any, config_class: Any, factory: Any, *, _kind=kind, _plugin=plugin_name) -> None:
                 registry.register(_kind, _plugin, name, config_class, factory)
 
-            try:
-                result = implementation.function(register=register)
-            except FedplugError:
-                raise
-            except Exception as error:  # a bug or a missing resource in the plugin
-                raise PluginError(
-                    f"plugin {plugin_name!r}: {hook_name} raised {type(error).__name__}: {error}; fix or "
-                    f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
-                ) from error
-            if result is not None:
-                raise PluginError(
-                    f"plugin {plugin_name!r}: {hook_name} must call register(...) and return "
-                    f"None, but it returned {type(result).__name__}"
-                )
+            _call_hook(implementation, plugin_name, f"fedplug_register_{kind}", register)
+    collect_trackers(manager, registry)
     return registry
+
+
+def collect_trackers(manager: pluggy.PluginManager, registry: Registry) -> None:
+    """Call every plugin's ``fedplug_register_trackers`` and add what it registers."""
+    for implementation, plugin_name in _implementations(manager, "fedplug_register_trackers"):
+
+        def register(name: Any, factory: Any, *, _plugin: str = plugin_name) -> None:
+            registry.register_tracker(_plugin, name, factory)
+
+        _call_hook(implementation, plugin_name, "fedplug_register_trackers", register)
+
+
+def _implementations(manager: pluggy.PluginManager, hook_name: str) -> list[tuple[Any, str]]:
+    """Each implementation of ``hook_name`` with the name of the plugin it belongs to."""
+    return [
+        (implementation, manager.get_name(implementation.plugin) or repr(implementation.plugin))
+        for implementation in getattr(manager.hook, hook_name).get_hookimpls()
+    ]
+
+
+def _call_hook(implementation: Any, plugin_name: str, hook_name: str, register: Any) -> None:
+    """Call one register hook; a plugin that raises or returns a value is named in the error."""
+    try:
+        result = implementation.function(register=register)
+    except FedplugError:
+        raise
+    except Exception as error:  # a bug or a missing resource in the plugin
+        raise PluginError(
+            f"plugin {plugin_name!r}: {hook_name} raised {type(error).__name__}: {error}; fix or "
+            f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+        ) from error
+    if result is not None:
+        raise PluginError(
+            f"plugin {plugin_name!r}: {hook_name} must call register(...) and return "
+            f"None, but it returned {type(result).__name__}"
+        )
 
 
 @functools.cache

@@ -37,11 +37,49 @@ class Registration:
         return doc.splitlines()[0] if doc else ""
 
 
+@dataclass(frozen=True)
+class TrackerRegistration:
+    """One named tracker backend (``tracking.backends``): its factory and plugin."""
+
+    name: str
+    factory: Callable[..., Any]
+    plugin: str
+
+
 class Registry:
-    """Components by kind and name."""
+    """Components by kind and name, and tracker backends by name."""
 
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
+        self._trackers: dict[str, TrackerRegistration] = {}
+
+    def register_tracker(self, plugin: str, name: str, factory: Callable[..., Any]) -> None:
+        """Add one tracker backend (``fedplug_register_trackers``)."""
+        where = f"plugin {plugin!r} registering tracker {name!r}"
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{where}: the name must be a non-empty string")
+        existing = self._trackers.get(name)
+        if existing is not None:
+            raise PluginError(
+                f"{where}: the name is already registered by plugin {existing.plugin!r}; "
+                "rename one of them"
+            )
+        if not callable(factory):
+            raise PluginError(f"{where}: the factory must be callable, got {factory!r}")
+        self._trackers[name] = TrackerRegistration(name, factory, plugin)
+
+    def tracker_entries(self) -> list[TrackerRegistration]:
+        return [self._trackers[name] for name in sorted(self._trackers)]
+
+    def tracker(self, name: str) -> Callable[..., Any]:
+        """The factory of tracker backend ``name``."""
+        try:
+            return self._trackers[name].factory
+        except KeyError:
+            raise ConfigError(
+                f"tracking.backends: unknown tracker {name!r}; registered: "
+                f"{', '.join(sorted(self._trackers)) or 'none'}"
+            ) from None
 
     def register(
         self,

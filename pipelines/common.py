@@ -9,8 +9,10 @@ default path here is relative to it.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,7 +32,9 @@ from fedplug.errors import ConfigError, FedplugError
 PARAMS_FILE = Path("params.yaml")
 PARTITION_DIR = Path("data/partition")
 DENSITY_DIR = Path("data/density")
-RUNS_DIR = Path("runs")
+# The pipeline's training runs live apart from `runs/`, where `fedplug run` writes ad-hoc
+# runs: an ad-hoc run must not make the `evaluate` stage (which depends on this folder) stale.
+RUNS_DIR = Path("reports/runs")
 REPORTS_DIR = Path("reports")
 THREADS_VARIABLE = "FEDPLUG_TORCH_THREADS"
 
@@ -169,3 +173,50 @@ def validate_device(value: Any, where: str) -> str:
     return validate_model(
         device_slice, {"device": "cpu" if value is None else value}, where.rsplit(".", 1)[0]
     ).device
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """The DVC experiment (or plain ``dvc repro``) a train stage belongs to: the train
+    stages of one experiment are nested under one MLflow parent run."""
+
+    key: str
+    """Finds the parent run (its ``fedplug.parent`` tag), e.g. ``dvc-exp:three-rounds@1a2b3c4``."""
+    label: str
+    """The parent run's name and the suffix of its children's names, e.g. ``three-rounds``."""
+    tags: dict[str, str]
+    """Tags of the parent run."""
+
+
+def dvc_run_group(root: Path, environ: Mapping[str, str] | None = None) -> RunGroup:
+    """The group of this stage: the DVC experiment named by ``DVC_EXP_NAME`` (DVC sets it,
+    with ``DVC_EXP_BASELINE_REV``, in every ``dvc exp run``, queued and ``--temp`` ones
+    included), else a plain ``dvc repro`` of the commit checked out in ``root``.
+
+    Experiment names are unique per baseline commit only, so the key holds both; a
+    resumed stage of the same experiment (or a ``dvc repro`` of the same commit) finds the
+    same parent."""
+    environ = os.environ if environ is None else environ
+    name = environ.get("DVC_EXP_NAME", "").strip()
+    baseline = environ.get("DVC_EXP_BASELINE_REV", "").strip()[:7]
+    if name:
+        tags = {"dvc.exp_name": name}
+        if baseline:
+            tags["dvc.baseline_rev"] = environ["DVC_EXP_BASELINE_REV"].strip()
+        return RunGroup(f"dvc-exp:{name}@{baseline}", name, tags)
+    commit = git_head(root)
+    label = f"repro-{commit[:7]}" if commit else "repro"
+    return RunGroup(f"dvc-repro:{commit or 'no-git'}", label, {"dvc.repro_rev": commit or ""})
+
+
+def git_head(root: Path) -> str | None:
+    """The commit checked out in ``root`` (None outside git)."""
+    try:
+        completed = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = completed.stdout.strip()
+    return commit if completed.returncode == 0 and commit else None

@@ -1,7 +1,7 @@
 """Stage ``evaluate``: compare every run of the study in one report.
 
 Reads ``study`` (target accuracy, seeds, name) and the labels of ``algorithms``; reads
-``runs/<algorithm>/seed-<seed>/metrics.json`` for exactly those labels and seeds (folders of
+``reports/runs/<algorithm>/seed-<seed>/metrics.json`` for exactly those labels and seeds (folders of
 algorithms no longer in the params are ignored) and, for wall time, the density stage's
 ``data/density/<algorithm>/info.json``. Writes to ``reports/``:
 
@@ -11,6 +11,10 @@ algorithms no longer in the params are ignored) and, for wall time, the density 
   each chart;
 - ``curves.csv``: the same curves in long format (the data of the DVC plots);
 - ``summary.json``: per-algorithm metrics for ``dvc metrics show`` / ``dvc exp show``.
+
+The same comparison goes to the MLflow parent run of this DVC experiment (metrics
+``<algorithm>.final_accuracy``, ..., and the files), which is then marked FINISHED;
+``tracking`` is read but, as in the train stage, not a DVC dep.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -27,6 +32,7 @@ from common import (
     REPORTS_DIR,
     RUNS_DIR,
     algorithm_labels,
+    dvc_run_group,
     read_params,
     run_main,
     section,
@@ -59,7 +65,58 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(load_run_metrics(path, algorithm, seed, setup_seconds))
     files = write_report(runs, args.out, study.target_accuracy, f"Study {study.name!r}")
     print(files.comparison.read_text())
+    log_to_parent_run(params, study.name, files, args.params)
     return 0
+
+
+def log_to_parent_run(params: dict, study_name: str, files: Any, params_path: str) -> None:
+    """Give the MLflow parent run of this DVC experiment (or ``dvc repro``) the
+    comparison (metrics ``<algorithm>.<metric>``, the report files) and mark it FINISHED:
+    every train stage of the group has run before this stage. Nothing when
+    ``tracking.enabled`` is false or no train stage created the parent."""
+    from fedplug.config import TrackingConfig
+    from fedplug.project import (
+        ensure_experiment,
+        find_parent_run,
+        log_parent_summary,
+        project_root,
+    )
+    from fedplug.tracking import choose_tracking_uri
+
+    tracking = validate_model(TrackingConfig, section(params, "tracking"), "tracking")
+    if not tracking.enabled:
+        return
+    root = project_root(params_path)
+    target = choose_tracking_uri(tracking.uri, tracking.fallback_to_local, root)
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.errors import TrackingError
+
+    client = MlflowClient(tracking_uri=target.uri)
+    try:
+        if client.get_experiment_by_name(study_name) is None:
+            return
+    except MlflowException as error:
+        raise TrackingError(f"MLflow at {target.uri} failed: {error.message}") from None
+    parent = find_parent_run(
+        client, ensure_experiment(client, study_name, target.uri), dvc_run_group(root).key
+    )
+    if parent is None:
+        return
+    summary = json.loads(files.summary.read_text())
+    metrics = {
+        f"{algorithm}.{key}": value
+        for algorithm, values in summary.items()
+        for key, value in values.items()
+    }
+    log_parent_summary(
+        target.uri,
+        parent.info.run_id,
+        metrics,
+        [("", files.comparison), ("", files.curves_png), ("", files.summary)],
+    )
+    print(f"evaluate: comparison logged to MLflow parent run {parent.info.run_id} at {target.uri}")
 
 
 def density_seconds(info_path: Path) -> float:

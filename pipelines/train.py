@@ -4,8 +4,17 @@ to MLflow.
 Reads ``data``, ``train``, ``algorithms.<algorithm>`` and ``study`` (DVC deps), plus
 ``tracking`` (not a DVC dep: where runs are logged does not change what is trained; run
 ``dvc repro -f`` to log again elsewhere). The resolved config is ``train`` with
-``algorithms.<algorithm>`` applied and ``train.seed`` set to the seed. Writes to
-``runs/<algorithm>/seed-<seed>/``:
+``algorithms.<algorithm>`` applied and ``train.seed`` set to the seed.
+
+MLflow (:func:`fedplug.tracking.open_tracker`): the run ``<algorithm>-seed<seed>@<group>``
+in the experiment ``study.name``, nested under the parent run of its group: the DVC
+experiment (``DVC_EXP_NAME``) or, for a plain ``dvc repro``, the checked-out commit
+(``repro-<commit>``). The parent is found by its tag ``fedplug.parent``
+(:func:`fedplug.project.find_or_create_parent_run`), since every train stage is its own
+process. The store is the project's (:func:`fedplug.project.project_root`: ``$DVC_ROOT``),
+also when DVC runs the stage in a temporary copy. The model is logged as an MLflow model.
+
+Writes to ``reports/runs/<algorithm>/seed-<seed>/``:
 
 - ``metrics.json`` (final/best accuracy, rounds to target, bytes, and every round),
   ``config.yaml`` (the resolved config), ``run_info.json`` (versions, machine),
@@ -47,7 +56,7 @@ TRACKING_STATE_NAME = "mlflow_run.json"
 
 
 def run_folder(runs: Path, algorithm: str, seed: int) -> Path:
-    """``runs/<algorithm>/seed-<seed>``."""
+    """``<runs>/<algorithm>/seed-<seed>``."""
     return runs / algorithm / f"seed-{seed}"
 
 
@@ -91,22 +100,70 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fedplug.plugins import default_registry
+    from fedplug.project import project_root
     from fedplug.tracking import choose_tracking_uri
 
     params = read_params(args.params)
     registry = default_registry()
     config = resolved_config(params, args.algorithm, args.seed, Path(args.density), registry)
-    # Before any data is loaded or trained: an unreachable tracking server stops here.
-    target = choose_tracking_uri(config.tracking.uri, config.tracking.fallback_to_local, Path.cwd())
-    if target.fallback_reason:
-        print(
-            f"train: WARNING: {target.fallback_reason}; logging to the local store {target.uri} instead",
-            file=sys.stderr,
-        )
+    # The project's store, also when DVC runs this stage in a temporary copy (--temp, queue).
+    root = project_root(args.params)
+    target = None
+    if config.tracking.enabled:
+        # Before any data is loaded or trained: an unreachable tracking server stops here.
+        target = choose_tracking_uri(config.tracking.uri, config.tracking.fallback_to_local, root)
+        if target.fallback_reason:
+            print(
+                f"train: WARNING: {target.fallback_reason}; logging to the local store {target.uri} instead",
+                file=sys.stderr,
+            )
     set_torch_threads()
     out = run_folder(Path(args.runs), args.algorithm, args.seed)
-    train(config, args.algorithm, args.seed, Path(args.partition), out, target, registry)
+    train(config, args.algorithm, args.seed, Path(args.partition), out, target, registry, root)
     return 0
+
+
+def open_run_tracker(
+    config: Any, algorithm: str, seed: int, out: Path, target: Any, fingerprint: str, root: Path
+) -> Any:
+    """The run's tracker, nested under the parent run of its DVC experiment (or of the
+    plain ``dvc repro`` of the checked-out commit), named ``<label>-seed<seed>@<group>``;
+    a disabled tracker when ``tracking.enabled`` is false."""
+    from common import dvc_run_group
+
+    from fedplug.project import find_or_create_parent_run, relocate_project_store
+    from fedplug.tracking import open_tracker
+
+    tags = {"fedplug.algorithm": algorithm, "fedplug.seed": str(seed)}
+    if target is None:
+        return open_tracker(config, out, run_name=algorithm, enabled=False)
+    relocate_project_store(target.uri, root)
+    group = dvc_run_group(root)
+    parent = find_or_create_parent_run(
+        target.uri,
+        config.study.name,
+        group.key,
+        group.label,
+        tags={**group.tags, "fedplug.study": config.study.name},
+    )
+    run_name = f"{algorithm}-seed{seed}@{group.label}"
+    tracker = open_tracker(
+        config,
+        out,
+        run_name=run_name,
+        parent=parent,
+        tags={**tags, **group.tags},
+        fingerprint=fingerprint,
+        project_root=root,
+        uri=target.uri,
+    )
+    if tracker.resumed:
+        # A re-run after a kill may belong to another experiment (a new `dvc exp run`):
+        # the continued run moves under the parent of the experiment that finishes it.
+        tracker.set_tags({"mlflow.parentRunId": parent, "mlflow.runName": run_name, **group.tags})
+    if target.fallback_reason:
+        tracker.set_tags({"fedplug.tracking_fallback_from": target.requested_uri})
+    return tracker
 
 
 def train(
@@ -117,17 +174,16 @@ def train(
     out: Path,
     target: Any,
     registry: Any,
+    root: Path,
 ) -> None:
     """Train, log to MLflow, write the run's outputs (see the module docstring)."""
     from common import load_federation
 
-    from fedplug.config import flatten
     from fedplug.experiment import run_experiment
     from fedplug.report import plot_run_curves, write_curve_csv
     from fedplug.simulation.checkpoint import load_checkpoint
     from fedplug.simulation.results import RoundRecord
     from fedplug.simulation.simulator import config_fingerprint, resolve_device
-    from fedplug.tracking import MlflowTracker, run_tags
 
     federation = load_federation(
         config.data, registry, resolve_device(config.train.device), partition_path
@@ -138,21 +194,12 @@ def train(
     fingerprint = config_fingerprint(config.train, federation)
     done_before = discard_foreign_checkpoint(checkpoint, fingerprint, load_checkpoint)
 
-    tracker = MlflowTracker.open(
-        target.uri,
-        config.study.name,
-        f"{algorithm}-seed{seed}",
-        tags=run_tags(config, algorithm, seed),
-        state_path=out / TRACKING_STATE_NAME,
-        fingerprint=fingerprint,
-    )
-    if target.fallback_reason:
-        tracker.set_tags({"fedplug.tracking_fallback_from": target.requested_uri})
-    print(
-        f"train: {algorithm} seed {seed}: MLflow run {tracker.run_id} at {target.uri}"
-        + (f" (resumed; holds {len(tracker.logged_rounds)} round(s))" if tracker.resumed else "")
-    )
-    tracker.log_params({"fedplug.algorithm": algorithm, **flatten(config)})
+    tracker = open_run_tracker(config, algorithm, seed, out, target, fingerprint, root)
+    if tracker.run_id is not None:
+        print(
+            f"train: {algorithm} seed {seed}: MLflow run {tracker.run_id} at {tracker.uri}"
+            + (f" (resumed; holds {len(tracker.logged_rounds)} round(s))" if tracker.resumed else "")
+        )
     if done_before:
         tracker.log_history(RoundRecord.from_dict(record) for record in done_before)
         print(f"train: resuming from {checkpoint} after round {len(done_before)}")
@@ -166,26 +213,28 @@ def train(
         )
 
     try:
-        result, _ = run_experiment(
+        result, simulator = run_experiment(
             config, out, registry=registry, observers=[report], federation=federation
         )
+        history = [record.as_dict() for record in result.history]
+        # Every key of every round, so the metrics a component reports (cpd_median) get a column.
+        columns = list(dict.fromkeys(key for row in history for key in row))
+        write_curve_csv(history, out / "rounds.csv", columns)
+        plot_run_curves(
+            history, out / "curves.png", f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
+        )
+        tracker.log_result(result)
+        artifacts = {"curves": out / "curves.png"}
+        heatmap = partition_path.parent / "heatmap.png"
+        if heatmap.is_file():
+            artifacts["partition"] = heatmap
+        tracker.log_artifacts(artifacts)
+        for name in ("config.yaml", "metrics.json", "run_info.json"):
+            tracker.log_artifacts({"": out / name})
+        tracker.log_model(simulator.model, federation.test_x[:5])
     except BaseException:
         tracker.fail()
         raise
-    history = [record.as_dict() for record in result.history]
-    # Every key of every round, so the metrics a component reports (cpd_median) get a column.
-    columns = list(dict.fromkeys(key for row in history for key in row))
-    write_curve_csv(history, out / "rounds.csv", columns)
-    plot_run_curves(
-        history, out / "curves.png", f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
-    )
-    tracker.log_result(result)
-    artifacts = {"": out / "config.yaml", "curves": out / "curves.png", "model": out / "model.pt"}
-    heatmap = partition_path.parent / "heatmap.png"
-    if heatmap.is_file():
-        artifacts["partition"] = heatmap
-    tracker.log_artifacts(artifacts)
-    tracker.log_artifacts({"": out / "metrics.json"})
     tracker.finish()
     checkpoint.unlink(missing_ok=True)
     summary = result.summary()

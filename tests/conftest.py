@@ -24,6 +24,9 @@ torch.set_num_threads(1)
 
 SMALL_EXPERIMENT: dict[str, Any] = {
     "study": {"name": "test", "target_accuracy": 0.5},
+    # tracking.enabled defaults to True: without this, every Flower/FedML test run would
+    # log into <cwd>/mlflow.db (the project's own store). Tracking tests switch it on.
+    "tracking": {"enabled": False},
     "data": {
         "dataset": {"name": "synthetic", "num_train": 600, "num_test": 200, "num_features": 12, "num_classes": 4},
         "partition": {"name": "dirichlet_class", "alpha": 0.5, "min_size": 10},

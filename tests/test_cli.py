@@ -52,3 +52,57 @@ def test_bad_input_exits_nonzero_with_one_clear_line(small_experiment, tmp_path,
     assert "train.aggregator.momentum" in err
     assert "Traceback" not in err
     assert not (tmp_path / "x").exists(), "nothing may start before the config is valid"
+
+
+def quick_start_command() -> list[str]:
+    """The README's first-run command, as its words."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("## Run an experiment")
+    line = next(text for text in readme[start:].splitlines() if text.startswith("fedplug run params.yaml --set data.dataset=synthetic"))
+    return shlex.split(line)
+
+
+@pytest.mark.slow
+def test_readme_quick_start_learns_in_seconds(tmp_path, capsys):
+    import time
+    from pathlib import Path
+
+    command = quick_start_command()
+    assert command[:3] == ["fedplug", "run", "params.yaml"]
+    params = Path(__file__).resolve().parents[1] / "params.yaml"
+    started = time.process_time()
+    code = main(["run", str(params), *command[3:], "--out", str(tmp_path / "quick"), "--quiet", "--no-track"])
+    cpu_seconds = time.process_time() - started
+    assert code == 0
+    metrics = json.loads((tmp_path / "quick" / "metrics.json").read_text())
+    assert metrics["history"][-1]["round"] == 10  # params.yaml's rounds, 10 classes
+    assert metrics["final_accuracy"] > 0.9, metrics["final_accuracy"]
+    assert cpu_seconds < 30, cpu_seconds
+
+
+def test_default_output_folder_is_named_after_what_ran_not_the_study():
+    from fedplug.config import load_experiment
+    from fedplug.experiment import default_output_dir
+
+    config = load_experiment("params.yaml", ["data.dataset=synthetic"], None, check_every_algorithm=False)
+    folder = default_output_dir(config)
+    assert folder.parent.name == "runs" and folder.name.startswith("synthetic-fedavg-")
+    assert config.study.name not in folder.name
+
+
+def test_list_shows_the_config_keys_with_their_defaults(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for section in ("study:", "tracking:", "data:", "train:", "trackers:"):
+        assert f"\n{section}" in out, section
+    for line in ("train.rounds = 20", "train.optimizer.lr = 0.05", "train.aggregator = 'fedavg'",
+                 "data.num_clients = 10", "study.target_accuracy = 0.9", "tracking.enabled = True",
+                 "tracking.backends = ['mlflow']", "tracking.register_model = None", "train.failures.max_round_retries = 1"):
+        assert line in out, line
+    assert "mlflow " in out and "tensorboard " in out
+    assert main(["list", "tracking"]) == 0
+    only = capsys.readouterr().out
+    assert only.startswith("tracking:") and "train.rounds" not in only

@@ -13,6 +13,7 @@ real FedML runs with ``mpirun`` (1 server + 2 worker ranks, loopback).
 from __future__ import annotations
 
 import copy
+import re
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -504,3 +505,211 @@ def test_a_rank_that_fails_ends_the_whole_job_with_its_error(small_experiment, t
     with pytest.raises(TrainingError, match="rank \\d failed: DataError"):
         run_fedml(config, tmp_path / "run", workers=2, timeout=300)
     assert list(Path(tmp_path / "run").glob("error-rank*.json"))
+
+
+# ---------------------------------------------------- drop-in: the user's ClientTrainer
+
+from fedml.core import ClientTrainer  # noqa: E402
+
+from fedplug.adapters.fedml.drop_in import FedplugAggregator, class_counts_of  # noqa: E402
+
+
+class UserTrainer(ClientTrainer):
+    """A FedML user's own ClientTrainer: their loop (plain SGD on cross-entropy), FedML's
+    default reply (the state dict); nothing of fedplug."""
+
+    def __init__(self, model: torch.nn.Module, args: Any) -> None:
+        super().__init__(model, args)
+        self.received: list[torch.Tensor] = []
+
+    def get_model_params(self) -> Any:
+        return self.model.cpu().state_dict()
+
+    def set_model_params(self, model_parameters: Any) -> None:
+        self.model.load_state_dict(model_parameters)
+        self.received.append(torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]))
+
+    def train(self, train_data: Any, device: Any, args: Any) -> None:
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        for inputs, labels in train_data:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(self.model(inputs), labels).backward()
+            optimizer.step()
+
+    def test(self, test_data: Any, device: Any, args: Any) -> None:
+        return None
+
+
+def user_app(num_silos: int = 3) -> tuple[torch.nn.Module, dict[int, list[Any]]]:
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    data = {
+        silo: [
+            (torch.randn(5 + silo, 4, generator=generator), torch.randint(0, 3, (5 + silo,), generator=generator))
+        ]
+        for silo in range(num_silos)
+    }
+    return model, data
+
+
+def drive_like_fedml_cross_silo(
+    aggregator: FedplugAggregator, trainers: list[UserTrainer], data: dict[int, list[Any]]
+) -> None:
+    """What FedML's cross-silo server and clients do each round: send the model (one
+    for all, or a plain dict per silo), train, collect (sample count, state dict),
+    aggregate."""
+    sent: Any = aggregator.get_model_params()
+    for _ in range(aggregator.comm_round):
+        replies = []
+        for silo, trainer in enumerate(trainers):
+            trainer.set_model_params(sent[silo] if type(sent) is dict else sent)
+            trainer.train(data[silo], "cpu", None)
+            samples = sum(len(labels) for _, labels in data[silo])
+            replies.append((samples, copy.deepcopy(trainer.get_model_params())))
+        sent = aggregator.aggregate(replies)
+        aggregator.set_model_params(sent)
+
+
+def test_fedplug_aggregator_averages_the_users_own_trainers_by_samples() -> None:
+    # Prepare: the user's model and trainer, fedplug's FedAvg over all 3 silos, 1 round.
+    model, data = user_app()
+    trainers = [UserTrainer(copy.deepcopy(model), None) for _ in range(3)]
+    aggregator = FedplugAggregator(
+        copy.deepcopy(model),
+        None,
+        {"model": {"name": "mlp"}, "rounds": 1, "client_fraction": 1.0, "seed": 0},
+        num_clients=3,
+        test_data=data[0],
+    )
+    # Execute
+    drive_like_fedml_cross_silo(aggregator, trainers, data)
+    # Assert: (w0 * 5 + w1 * 6 + w2 * 7) / 18, by hand.
+    expected = {}
+    for silo in range(3):
+        local = copy.deepcopy(model)
+        UserTrainer(local, None).train(data[silo], "cpu", None)
+        for name, value in local.state_dict().items():
+            expected[name] = expected.get(name, 0) + value * (5 + silo) / 18
+    for name, value in aggregator.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+    assert aggregator.comm_round == 1
+    assert [record.round for record in aggregator.result.history] == [1]
+    assert 0 <= aggregator.test(None, "cpu", None)["accuracy"] <= 1
+
+
+def test_fedplug_aggregator_runs_fedgsp_chains_over_the_users_trainers() -> None:
+    # Prepare: FedGSP's random groups of 3 silos (a chain trains in sequence).
+    model, data = user_app(4)
+    trainers = [UserTrainer(copy.deepcopy(model), None) for _ in range(4)]
+    train = {
+        "model": {"name": "mlp"},
+        "rounds": 2,
+        "client_fraction": 1.0,
+        "grouper": {**FEDGSP, "mode": "naive", "fixed_groups": 2},
+        "seed": 0,
+    }
+    aggregator = FedplugAggregator(
+        copy.deepcopy(model),
+        None,
+        train,
+        num_clients=4,
+        class_counts=class_counts_of(data, 3),
+    )
+    chains = [plan.chains for plan in aggregator.plans]
+    # Execute
+    drive_like_fedml_cross_silo(aggregator, trainers, data)
+    # Assert: one FedML round per chain position; each next member started from the
+    # model its predecessor returned (what the user's trainer received).
+    assert aggregator.comm_round == sum(max(map(len, round_chains)) for round_chains in chains)
+    assert any(len(chain) > 1 for round_chains in chains for chain in round_chains)
+    assert [record.round for record in aggregator.result.history] == [1, 2]
+    first_chain = next(chain for chain in chains[0] if len(chain) > 1)
+    before, after = first_chain[0], first_chain[1]
+    local = copy.deepcopy(model)
+    UserTrainer(local, None).train(data[before], "cpu", None)
+    handed = torch.cat([p.detach().reshape(-1) for p in local.parameters()])
+    torch.testing.assert_close(trainers[after].received[1], handed, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"sampler": {"name": "iwds"}}, "fedplug's client side"),
+        ({"aggregator": {"name": "scaffold"}}, "delta_c"),
+        ({"grouper": FEDGSP}, "class counts (pass class_counts=)"),
+    ],
+)
+def test_fedplug_aggregator_names_what_a_plain_trainer_lacks(change: dict[str, Any], named: str) -> None:
+    model, _ = user_app()
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        FedplugAggregator(model, None, {"model": {"name": "mlp"}, **change}, num_clients=3)
+
+
+# ----------------------------------------------------------------------------- tracking
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["server", "sqlite"])
+def test_a_fedml_run_round_trips_through_mlflow(small_experiment, tmp_path, monkeypatch, store):
+    """The launcher logs a FedML run as ``fedplug run`` does (params, tags, every round at
+    its step, the model as an MLflow model), into a real ``mlflow server`` on 127.0.0.1 or
+    the project's sqlite store."""
+    pytest.importorskip("mlflow", reason="tracking needs mlflow in .venv-fedml (make fedml-venv)")
+    import contextlib
+
+    import mlflow
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+    from mlflow_server import QUIET_ENV, running_mlflow_server
+
+    from fedplug.data.build import load_dataset
+    from fedplug.tracking import local_tracking_uri
+
+    for key, value in QUIET_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    # Prepare: a 2-round FedavgM run on 2 worker ranks, tracking on.
+    small_experiment["study"]["name"] = "fedml-tracking"
+    server_folder = tmp_path / "mlflow-server"
+    server_folder.mkdir()
+    serving = running_mlflow_server(server_folder) if store == "server" else contextlib.nullcontext()
+    with serving as server:
+        uri = server if store == "server" else local_tracking_uri(tmp_path)
+        small_experiment["tracking"] = {"enabled": True, "uri": uri}
+        config = experiment(
+            small_experiment, rounds=2, aggregator={"name": "fedavgm", "momentum": 0.9}
+        )
+        # Execute
+        run = run_fedml(config, tmp_path / "run", workers=2, timeout=540, project_root=tmp_path)
+        # Assert: one finished run with the config, the tags, both rounds, the model.
+        client = MlflowClient(uri)
+        found = client.search_runs([client.get_experiment_by_name("fedml-tracking").experiment_id])
+        assert [each.info.run_id for each in found] == [run.mlflow_run_id]
+        tracked = found[0]
+        assert tracked.info.status == "FINISHED"
+        assert tracked.info.run_name == "synthetic-fedavgm-seed0"
+        tags = tracked.data.tags
+        assert (tags["fedplug.runtime"], tags["dataset"], tags["aggregator"]) == (
+            "fedml",
+            "synthetic",
+            "fedavgm",
+        )
+        assert tracked.data.params["train.aggregator.momentum"] == "0.9"
+        assert tracked.data.params["train.rounds"] == "2"
+        for key in ("accuracy", "loss", "cumulative_bytes"):
+            history = sorted(client.get_metric_history(run.mlflow_run_id, key), key=lambda m: m.step)
+            assert [point.step for point in history] == [1, 2], key
+            assert [point.value for point in history] == pytest.approx(
+                [getattr(record, key) for record in run.result.history]
+            ), key
+        final = tracked.data.metrics["final_accuracy"]
+        assert final == pytest.approx(run.result.final_accuracy)
+        mlflow.set_tracking_uri(uri)
+        model = mlflow.pytorch.load_model(run.model_uri, map_location="cpu")
+        dataset = load_dataset(config.data, default_registry())
+        with torch.no_grad():
+            logits = model(torch.as_tensor(dataset.test_x, dtype=torch.float32))
+        accuracy = float((logits.argmax(1) == torch.as_tensor(dataset.test_y)).float().mean())
+        assert accuracy == pytest.approx(final, abs=1e-6)

@@ -3,14 +3,23 @@ pyproject, and the node side's checks."""
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from fedplug.adapters.flower import make_client_app
-from fedplug.adapters.flower.apps import experiment_from_run_config, run_on_grid
+from fedplug.adapters.flower.apps import (
+    OneLineFedplugErrors,
+    experiment_from_run_config,
+    load_experiment_source,
+    report_fedplug_errors_in_one_line,
+    resolve_data_root,
+    run_on_grid,
+)
 from fedplug.adapters.flower.loopback import LoopbackGrid, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
     EXPERIMENT,
@@ -23,7 +32,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import validate_config
 
 from fedplug.config import validate_experiment
-from fedplug.errors import ConfigError
+from fedplug.errors import ConfigError, TrainingError
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_app"
 
@@ -127,9 +136,151 @@ def test_run_on_grid_writes_what_fedplug_run_writes(
     experiment = validate_experiment(small_experiment)
     result, _ = run_on_grid(LoopbackGrid(make_client_app(), 6), experiment, out_dir=tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "checkpoint.pt",
         "config.yaml",
         "metrics.json",
         "model.pt",
         "run_info.json",
     ]
     assert result.summary()["derived"]["engine"] == "flower"
+
+
+def test_a_relative_data_root_is_read_against_the_experiment_file(
+    tmp_path: Path, small_experiment: dict[str, Any]
+) -> None:
+    # Prepare: the file in a sub-folder, data.root relative, absolute and absent.
+    folder = tmp_path / "study"
+    folder.mkdir()
+    path = folder / "params.yaml"
+    roots = {}
+    for root in ("data/raw", str(tmp_path / "elsewhere"), None):
+        data = {**small_experiment, "data": dict(small_experiment["data"])}
+        if root is not None:
+            data["data"]["root"] = root
+        path.write_text(yaml.safe_dump(data))
+        # Execute
+        roots[root] = experiment_from_run_config({"fedplug-config": str(path)}).data.root
+    from_loader = load_experiment_source(path).data.root
+    overridden = experiment_from_run_config(
+        {"fedplug-config": str(path), "fedplug-set": "data.root=../shared"}
+    ).data.root
+    inline = experiment_from_run_config(
+        {"fedplug-config-yaml": yaml.safe_dump({**small_experiment, "data": {
+            **small_experiment["data"], "root": "data/raw"}})}
+    ).data.root
+    # Assert: against the file's folder, never the working folder; absolute stays.
+    assert roots["data/raw"] == str(folder / "data" / "raw")
+    assert roots[str(tmp_path / "elsewhere")] == str(tmp_path / "elsewhere")
+    assert roots[None] == str(folder / "data" / "raw")  # the default, data/raw
+    assert from_loader == str(folder / "data" / "raw")
+    assert overridden == str(tmp_path / "shared")
+    assert inline == "data/raw"  # no file: the ServerApp's working folder, as documented
+
+
+def test_resolve_data_root_leaves_mappings_without_a_data_section() -> None:
+    assert resolve_data_root({"train": {}}, "/base") == {"train": {}}
+    assert resolve_data_root({"data": {"root": "x"}}, "/base") == {"data": {"root": "/base/x"}}
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_fedplug_error_ending_the_server_app_is_logged_in_one_line() -> None:
+    # Prepare: Flower's own call when a ServerApp raises.
+    flower_log = logging.getLogger("flwr")
+    collect = Collect()
+    flower_log.addHandler(collect)
+    report_fedplug_errors_in_one_line()
+    report_fedplug_errors_in_one_line()  # once per process
+    try:
+        # Execute
+        for error in (TrainingError("only 2 of the 10 nodes connected"), ValueError("bug")):
+            try:
+                raise error
+            except Exception as raised:  # noqa: BLE001
+                flower_log.error("%s raised an exception", "ServerApp", exc_info=raised)
+    finally:
+        flower_log.removeHandler(collect)
+    # Assert: ours in one line without traceback; anything else untouched.
+    assert sum(isinstance(each, OneLineFedplugErrors) for each in flower_log.filters) == 1
+    ours, other = collect.records
+    assert ours.getMessage() == "fedplug stopped the run: only 2 of the 10 nodes connected"
+    assert ours.exc_info is None
+    assert other.getMessage() == "ServerApp raised an exception"
+    assert other.exc_info is not None
+
+
+def test_run_on_grid_logs_each_round_through_flowers_logger(
+    small_experiment: dict[str, Any],
+) -> None:
+    small_experiment["train"]["rounds"] = 2
+    flower_log = logging.getLogger("flwr")
+    collect = Collect()
+    flower_log.addHandler(collect)
+    previous = flower_log.level
+    flower_log.setLevel(logging.INFO)
+    try:
+        run_on_grid(
+            LoopbackGrid(make_client_app(), 6), small_experiment, federated_evaluation=False
+        )
+    finally:
+        flower_log.removeHandler(collect)
+        flower_log.setLevel(previous)
+    progress = [
+        record.getMessage()
+        for record in collect.records
+        if record.getMessage().startswith("fedplug round")
+    ]
+    assert [line.split(":")[0] for line in progress] == ["fedplug round 1", "fedplug round 2"]
+
+
+class Killed(Exception):
+    """Stands for the ServerApp process dying after a round."""
+
+
+def test_a_server_app_run_resumes_from_its_last_round(
+    tmp_path: Path, small_experiment: dict[str, Any]
+) -> None:
+    # Prepare: an uninterrupted 3-round run, and one "killed" after round 2.
+    small_experiment["train"]["rounds"] = 3
+    experiment = validate_experiment(small_experiment)
+    whole, whole_strategy = run_on_grid(
+        LoopbackGrid(make_client_app(), 6), experiment, federated_evaluation=False
+    )
+
+    def kill_after_round_2(record: Any) -> None:
+        if record.round == 2:
+            raise Killed
+
+    out = tmp_path / "run"
+    with pytest.raises(Killed):
+        run_on_grid(
+            LoopbackGrid(make_client_app(), 6),
+            experiment,
+            out_dir=out,
+            federated_evaluation=False,
+            observers=[kill_after_round_2],
+        )
+    assert (out / "checkpoint.pt").exists() and not (out / "metrics.json").exists()
+    # Execute: the same run again, on fresh nodes (a restarted deployment).
+    trained: list[int] = []
+    resumed, resumed_strategy = run_on_grid(
+        LoopbackGrid(make_client_app(), 6),
+        experiment,
+        out_dir=out,
+        federated_evaluation=False,
+        observers=[lambda record: trained.append(record.round)],
+    )
+    # Assert: only round 3 ran, and the result is the uninterrupted run's.
+    assert trained == [3]
+    assert [record.round for record in resumed.history] == [1, 2, 3]
+    assert resumed_strategy.final_vector is not None and whole_strategy.final_vector is not None
+    assert torch.allclose(resumed_strategy.final_vector, whole_strategy.final_vector, atol=1e-6)
+    assert resumed.final_accuracy == pytest.approx(whole.final_accuracy, abs=1e-9)
+    assert (out / "metrics.json").exists()

@@ -1,8 +1,11 @@
 """A fedplug experiment on a real Flower deployment on loopback: one ``flower-superlink``,
-two ``flower-supernode`` processes and ``flwr run`` of ``examples/flower_app``.
+two ``flower-supernode`` processes and ``flwr run`` of ``examples/flower_app``, set up as
+the README's recipe says (its Flower-home lines are taken from README.md and run on a
+fresh Flower home).
 
 Every process is started here and stopped here by its PID (with the SuperExec helpers
-Flower starts under them). Runtime dependency installation and telemetry are off.
+Flower starts under them). Runtime dependency installation and telemetry are off. One
+deployment serves the module's tests.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +39,9 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 APP_DIR = REPOSITORY / "examples" / "flower_app"
 BIN = Path(sys.executable).parent
 NUM_NODES = 2
+README = REPOSITORY / "README.md"
+RECIPE_PORT = "9093"
+"""The SuperLink port of the README's recipe, replaced by a free one here."""
 
 
 def free_port() -> int:
@@ -82,16 +89,27 @@ def stop(processes: list[subprocess.Popen[bytes]]) -> None:
         process.wait(timeout=10)
 
 
-@pytest.fixture
-def deployment(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A SuperLink and two SuperNodes on free loopback ports; a Flower home that names
-    the SuperLink ``local-test``."""
-    link_port = free_port()
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "local-test"\n\n[superlink.local-test]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
+def readme_connection() -> tuple[str, str]:
+    """``(name, TOML)`` of the SuperLink connection the README's recipe appends to
+    ``$FLWR_HOME/config.toml``."""
+    recipe = re.search(
+        r'cat >> "\$\{FLWR_HOME:-\$HOME/\.flwr\}/config\.toml" <<\'EOF\'\n(.*?)\nEOF\n',
+        README.read_text(),
+        re.DOTALL,
     )
+    assert recipe is not None, "README.md's Flower recipe has no `cat >> .../config.toml` block"
+    name = re.search(r"^\[superlink\.([\w-]+)\]", recipe[1], re.MULTILINE)
+    assert name is not None, recipe[1]
+    return name[1], recipe[1] + "\n"
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A SuperLink and two SuperNodes on free loopback ports; a fresh Flower home set up
+    with the README's lines (``flwr config list``, then its ``cat >>`` block)."""
+    tmp_path = tmp_path_factory.mktemp("deployment")
+    link_port = free_port()
+    home = tmp_path / "flwr-home"  # does not exist yet: a fresh Flower home
     environment = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -100,6 +118,17 @@ def deployment(tmp_path: Path) -> Iterator[dict[str, Any]]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
+    subprocess.run(
+        [str(BIN / "flwr"), "config", "list"],
+        check=True,
+        capture_output=True,
+        env=environment,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    connection, block = readme_connection()
+    with (home / "config.toml").open("a") as config:
+        config.write(block.replace(RECIPE_PORT, str(link_port)))
     processes: list[subprocess.Popen[bytes]] = []
     logs = {name: tmp_path / f"{name}.log" for name in ("superlink", "node0", "node1")}
     try:
@@ -142,9 +171,83 @@ def deployment(tmp_path: Path) -> Iterator[dict[str, Any]]:
                     cwd=tmp_path,
                 )
             )
-        yield {"environment": environment, "logs": logs, "processes": processes}
+        yield {
+            "environment": environment,
+            "logs": logs,
+            "processes": processes,
+            "connection": connection,
+            "cwd": tmp_path,
+        }
     finally:
         stop(processes)
+
+
+def flwr_run(deployment: dict[str, Any], run_config: str) -> subprocess.CompletedProcess[bytes]:
+    """``flwr run examples/flower_app <connection> --stream --run-config ...``."""
+    return subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "run",
+            str(APP_DIR),
+            deployment["connection"],
+            "--stream",
+            "--run-config",
+            run_config,
+        ],
+        capture_output=True,
+        check=False,
+        env=deployment["environment"],
+        cwd=deployment["cwd"],
+        timeout=540,
+    )
+
+
+def run_status(deployment: dict[str, Any], output: str) -> str:
+    """The status ``flwr ls`` gives the run ``flwr run`` started (its output names it)."""
+    started = re.search(r"Successfully started run (\d+)", output)
+    assert started is not None, output[-3000:]
+    listed = subprocess.run(
+        [
+            str(BIN / "flwr"),
+            "ls",
+            deployment["connection"],
+            "--run-id",
+            started[1],
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        check=True,
+        env=deployment["environment"],
+        cwd=deployment["cwd"],
+        timeout=120,
+    )
+    (run,) = json.loads(listed.stdout)["runs"]
+    return str(run["status"])
+
+
+def test_too_few_nodes_fail_in_one_line_and_mark_the_run_failed(
+    deployment: dict[str, Any], tmp_path: Path
+) -> None:
+    # Prepare: an experiment of 3 clients on the 2 SuperNodes, a 3-second wait.
+    data = copy.deepcopy(SMALL_EXPERIMENT)
+    data["data"]["num_clients"] = 3
+    config_path = tmp_path / "experiment.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    run_config = (
+        f"fedplug-config='{config_path}' fedplug-out='{tmp_path / 'run'}' "
+        "fedplug-node-wait-seconds=3.0"
+    )
+    # Execute
+    completed = flwr_run(deployment, run_config)
+    # Assert: one line saying what to fix, no traceback, the run marked failed.
+    output = completed.stdout.decode() + completed.stderr.decode()
+    lines = [line for line in output.splitlines() if "fedplug stopped the run" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert "only 2 of the 3 nodes" in lines[0] and "within 3s" in lines[0], lines[0]
+    assert "Traceback" not in output, output[-3000:]
+    assert run_status(deployment, output) == "finished:failed"
+    assert not (tmp_path / "run" / "metrics.json").exists()
 
 
 def test_flwr_run_on_superlink_and_two_supernodes(
@@ -162,27 +265,16 @@ def test_flwr_run_on_superlink_and_two_supernodes(
         f"fedplug-config='{config_path}' fedplug-out='{out}' fedplug-federated-evaluation=false"
     )
     # Execute
-    completed = subprocess.run(
-        [
-            str(BIN / "flwr"),
-            "run",
-            str(APP_DIR),
-            "local-test",
-            "--stream",
-            "--run-config",
-            run_config,
-        ],
-        capture_output=True,
-        check=False,
-        env=deployment["environment"],
-        cwd=tmp_path,
-        timeout=540,
-    )
+    completed = flwr_run(deployment, run_config)
     # Assert: the ServerApp wrote the run's metrics and model, equal to the simulator's.
     logs = "\n".join(
         f"--- {name}\n{path.read_text()[-2000:]}" for name, path in deployment["logs"].items()
     )
     assert completed.returncode == 0, completed.stdout.decode()[-3000:] + logs
+    output = completed.stdout.decode()
+    progress = re.findall(r"fedplug round (\d+): ", output)
+    assert progress == ["1", "2"], output[-3000:] + logs
+    assert run_status(deployment, output) == "finished:completed"
     assert (out / "metrics.json").exists(), completed.stdout.decode()[-3000:] + logs
     metrics = json.loads((out / "metrics.json").read_text())
     assert [entry["round"] for entry in metrics["history"]] == [1, 2]

@@ -4,6 +4,7 @@ messages are built by hand, or delivered in-process by LoopbackGrid."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedplug.algorithms.fedshift import class_shift, global_prior
-from fedplug.errors import ConfigError
+from fedplug.errors import ConfigError, DataError
 from fedplug.simulation.local_training import (
     ClientAlgorithm,
     LocalSchedule,
@@ -323,6 +324,7 @@ def test_user_client_app_with_fedplug_strategy_gathers_counts_and_runs_scaffold(
         num_classes=NUM_CLASSES,
         model=copy.deepcopy(start),
         federated_evaluation=False,
+        query_nodes=True,  # SCAFFOLD needs no counts; ask for them anyway, to test the query
     )
     # Execute
     strategy.start(LoopbackGrid(app, num_nodes=2))
@@ -369,3 +371,87 @@ def test_labels_of_a_dataset_are_read_once_per_object() -> None:
     assert dataset.loads == 30 + 60
     trainer.fit(model, dataset, train_message(model, server_round=2), context())
     assert dataset.loads == 30 + 60 + 60
+
+
+# ------------------------------------------------------------------- dict batches
+
+
+class DictDataset(Dataset):
+    """flwr-datasets-style samples under configurable keys."""
+
+    def __init__(
+        self, inputs: torch.Tensor, labels: torch.Tensor, keys: tuple[str, str] = ("img", "label")
+    ) -> None:
+        self.inputs, self.labels, self.keys = inputs, labels, keys
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {self.keys[0]: self.inputs[index], self.keys[1]: int(self.labels[index])}
+
+
+def fit_vector(trainer: FedplugTrainer, start: nn.Module, data: Any) -> torch.Tensor:
+    model = copy.deepcopy(start)
+    reply = trainer.fit(model, data, train_message(start, server_round=2, client_id=5), context())
+    assert reply.content.metric_records[METRICS_KEY][NUM_EXAMPLES] == 30
+    return record_to_vector(reply.content.array_records[MODEL_KEY], vector_layout(model))
+
+
+def test_fit_on_dict_batches_matches_tuple_batches() -> None:
+    # Prepare: the same samples as (input, label) pairs and as dicts, keys by default
+    # ("label", the one other key) and named (FEMNIST's "character").
+    inputs, labels = make_data()
+    start = make_model()
+    reference = fit_vector(FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES), start, (inputs, labels))
+    default_keys = FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES)
+    named_keys = FedplugTrainer.from_config(
+        TRAIN, num_classes=NUM_CLASSES, input_key="image", label_key="character"
+    )
+    # Execute
+    vectors = {
+        "dataset": fit_vector(default_keys, start, DictDataset(inputs, labels)),
+        "loader": fit_vector(default_keys, start, DataLoader(DictDataset(inputs, labels), batch_size=8)),
+        "named keys": fit_vector(
+            named_keys, start, DictDataset(inputs, labels, keys=("image", "character"))
+        ),
+    }
+    # Assert
+    for name, vector in vectors.items():
+        torch.testing.assert_close(vector, reference, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fit_on_a_hugging_face_dataset_with_a_transform() -> None:
+    # Prepare: a datasets.Dataset with a per-batch transform, as flwr-datasets hands out;
+    # its labels are read from the column, without running the transform.
+    datasets = pytest.importorskip("datasets")
+    inputs, labels = make_data()
+    start = make_model()
+    reference = fit_vector(FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES), start, (inputs, labels))
+    calls = []
+
+    def to_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+        calls.append(len(batch["img"]))
+        return {"img": [torch.tensor(row) for row in batch["img"]], "label": batch["label"]}
+
+    hugging_face = datasets.Dataset.from_dict(
+        {"img": inputs.tolist(), "label": labels.tolist()}
+    ).with_transform(to_tensors)
+    trainer = FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES)
+    # Execute
+    vector = fit_vector(trainer, start, DataLoader(hugging_face, batch_size=8))
+    # Assert: the transform ran only for the samples trained on (2 epochs x 30 draws).
+    torch.testing.assert_close(vector, reference, rtol=0, atol=1e-6)
+    assert sum(calls) == 60
+
+
+def test_an_ambiguous_dict_sample_asks_for_input_key() -> None:
+    inputs, labels = make_data()
+
+    class TwoInputs(DictDataset):
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            return {**super().__getitem__(index), "other": 0}
+
+    trainer = FedplugTrainer.from_config(TRAIN, num_classes=NUM_CLASSES)
+    with pytest.raises(DataError, match="input_key="):
+        trainer.fit(make_model(), TwoInputs(inputs, labels), train_message(make_model()), context())

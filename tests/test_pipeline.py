@@ -1,6 +1,8 @@
 """The DVC pipeline, run for real in a temporary git repository on a tiny synthetic study
-(2 algorithms, one of them FedDisk, 2 rounds): outputs, metrics, plots, experiments, and
-which stages a params change reruns. Plus the report's pure functions (fast)."""
+(2 algorithms, one of them FedDisk, 2 rounds): outputs, metrics, plots, experiments, which
+stages a params change reruns, the MLflow runs nested under their DVC experiment, a queued
+experiment and a copied project logging to their own store. Plus the report's pure
+functions and the store relocation (fast)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -155,6 +158,62 @@ def test_write_report_writes_the_four_files(tmp_path: Path) -> None:
     assert files.comparison.read_text().startswith("# Study")
 
 
+def test_a_copied_store_points_its_artifacts_at_itself(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.project import ensure_experiment, relocate_local_store, relocate_project_store
+
+    original, copied = tmp_path / "original", tmp_path / "copied"
+    original.mkdir()
+    uri = f"sqlite:///{original / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = ensure_experiment(client, "study", uri)
+    run_id = client.create_run(experiment_id).info.run_id
+    (tmp_path / "note.txt").write_text("hello")
+    client.log_artifact(run_id, str(tmp_path / "note.txt"))
+    assert client.get_run(run_id).info.artifact_uri.startswith((original / "mlruns").as_uri())
+    relocate_local_store(uri)  # MLflow's default experiment: ./mlruns/0 of the cwd -> the store's
+    assert relocate_local_store(uri) == 0  # now every path is its own
+    assert client.get_run(run_id).info.artifact_uri.startswith((original / "mlruns").as_uri())
+    shutil.copytree(original, copied)
+
+    copied_uri = f"sqlite:///{copied / 'mlflow.db'}"
+    # Only a project's own store is rewritten: this one is not <tmp_path>/mlflow.db.
+    assert relocate_project_store(copied_uri, tmp_path) == 0
+    assert relocate_project_store(copied_uri, copied) >= 1
+    assert relocate_local_store(copied_uri) == 0
+    copy_client = MlflowClient(tracking_uri=copied_uri)
+    assert copy_client.get_run(run_id).info.artifact_uri == (
+        copied / "mlruns" / run_id / "artifacts"
+    ).as_uri()
+    assert copy_client.get_experiment(experiment_id).artifact_location == (copied / "mlruns").as_uri()
+    # MLflow's default experiment (created with the cwd's ./mlruns/0) follows too.
+    assert copy_client.get_experiment("0").artifact_location.startswith(str(copied / "mlruns"))
+    downloaded = copy_client.download_artifacts(run_id, "note.txt", str(tmp_path))
+    assert Path(downloaded).read_text() == "hello"
+    # The original still points at itself.
+    assert client.get_run(run_id).info.artifact_uri.startswith((original / "mlruns").as_uri())
+
+
+def test_project_root_follows_dvc_root_and_group_names_the_experiment(tmp_path: Path) -> None:
+    import sys
+
+    from fedplug.project import project_root
+
+    sys.path.insert(0, str(REPO / "pipelines"))
+    from common import dvc_run_group
+
+    assert project_root("sub/params.yaml", environ={}) == (Path.cwd() / "sub").resolve()
+    assert project_root("params.yaml", environ={"DVC_ROOT": str(tmp_path)}) == tmp_path
+    experiment = dvc_run_group(
+        tmp_path, {"DVC_EXP_NAME": "lucky-cat", "DVC_EXP_BASELINE_REV": "0123456789abcdef"}
+    )
+    assert (experiment.key, experiment.label) == ("dvc-exp:lucky-cat@0123456", "lucky-cat")
+    assert experiment.tags == {"dvc.exp_name": "lucky-cat", "dvc.baseline_rev": "0123456789abcdef"}
+    outside_git = dvc_run_group(tmp_path, {})
+    assert (outside_git.key, outside_git.label) == ("dvc-repro:no-git", "repro")
+
+
 # -------------------------------------------------------------- DVC (slow, real)
 
 
@@ -296,7 +355,7 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
     ):
         assert (repo / path).is_file(), path
     for algorithm in ("fedavg", "feddisk"):
-        folder = repo / "runs" / algorithm / "seed-0"
+        folder = repo / "reports/runs" / algorithm / "seed-0"
         for name in (
             "metrics.json",
             "rounds.csv",
@@ -314,7 +373,7 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
         json.loads((repo / "data/density/fedavg/info.json").read_text())["needs_density"] is False
     )
     # The FedDisk run trained on exactly the weights the density stage left.
-    config = yaml.safe_load((repo / "runs/feddisk/seed-0/config.yaml").read_text())
+    config = yaml.safe_load((repo / "reports/runs/feddisk/seed-0/config.yaml").read_text())
     assert config["train"]["loss_transform"]["cache_dir"] == "data/density/feddisk"
 
     metrics = json.loads(dvc(repo, "metrics", "show", "--json"))
@@ -322,7 +381,7 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
     shown = workspace["data"]["reports/summary.json"]["data"]
     summary = json.loads((repo / "reports/summary.json").read_text())
     assert shown == summary and set(shown) == {"fedavg", "feddisk"}
-    final = json.loads((repo / "runs/fedavg/seed-0/metrics.json").read_text())["final_accuracy"]
+    final = json.loads((repo / "reports/runs/fedavg/seed-0/metrics.json").read_text())["final_accuracy"]
     assert shown["fedavg"]["final_accuracy"] == pytest.approx(final)
     table = (repo / "reports/comparison.md").read_text()
     assert "| fedavg | 0 |" in table and "| feddisk | 0 |" in table
@@ -334,6 +393,10 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
 
     assert ran(dvc(repo, "repro")) == set()  # nothing changed: nothing runs
     assert changed(repo) == set()
+    # An ad-hoc `fedplug run` writes under runs/: not a pipeline output or dep.
+    (repo / "runs/adhoc").mkdir(parents=True)
+    (repo / "runs/adhoc/metrics.json").write_text("{}")
+    assert changed(repo) == set()
 
 
 @pytest.mark.slow
@@ -342,7 +405,7 @@ def test_training_param_reruns_training_but_not_the_data_stages(repo: Path) -> N
     output = dvc(repo, "exp", "run", "-S", "train.rounds=3", "-n", "three-rounds")
     assert ran(output) == TRAIN_STAGES | {"evaluate"}
     assert "Stage 'partition' didn't change, skipping" in output
-    assert json.loads((repo / "runs/fedavg/seed-0/metrics.json").read_text())["rounds"] == 3
+    assert json.loads((repo / "reports/runs/fedavg/seed-0/metrics.json").read_text())["rounds"] == 3
     experiments = json.loads(dvc(repo, "exp", "show", "--json"))
     names = {
         experiment.get("name")
@@ -350,6 +413,132 @@ def test_training_param_reruns_training_but_not_the_data_stages(repo: Path) -> N
         for experiment in (row.get("experiments") or [])
     }
     assert "three-rounds" in names
+
+
+def store(repo: Path) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def runs_of(repo: Path) -> list[Any]:
+    client = store(repo)
+    experiment = client.get_experiment_by_name("pipeline-test")
+    return client.search_runs([experiment.experiment_id], max_results=1000)
+
+
+def group(repo: Path, label: str) -> tuple[Any, list[Any]]:
+    """The parent run named ``label`` and its children."""
+    runs = runs_of(repo)
+    parents = [run for run in runs if run.info.run_name == label and "fedplug.parent" in run.data.tags]
+    assert len(parents) == 1, [(run.info.run_name, run.data.tags.get("fedplug.parent")) for run in runs]
+    children = [
+        run for run in runs if run.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id
+    ]
+    return parents[0], children
+
+
+def artifact_folder(run: Any) -> Path:
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    return Path(local_file_uri_to_path(run.info.artifact_uri))
+
+
+@pytest.mark.slow
+def test_runs_nest_under_their_dvc_experiment(repo: Path) -> None:
+    commit = sh(repo, "git", "rev-parse", "HEAD~1").strip()  # the commit `dvc repro` ran on
+    parent, children = group(repo, f"repro-{commit[:7]}")
+    assert parent.data.tags["fedplug.parent"] == f"dvc-repro:{commit}"
+    assert sorted(run.info.run_name for run in children) == [
+        f"fedavg-seed0@repro-{commit[:7]}",
+        f"feddisk-seed0@repro-{commit[:7]}",
+    ]
+    # The evaluate stage closed the parent with the comparison.
+    summary = json.loads((repo / "reports/summary.json").read_text())
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["fedavg.final_accuracy"] == pytest.approx(
+        summary["fedavg"]["final_accuracy"]
+    )
+    parent, children = group(repo, "three-rounds")
+    assert parent.data.tags["fedplug.parent"].startswith("dvc-exp:three-rounds@")
+    assert sorted(run.info.run_name for run in children) == [
+        "fedavg-seed0@three-rounds",
+        "feddisk-seed0@three-rounds",
+    ]
+    for child in children:
+        assert child.data.tags["dvc.exp_name"] == "three-rounds"
+        assert child.info.status == "FINISHED"
+        steps = [m.step for m in store(repo).get_metric_history(child.info.run_id, "accuracy")]
+        assert sorted(steps) == [1, 2, 3]
+        # Artifacts beside the project's store.
+        assert artifact_folder(child).is_relative_to(repo / "mlruns")
+        assert (artifact_folder(child) / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_a_queued_experiment_logs_to_the_projects_store(repo: Path) -> None:
+    # DVC runs a queued experiment in a temporary copy under .dvc/tmp/exps/ and deletes it.
+    dvc(repo, "exp", "run", "--queue", "-S", "train.rounds=1", "-n", "queued")
+    # The worker DVC starts runs on as a daemon: keep it off this process's pipes.
+    subprocess.run(
+        [str(VENV_BIN / "dvc"), "queue", "start"], cwd=repo, env=environment(),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        check=True, timeout=120,
+    )
+    try:
+        deadline = time.monotonic() + 900
+        status = ""
+        while time.monotonic() < deadline:
+            status = next(
+                (line for line in dvc(repo, "queue", "status").splitlines() if " queued " in line), ""
+            )
+            if "Success" in status or "Failed" in status:
+                break
+            time.sleep(5)
+        if "Success" not in status:
+            logs = subprocess.run(
+                [str(VENV_BIN / "dvc"), "queue", "logs", "queued"],
+                cwd=repo, env=environment(), capture_output=True, text=True, check=False,
+            )
+            pytest.fail(f"queued experiment did not succeed: {status!r}\n{logs.stdout}{logs.stderr}")
+    finally:
+        subprocess.run(
+            [str(VENV_BIN / "dvc"), "queue", "stop"],
+            cwd=repo, env=environment(), capture_output=True, check=False, timeout=120,
+        )
+    parent, children = group(repo, "queued")
+    assert parent.info.status == "FINISHED"
+    assert sorted(run.info.run_name for run in children) == [
+        "fedavg-seed0@queued",
+        "feddisk-seed0@queued",
+    ]
+    for child in children:
+        assert child.data.params["train.rounds"] == "1"
+        assert artifact_folder(child).is_relative_to(repo / "mlruns")
+        assert (artifact_folder(child) / "metrics.json").is_file()
+    assert not list((repo / ".dvc/tmp").glob("exps/*/mlflow.db"))
+
+
+@pytest.mark.slow
+def test_a_copied_project_logs_to_its_own_store(
+    repo: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    copy = tmp_path_factory.mktemp("copied") / "project"
+    shutil.copytree(repo, copy, symlinks=True)
+    before = set((repo / "mlruns").iterdir())
+    set_params(
+        copy,
+        lambda params: params["algorithms"]["fedavg"].update(optimizer={"name": "sgd", "lr": 0.3}),
+    )
+    dvc(copy, "exp", "run", "-n", "in-copy")
+    parent, children = group(copy, "in-copy")
+    assert [run.info.run_name for run in children] == ["fedavg-seed0@in-copy"]
+    # New and old runs' artifacts are the copy's; the original's store did not change.
+    for run in runs_of(copy):
+        assert artifact_folder(run).is_relative_to(copy / "mlruns"), run.info.artifact_uri
+    assert (artifact_folder(children[0]) / "metrics.json").is_file()
+    assert set((repo / "mlruns").iterdir()) == before
+    assert not [run for run in runs_of(repo) if run.info.run_name.endswith("@in-copy")]
 
 
 @pytest.mark.slow

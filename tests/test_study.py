@@ -271,3 +271,55 @@ def test_shipped_study_specs_expand(name: str) -> None:
 
     expected = len(grid_cells(spec.grid)) * len(spec.algorithms) * len(spec.seeds)
     assert len(runs) == expected and {run.config.study.name for run in runs} == {name}
+
+
+def test_a_study_is_one_parent_run_with_a_child_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "store"
+    store.mkdir()
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    spec = {
+        "name": "tiny",
+        "base": copy.deepcopy(BASE),
+        "grid": {"alpha": {"0.5": {"data.partition.alpha": 0.5}}},
+        "algorithms": {"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}},
+        "seeds": [0],
+        "plots": [{"kind": "bars", "metric": "final_accuracy"}],
+    }
+    spec_path = tmp_path / "tiny.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    runner = load_runner()
+
+    # Interrupted after the first run (--only), then resumed: one parent for both.
+    assert runner.main([str(spec_path), "--out", str(out), "--only", "fedavg__"]) == 0
+    assert runner.main([str(spec_path), "--out", str(out)]) == 0
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("study-tiny")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [run for run in runs if "fedplug.parent" in run.data.tags]
+    children = [run for run in runs if "mlflow.parentRunId" in run.data.tags]
+    assert len(parents) == 1 and len(children) == 2 and len(runs) == 3
+    parent = parents[0]
+    assert parent.data.tags["fedplug.parent"] == f"study:{out.resolve()}"
+    assert parent.data.tags["mlflow.runName"] == "out" and parent.info.status == "FINISHED"
+    assert {run.data.tags["mlflow.parentRunId"] for run in children} == {parent.info.run_id}
+    assert sorted(run.info.run_name for run in children) == ["0.5__fedavg__s0", "0.5__fedavgm__s0"]
+    for child in children:
+        metrics = json.loads((out / child.info.run_name / "metrics.json").read_text())
+        assert child.data.metrics["final_accuracy"] == pytest.approx(metrics["final_accuracy"])
+        assert child.data.tags["study.alpha"] == "0.5" and child.info.status == "FINISHED"
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "accuracy")]
+        assert sorted(steps) == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert parent.data.metrics["0.5/fedavgm.final_accuracy"] == pytest.approx(summary[1]["final_accuracy"])
+    artifacts = {item.path for item in client.list_artifacts(parent.info.run_id)}
+    assert {"summary.md", "summary.json", "figures"} <= artifacts
+    # The store's artifacts lie beside it, not in the current folder.
+    assert parent.info.artifact_uri.startswith((store / "mlruns").as_uri())
+    assert (store / "mlruns" / parent.info.run_id / "artifacts" / "summary.md").is_file()

@@ -271,13 +271,13 @@ def test_fallback_to_local_trains_and_logs_to_the_local_store(
     assert "logging to the local store" in capsys.readouterr().err
     client = MlflowClient(local_tracking_uri(tmp_path))
     experiment = client.get_experiment_by_name("tracking-test")
-    (run,) = client.search_runs([experiment.experiment_id])
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`fedplug.algorithm` = 'fedavg'")  # the child, not the parent
     assert run.data.tags["fedplug.tracking_fallback_from"] == unreachable
     assert [metric.step for metric in client.get_metric_history(run.info.run_id, "accuracy")] == [
         1,
         2,
     ]
-    metrics = json.loads((tmp_path / "runs/fedavg/seed-0/metrics.json").read_text())
+    metrics = json.loads((tmp_path / "reports/runs/fedavg/seed-0/metrics.json").read_text())
     assert run.data.metrics["final_accuracy"] == pytest.approx(metrics["final_accuracy"])
 
 
@@ -293,7 +293,7 @@ def test_killed_train_stage_resumes_its_checkpoint_and_its_mlflow_run(
 
     monkeypatch.chdir(tmp_path)
     prepare_project(tmp_path, tiny_params(rounds=4))
-    out = tmp_path / "runs/fedavg/seed-0"
+    out = tmp_path / "reports/runs/fedavg/seed-0"
     original = MlflowTracker.log_round
 
     def dies_at_round_three(self: MlflowTracker, round_record: RoundRecord) -> None:
@@ -316,7 +316,7 @@ def test_killed_train_stage_resumes_its_checkpoint_and_its_mlflow_run(
     assert load_stage("train").main(["--algorithm", "fedavg", "--seed", "0"]) == 0
 
     experiment = client.get_experiment_by_name("tracking-test")
-    runs = client.search_runs([experiment.experiment_id])
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`fedplug.algorithm` = 'fedavg'")
     assert [run.info.run_id for run in runs] == [first_run_id]  # continued, not duplicated
     assert runs[0].info.status == "FINISHED"
     history = client.get_metric_history(first_run_id, "accuracy")
@@ -430,9 +430,13 @@ def test_round_trip_through_an_mlflow_server(
     runs = rest_post(
         mlflow_server, "runs/search", {"experiment_ids": [experiment["experiment_id"]]}
     )["runs"]
-    assert len(runs) == 1
-    run = runs[0]
-    assert run["info"]["run_name"] == "fedavg-seed0" and run["info"]["status"] == "FINISHED"
+    # The train stage nests its run under its DVC experiment's (or repro's) parent run.
+    (run,) = [
+        run for run in runs
+        if any(tag["key"] == "mlflow.parentRunId" for tag in run["data"].get("tags", []))
+    ]
+    assert len(runs) == 2
+    assert run["info"]["run_name"].startswith("fedavg-seed0@") and run["info"]["status"] == "FINISHED"
     tags = {tag["key"]: tag["value"] for tag in run["data"]["tags"]}
     assert {
         key: tags[key]
@@ -449,7 +453,7 @@ def test_round_trip_through_an_mlflow_server(
     assert params["train.rounds"] == "3" and params["data.num_clients"] == "3"
     assert params["train.optimizer.lr"] == "0.5" and "derived.model_bytes" in params
     run_id = run["info"]["run_id"]
-    metrics = json.loads((project / "runs/fedavg/seed-0/metrics.json").read_text())
+    metrics = json.loads((project / "reports/runs/fedavg/seed-0/metrics.json").read_text())
     for key in ("accuracy", "loss", "cumulative_bytes", "client_accuracy_mean"):
         history = rest(mlflow_server, "metrics/get-history", run_id=run_id, metric_key=key)[
             "metrics"
@@ -463,9 +467,286 @@ def test_round_trip_through_an_mlflow_server(
     assert {item["path"] for item in listed["files"]} >= {
         "config.yaml",
         "curves",
-        "model",
         "partition",
         "metrics.json",
+        "run_info.json",
     }
-    model_files = rest(mlflow_server, "artifacts/list", run_id=run_id, path="model")["files"]
-    assert [item["path"] for item in model_files] == ["model/model.pt"]
+    # MLflow 3 keeps the model with its LoggedModel; runs:/<id>/model resolves to it.
+    assert logged_model_accuracy(run_id, mlflow_server, project / "params.yaml") == pytest.approx(
+        metrics["final_accuracy"]
+    )
+
+
+# ------------------------------------------- open_tracker: `fedplug run --track` and plugins
+
+
+def write_config(folder: Path, rounds: int = 3, **tracking: Any) -> Path:
+    """A tiny synthetic experiment that learns (logreg, separable classes) in ``folder``."""
+    params = tiny_params(rounds=rounds, tracking={"enabled": False, **tracking})
+    del params["algorithms"]
+    params["data"]["partition"] = {"name": "dirichlet_class", "alpha": 0.5, "min_size": 10}
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def run_cli(config: Path, out: Path, *extra: str) -> int:
+    from fedplug.cli import main
+
+    return main(["run", str(config), "--out", str(out), "--quiet", "--track", *extra])
+
+
+def logged_model_accuracy(run_id: str, uri: str, config_path: Path) -> float:
+    """Load ``runs:/<run_id>/model`` with ``mlflow.pytorch.load_model`` and score it on the
+    config's global test set."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    from fedplug.config import load_experiment
+    from fedplug.data.build import build_federation
+    from fedplug.plugins import default_registry
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        model = mlflow.pytorch.load_model(f"runs:/{run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(None)
+    config = load_experiment(config_path, [], None, check_every_algorithm=False)
+    federation = build_federation(config.data, default_registry(), torch.device("cpu"))
+    with torch.no_grad():
+        predicted = model(federation.test_x).argmax(dim=1)
+    return float((predicted == federation.test_y).float().mean())
+
+
+def check_tracked_run(client: Any, run_id: str, out: Path, config: Path, uri: str) -> None:
+    """What every `fedplug run --track` run must hold: steps 1..R, params, tags, model."""
+    from fedplug.experiment import git_commit
+
+    run = client.get_run(run_id)
+    metrics = json.loads((out / "metrics.json").read_text())
+    rounds = metrics["rounds"]
+    assert run.info.status == "FINISHED"
+    history = sorted(client.get_metric_history(run_id, "accuracy"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(1, rounds + 1))
+    assert [m.value for m in history] == pytest.approx([r["accuracy"] for r in metrics["history"]])
+    assert run.data.metrics["final_accuracy"] == pytest.approx(metrics["final_accuracy"])
+    params = run.data.params
+    assert params["train.rounds"] == str(rounds) and params["train.optimizer.lr"] == "0.5"
+    assert params["data.partition.alpha"] == "0.5" and "derived.model_bytes" in params
+    tags = run.data.tags
+    assert tags["fedplug.git_commit"] == git_commit(REPO) and len(tags["fedplug.git_commit"]) == 40
+    assert tags["fedplug.version"] not in ("", "unknown")
+    assert "mlflow.source.name" in tags  # start_run's context tags, not a bare create_run
+    assert {key: tags[key] for key in ("dataset", "partition", "model", "sampler", "loss_transform", "aggregator", "grouper")} == {
+        "dataset": "synthetic",
+        "partition": "dirichlet_class",
+        "model": "logreg",
+        "sampler": "uniform",
+        "loss_transform": "cross_entropy",
+        "aggregator": "fedavg",
+        "grouper": "none",
+    }
+    artifacts = {item.path for item in client.list_artifacts(run_id)}
+    assert {"config.yaml", "run_info.json", "metrics.json"} <= artifacts
+    # The logged model is a working MLflow model: it scores what metrics.json says.
+    assert logged_model_accuracy(run_id, uri, config) == pytest.approx(metrics["final_accuracy"])
+    assert metrics["final_accuracy"] > 0.5  # a model that learned, so the match means something
+
+
+@pytest.mark.slow
+def test_fedplug_run_track_logs_a_reloadable_run_to_the_sqlite_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    config = write_config(tmp_path, rounds=3)
+    out = tmp_path / "run"
+    assert run_cli(config, out) == 0
+    printed = capsys.readouterr()
+    uri = local_tracking_uri(tmp_path)  # the config's folder is the project
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id])
+    assert f"MLflow run {run.info.run_id}" in printed.out and "make ui" in printed.out
+    check_tracked_run(client, run.info.run_id, out, config, uri)
+    # Artifacts lie next to the store, not in the current folder's mlruns/.
+    assert (tmp_path / "mlruns").is_dir()
+    assert not (out / "mlflow_run.json").exists()  # finished: nothing left to resume
+
+
+@pytest.mark.slow
+def test_fedplug_run_track_through_an_mlflow_server_and_registers_the_model(
+    mlflow_server: str, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    project = tmp_path / "project"
+    project.mkdir()
+    config = write_config(project, rounds=3, uri=mlflow_server, register_model="fedplug-test-model")
+    out = project / "run"
+    assert run_cli(config, out) == 0
+    experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="tracking-test")["experiment"]
+    (run,) = rest_post(mlflow_server, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+    client = MlflowClient(mlflow_server)
+    check_tracked_run(client, run["info"]["run_id"], out, config, mlflow_server)
+    (version,) = client.search_model_versions("name='fedplug-test-model'")
+    assert version.run_id == run["info"]["run_id"]
+    assert not (project / "mlflow.db").exists()  # nothing went to the local store
+
+
+@pytest.mark.slow
+def test_tensorboard_tracker_writes_every_rounds_scalars(tmp_path: Path) -> None:
+    from fedplug.tracking.tensorboard_tracker import logged_steps
+
+    config = write_config(tmp_path, rounds=3, backends=["tensorboard"])
+    out = tmp_path / "run"
+    assert run_cli(config, out) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in ("accuracy", "loss", "cumulative_bytes"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [1, 2, 3], key
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in metrics["history"]], rel=1e-6), key
+    assert events.Scalars("summary/final_accuracy")[0].value == pytest.approx(metrics["final_accuracy"])
+    assert logged_steps(out / "tensorboard") == {1, 2, 3}
+    assert not (tmp_path / "mlflow.db").exists()  # tensorboard only: no MLflow store
+
+
+@pytest.mark.slow
+def test_killed_fedplug_run_resumes_its_mlflow_run_and_tensorboard_steps(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.tracking.tensorboard_tracker import logged_steps
+
+    config = write_config(tmp_path, rounds=4, backends=["mlflow", "tensorboard"])
+    out = tmp_path / "run"
+    original = MlflowTracker.log_round
+
+    def dies_at_round_three(self: MlflowTracker, round_record: RoundRecord) -> None:
+        # Round 3 is checkpointed (and in TensorBoard) but never reaches MLflow.
+        if round_record.round == 3:
+            raise Killed()
+        original(self, round_record)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MlflowTracker, "log_round", dies_at_round_three)
+        with pytest.raises(Killed):
+            run_cli(config, out)
+    first_run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    client = MlflowClient(local_tracking_uri(tmp_path))
+    assert client.get_run(first_run_id).info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(first_run_id, "accuracy")] == [1, 2]
+
+    assert run_cli(config, out) == 0
+    runs = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id])
+    assert [run.info.run_id for run in runs] == [first_run_id]  # continued, not duplicated
+    history = client.get_metric_history(first_run_id, "accuracy")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]  # each step once
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
+        [r["accuracy"] for r in metrics["history"]]
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [s.step for s in events.Scalars("accuracy")] == [1, 2, 3, 4]
+    assert logged_steps(out / "tensorboard") == {1, 2, 3, 4}
+
+
+class MemoryTracker:
+    """A third-party tracker backend that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.logged_rounds: set[int] = set()
+        self.params: dict[str, Any] = {}
+        self.tags: dict[str, str] = {}
+        self.steps: list[int] = []
+        self.result: Any = None
+        self.status = "RUNNING"
+
+    def log_params(self, params: Any) -> None:
+        self.params.update(params)
+
+    def log_round(self, record: RoundRecord) -> None:
+        self.steps.append(record.round)
+        self.logged_rounds.add(record.round)
+
+    def log_result(self, result: Any) -> None:
+        self.result = result
+
+    def log_model(self, model: Any, input_example: Any, *, registered_model_name: str | None = None) -> None:
+        return None
+
+    def log_artifacts(self, paths: Any) -> None:
+        pass
+
+    def set_tags(self, tags: Any) -> None:
+        self.tags.update(tags)
+
+    def finish(self) -> None:
+        self.status = "FINISHED"
+
+    def fail(self) -> None:
+        self.status = "FAILED"
+
+
+def test_a_plugin_registers_a_tracker_through_the_hook(tmp_path: Path) -> None:
+    from fedplug.config import load_experiment
+    from fedplug.experiment import run_experiment
+    from fedplug.hookspecs import hookimpl
+    from fedplug.plugins import collect_registry, new_plugin_manager
+    from fedplug.tracking import TrackerContext, open_tracker
+
+    opened: list[MemoryTracker] = []
+    contexts: list[TrackerContext] = []
+
+    def open_memory(context: TrackerContext) -> MemoryTracker:
+        contexts.append(context)
+        opened.append(MemoryTracker())
+        opened[-1].set_tags(context.tags)
+        return opened[-1]
+
+    class MemoryPlugin:
+        @hookimpl
+        def fedplug_register_trackers(self, register: Any) -> None:
+            register("memory", open_memory)
+
+    manager = new_plugin_manager(autoload=False)
+    manager.register(MemoryPlugin(), name="memory-plugin")
+    registry = collect_registry(manager)
+    assert [entry.plugin for entry in registry.tracker_entries() if entry.name == "memory"] == ["memory-plugin"]
+    config = load_experiment(write_config(tmp_path, rounds=2, backends=["memory"]), [], None, check_every_algorithm=False)
+    environ = {"DVC_EXP_NAME": "crisp-lark", "DVC_EXP_BASELINE_REV": "a" * 40}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in environ.items():
+            patch.setenv(key, value)
+        tracker = open_tracker(config, tmp_path / "run", run_name="r", registry=registry, enabled=True, tags={"extra": "1"})
+    with tracker:
+        result, _ = run_experiment(config, tmp_path / "run", registry=registry, observers=[tracker.log_round])
+        tracker.log_result(result)
+    (memory,) = opened
+    assert memory.steps == [1, 2] and memory.result is result and memory.status == "FINISHED"
+    assert memory.params["train.rounds"] == 2 and memory.params["data.num_clients"] == 3
+    assert memory.tags["dvc.exp_name"] == "crisp-lark" and memory.tags["dvc.baseline_rev"] == "a" * 40
+    assert memory.tags["extra"] == "1" and memory.tags["aggregator"] == "fedavg"
+    assert tracker.run_id is None  # no MLflow backend
+    assert not (tmp_path / "mlflow.db").exists()
+
+    with pytest.raises(ConfigError, match="unknown tracker 'nope'.*memory"):
+        open_tracker(config, None, run_name="r", registry=registry, enabled=True, backends=["nope"])
+
+
+def test_tracking_switched_off_opens_nothing(tmp_path: Path) -> None:
+    from fedplug.config import load_experiment
+    from fedplug.tracking import open_tracker
+
+    config = load_experiment(write_config(tmp_path), [], None, check_every_algorithm=False)
+    tracker = open_tracker(config, tmp_path / "run", run_name="r")  # tracking.enabled: false
+    assert not tracker.enabled and tracker.run_id is None and tracker.uri is None
+    tracker.log_round(record(1, 0.5))
+    tracker.finish()
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()

@@ -16,8 +16,10 @@ grouping, aggregation and evaluation in its ``ServerAggregator``
 Modules: :mod:`.launcher` (``run_fedml``, the command line), :mod:`.rank` (each MPI
 rank), :mod:`.fedml_components` (the two FedML subclasses), :mod:`.coordinator` (server
 logic), :mod:`.worker` (client logic), :mod:`.protocol` (messages and schedule),
-:mod:`.runtime` (FedML's config and dataset), :mod:`.guard` (loopback only). Only
-:mod:`.fedml_components` and :mod:`.rank` import FedML.
+:mod:`.runtime` (FedML's config and dataset), :mod:`.guard` (loopback only),
+:mod:`.drop_in` (:class:`~.drop_in.FedplugAggregator`: fedplug's server side next to a
+user's own FedML ``ClientTrainer``). Only :mod:`.fedml_components`, :mod:`.rank` and
+:mod:`.drop_in` import FedML.
 """
 
 from .launcher import FedMLRun, run_fedml

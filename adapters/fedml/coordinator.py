@@ -56,6 +56,7 @@ class _Chain:
     steps: int = 0
     seconds: float = 0.0
     extras: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -222,6 +223,7 @@ class Coordinator:
         chain.extras = {
             key: value.to(self.federation.device) for key, value in result.extras.items()
         }
+        chain.metrics = dict(result.metrics)  # a chain reports its last member's
 
     def _outcome(self, chain: _Chain) -> Outcome:
         """What a chain ended the round with, for the core to screen."""
@@ -235,6 +237,7 @@ class Coordinator:
             extras=chain.extras,
             plan=self.plan,
             seconds=chain.seconds,
+            metrics=chain.metrics,
         )
 
     def _finish_round(self) -> None:

@@ -9,6 +9,16 @@ or from Python, :func:`run_fedml`. The run folder gets what ``fedplug run`` writ
 (``config.yaml``, ``run_info.json``, ``metrics.json``, ``model.pt``) plus FedML's config
 (``fedml_config.yaml``), its log (``fedml.log``) and FedML's home folder
 (``fedml_home/``, FedML's own logs).
+
+Tracking: when the experiment's ``tracking.enabled`` is true (the default; ``--track`` /
+``--no-track`` override it), the launcher logs the run through
+:func:`fedplug.tracking.open_tracker`, as ``fedplug run`` does: it opens the MLflow run
+before ``mpirun`` starts (an unreachable server stops the run before any training), and
+after the ranks finish logs every round (``step = round``) and the summary from the
+server's ``run_result.json`` and the final model (``model.pt``) as an MLflow model. The
+launcher logs, not rank 0: the ranks run under the loopback guard, which would refuse a
+remote tracking server. A failed run keeps the rounds it finished and is marked FAILED.
+A FedML run cannot resume, so each run is a new MLflow run.
 """
 
 from __future__ import annotations
@@ -26,10 +36,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedplug.errors import ConfigError, FedplugError, TrainingError
 from fedplug.simulation.results import RoundRecord, RunResult
+
+if TYPE_CHECKING:
+    from fedplug.tracking import Tracker
 
 from . import guard
 from .runtime import check_supported, fedml_config
@@ -53,6 +66,12 @@ class FedMLRun:
     this machine)."""
     seconds: float
     """Wall time of the ``mpirun`` command, process start-up included."""
+    mlflow_run_id: str | None = None
+    """The MLflow run the launcher logged (None: tracking off)."""
+    mlflow_uri: str | None = None
+    """Its tracking URI."""
+    model_uri: str | None = None
+    """``runs:/<id>/model``: the final model as an MLflow model (None: tracking off)."""
 
 
 def find_mpirun() -> str:
@@ -78,6 +97,9 @@ def run_fedml(
     timeout: float = DEFAULT_TIMEOUT_SECONDS,
     threads_per_rank: int = 1,
     python: str | None = None,
+    track: bool | None = None,
+    algorithm: str | None = None,
+    project_root: str | os.PathLike[str] | None = None,
 ) -> FedMLRun:
     """Run a validated experiment ``config`` on FedML and return its result.
 
@@ -89,14 +111,20 @@ def run_fedml(
         threads_per_rank: torch/OpenMP threads of each rank (default 1; the ranks share
             the machine's cores).
         python: the interpreter of the FedML environment (default: this one).
+        track: log the run through :func:`fedplug.tracking.open_tracker` (default None:
+            the config's ``tracking.enabled``).
+        algorithm: the tracked run's label: its name ``<dataset>-<algorithm>-seed<seed>``
+            and tag ``fedplug.algorithm`` (default: the aggregator's name).
+        project_root: folder of the default local store ``mlflow.db`` (default
+            ``$DVC_ROOT``, else the working folder).
 
     Raises:
         ConfigError: the config asks for something FedML cannot run.
         TrainingError: a rank failed or the job timed out; the message quotes the
             failing rank's error and the log's tail.
+        TrackingError: tracking is on and the tracking server does not answer (before
+            any rank starts).
     """
-    from fedplug.experiment import run_info, write_json, write_yaml
-
     check_supported(config)
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
@@ -116,6 +144,91 @@ def run_fedml(
     mpirun = find_mpirun()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tracker = open_fedml_tracker(
+        config, out, track=track, algorithm=algorithm, project_root=project_root
+    )
+    with tracker:  # FINISHED on success, FAILED on an error
+        try:
+            run = _run_mpi(config, out, mpirun, workers, timeout, threads_per_rank, python)
+        except FedplugError:
+            if tracker.enabled:
+                _log_partial_history(tracker, out / "run_result.json")
+            raise
+        if tracker.enabled:
+            _log_finished_run(tracker, config, run)
+            run.mlflow_run_id, run.mlflow_uri = tracker.run_id, tracker.uri
+            run.model_uri = tracker.model_uri
+    return run
+
+
+def open_fedml_tracker(
+    config: Any,
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    track: bool | None = None,
+    algorithm: str | None = None,
+    project_root: str | os.PathLike[str] | None = None,
+) -> Tracker:
+    """The tracker of a FedML run (:func:`fedplug.tracking.open_tracker` with the FedML
+    runtime's tags); one that logs nothing when tracking is off. Never resumes: a FedML
+    run starts from round 1 every time."""
+    from fedplug.project import project_root as find_project_root
+    from fedplug.tracking import open_tracker
+
+    label = algorithm or config.train.aggregator.name
+    seed = config.train.seed
+    return open_tracker(
+        config,
+        out_dir,
+        run_name=f"{config.data.dataset.name}-{label}-seed{seed}",
+        tags={"fedplug.algorithm": label, "fedplug.seed": str(seed), "fedplug.runtime": "fedml"},
+        resume=False,
+        project_root=project_root if project_root is not None else find_project_root(),
+        enabled=track,
+    )
+
+
+def _log_finished_run(tracker: Tracker, config: Any, run: FedMLRun) -> None:
+    """The result, the final model (rebuilt here from ``model.pt`` with the server's
+    test inputs as the input example) and the run's files."""
+    import torch
+
+    from fedplug.data.build import load_dataset
+    from fedplug.plugins import default_registry
+
+    tracker.log_result(run.result)
+    registry = default_registry()
+    dataset = load_dataset(config.data, registry)
+    with torch.random.fork_rng(devices=[]):
+        model = registry.build(
+            "models", config.train.model, tuple(dataset.input_shape), dataset.num_classes
+        )
+    model.load_state_dict(torch.load(run.out_dir / "model.pt", map_location="cpu"))
+    model.eval()
+    tracker.log_model(model, torch.as_tensor(dataset.test_x[:5], dtype=torch.float32))
+    for name in ("config.yaml", "run_info.json", "metrics.json", "fedml_config.yaml"):
+        tracker.log_artifacts({"": run.out_dir / name})  # one call each: the key is the folder
+
+
+def _log_partial_history(tracker: Tracker, path: Path) -> None:
+    """The rounds a failed run finished (rank 0 writes them after every round)."""
+    try:
+        tracker.log_history(_load_result(path).history)
+    except (OSError, ValueError, KeyError, TypeError):  # no rounds, or a half-written file
+        return
+
+
+def _run_mpi(
+    config: Any,
+    out: Path,
+    mpirun: str,
+    workers: int,
+    timeout: float,
+    threads_per_rank: int,
+    python: str | None,
+) -> FedMLRun:
+    from fedplug.experiment import run_info, write_json, write_yaml
+
     for stale in [
         *out.glob("error-rank*.json"),
         *out.glob("network-rank*.json"),
@@ -224,6 +337,12 @@ def _tail(path: Path) -> str:
         return "(no log)"
 
 
+def _project_of(config_path: str) -> Path:
+    from fedplug.project import project_root
+
+    return project_root(config_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fedplug.adapters.fedml run CONFIG --out DIR [--workers W] ...``"""
     parser = argparse.ArgumentParser(
@@ -255,6 +374,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument(
         "--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)"
     )
+    tracking = run_parser.add_mutually_exclusive_group()
+    tracking.add_argument(
+        "--track",
+        dest="track",
+        action="store_true",
+        default=None,
+        help="log the run to MLflow even when tracking.enabled is false",
+    )
+    tracking.add_argument(
+        "--no-track", dest="track", action="store_false", help="log nothing to MLflow"
+    )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from fedplug.config import load_experiment
@@ -267,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=options.workers,
             timeout=options.timeout,
             threads_per_rank=options.threads_per_rank,
+            track=options.track,
+            algorithm=options.algorithm,
+            project_root=_project_of(options.config),
         )
     except FedplugError as error:
         print(f"fedplug (FedML): error: {error}", file=sys.stderr)
@@ -278,4 +411,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({options.workers} workers, {run.seconds:.0f} s); refused outside connections: {refused}; "
         f"wrote {run.out_dir / 'metrics.json'}"
     )
+    if run.mlflow_run_id is not None:
+        print(f"MLflow run {run.mlflow_run_id} in {run.mlflow_uri}; model {run.model_uri}")
     return 0

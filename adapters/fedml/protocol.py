@@ -84,6 +84,9 @@ class TaskResult:
     extras: dict[str, Tensor] = field(default_factory=dict)
     seconds: float = 0.0
     error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The reply metrics the run's components ask for (``ClientNeeds.reply_metrics``,
+    e.g. ``train_loss``); empty when none is asked for."""
 
 
 def reply(step: int, results: list[TaskResult]) -> dict[str, Any]:

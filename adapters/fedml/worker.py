@@ -17,10 +17,12 @@ from torch import Tensor, nn
 
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
+from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
 from fedplug.simulation.local_training import (
     ClientAlgorithm,
     LocalSchedule,
+    check_reply_metrics,
     local_rng,
     train_locally,
 )
@@ -64,8 +66,21 @@ class Worker:
         schedule = LocalSchedule(
             train_config.local_epochs, train_config.batch_size, train_config.optimizer
         )
+        # The metrics the server's components read (the grouper's too) travel with each model.
+        reply_metrics = client_needs(
+            algorithm.sampler,
+            algorithm.loss_transform,
+            algorithm.aggregator,
+            registry.build("groupers", train_config.grouper),
+        ).reply_metrics
+        check_reply_metrics(reply_metrics)
         self.context = RoundContext(
-            federation, algorithm, schedule, train_config.seed, client_states={}
+            federation,
+            algorithm,
+            schedule,
+            train_config.seed,
+            client_states={},
+            reply_metrics=reply_metrics,
         )
         self.instructions: WorkerInstructions | None = None
         self.last_reply: dict[str, Any] | None = None
@@ -136,6 +151,7 @@ class Worker:
                 schedule=context.schedule,
                 round_index=instructions.round_index,
                 rng=local_rng(context.seed, instructions.round_index, task.client_id),
+                reply_metrics=context.reply_metrics,
             )
         except Exception as error:  # noqa: BLE001 - a failing client must not stop the federation
             return TaskResult(
@@ -149,4 +165,5 @@ class Worker:
             num_steps=result.num_steps,
             extras={key: value.cpu() for key, value in result.extras.items()},
             seconds=time.perf_counter() - started,
+            metrics=result.metrics,
         )

@@ -6,6 +6,10 @@
 - :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
   (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; a loss
   transform's setup phase, FedDisk's, with :meth:`FedplugTrainer.setup_phase`).
+- :mod:`.own_loop`: the client side as pieces of the user's own training loop:
+  :class:`RoundSampler` (a sampler such as IWDS for their DataLoader), :class:`FedplugLoss`
+  (their criterion plus the loss transform's and the aggregator's client side),
+  :func:`with_sample_ids`, :func:`answer_class_counts`.
 - :mod:`.setup_phase`: any loss transform's setup phase over ``train.<phase name>``
   messages (:func:`~.setup_phase.run_setup_phase`).
 - :mod:`.apps`: a ready ``server_app`` / ``client_app`` pair that runs any fedplug
@@ -16,19 +20,25 @@ See ``docs/flower.md``.
 """
 
 from .apps import make_client_app, make_server_app, run_on_grid
+from .local_data import with_sample_ids
 from .loopback import LoopbackGrid
+from .own_loop import FedplugLoss, RoundSampler, answer_class_counts
 from .priors import ClassCounts, gather_class_counts
 from .strategy import FedplugStrategy, central_evaluation
 from .trainer import FedplugTrainer
 
 __all__ = [
     "ClassCounts",
+    "FedplugLoss",
     "FedplugStrategy",
     "FedplugTrainer",
     "LoopbackGrid",
+    "RoundSampler",
+    "answer_class_counts",
     "central_evaluation",
     "gather_class_counts",
     "make_client_app",
     "make_server_app",
     "run_on_grid",
+    "with_sample_ids",
 ]

@@ -11,13 +11,35 @@
     fedplug-algorithm = ""                     # an entry of `algorithms:` to apply
     fedplug-set = ""                           # overrides, "train.rounds=5; train.seed=1"
     fedplug-out = "/abs/path/run"              # where metrics.json & co. are written
+    fedplug-resume = true                      # continue after checkpoint.pt in fedplug-out
     fedplug-federated-evaluation = true
+    fedplug-track = true                       # override the experiment's tracking.enabled
 
 Run config (read by the ServerApp only; the nodes receive the experiment in every
 message): ``fedplug-config`` (a path the ServerApp process can read; relative paths are
 relative to its working directory, so prefer absolute ones) or ``fedplug-config-yaml``
-(the path wins when both are set). Node config: ``partition-id`` and ``num-partitions`` (the
-simulation runtime sets both; give them to ``flower-supernode --node-config``).
+(the path wins when both are set). A relative ``data.root`` in a config file is read
+against that file's folder, as ``fedplug run params.yaml`` reads it from the repository,
+never against the SuperLink's working folder; the nodes receive the absolute path. Node
+config: ``partition-id`` and ``num-partitions`` (the simulation runtime sets both; give
+them to ``flower-supernode --node-config``).
+
+What a deployment shows (``flwr run ... --stream``): the strategy's INFO lines through
+Flower's log, one ``fedplug round r: ...`` per round; with ``fedplug-out`` a
+``checkpoint.pt`` after every round, from which the same ``flwr run`` resumes
+(``fedplug-resume=false`` starts over); a run that cannot go on (too few nodes within ``fedplug-node-wait-seconds``, a node with
+the wrong ``num-partitions``, a diverged model) ends with one ERROR line saying what to
+fix, no traceback, and the ServerApp exits non-zero (the run's status is
+``finished:failed`` in ``flwr ls``).
+
+Tracking: when the experiment's ``tracking.enabled`` is true (the default; run config
+``fedplug-track`` overrides it), the ServerApp logs its run through
+:func:`fedplug.tracking.open_tracker`, as ``fedplug run`` does: params, tags (with
+``fedplug.runtime=flower``), per-round metrics at ``step = round``, the summary, and the
+final model as an MLflow model. The local store is ``mlflow.db`` in the project of the
+experiment file (``$DVC_ROOT``, else the file's folder, else the working folder). With
+``fedplug-out`` a resumed ServerApp continues its MLflow run (``mlflow_run.json`` there)
+and logs only the rounds the run does not hold yet.
 
 For ``flwr.simulation.run_simulation`` (which passes no run config), build the server
 app with the experiment directly: ``make_server_app(config_or_path)``.
@@ -26,10 +48,11 @@ app with the experiment directly: ``make_server_app(config_or_path)``.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -39,7 +62,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedplug.config import apply_override, read_yaml, validate_experiment, with_algorithm
 from fedplug.data.build import load_dataset
-from fedplug.errors import ConfigError
+from fedplug.errors import ConfigError, FedplugError
 from fedplug.experiment import run_info, write_json, write_yaml
 from fedplug.registry import Registry
 from fedplug.simulation.results import RunResult
@@ -56,6 +79,11 @@ from .records import number
 from .setup_phase import register_setup_phases, setup_phase_names
 from .strategy import FedplugStrategy, RoundObserver, central_evaluation
 
+if TYPE_CHECKING:
+    from fedplug.tracking import Tracker
+
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
+
 RUN_CONFIG_PATH = "fedplug-config"
 RUN_CONFIG_YAML = "fedplug-config-yaml"
 RUN_CONFIG_ALGORITHM = "fedplug-algorithm"
@@ -63,15 +91,50 @@ RUN_CONFIG_OVERRIDES = "fedplug-set"
 RUN_CONFIG_OUT = "fedplug-out"
 RUN_CONFIG_FEDERATED_EVALUATION = "fedplug-federated-evaluation"
 RUN_CONFIG_NODE_WAIT = "fedplug-node-wait-seconds"
+RUN_CONFIG_RESUME = "fedplug-resume"
+RUN_CONFIG_TRACK = "fedplug-track"
+CHECKPOINT_FILE = "checkpoint.pt"
+
+FLOWER_LOGGER = "flwr"
+"""Flower's logger: what it logs reaches ``flwr run --stream`` (the ServerApp process's
+output is streamed) and the console of ``run_simulation``."""
+DEFAULT_DATA_ROOT = "data/raw"
+"""``data.root`` when a config leaves it out (the config schema's default)."""
 
 ExperimentSource = Any
 """A validated experiment config, a dict of one, or a path to a YAML file."""
 
 
+def resolve_data_root(data: dict[str, Any], base: str | os.PathLike[str]) -> dict[str, Any]:
+    """``data`` (an experiment mapping read from a file in folder ``base``) with a
+    relative ``data.root`` made absolute against ``base``.
+
+    A Flower ServerApp runs in the SuperLink's working folder (or a SuperExec's), and
+    the nodes in theirs; reading ``data/raw`` there would download a second copy of the
+    dataset. Relative to the experiment file, it means what ``fedplug run params.yaml``
+    means. An absolute ``data.root`` and a mapping without a ``data`` section are left
+    as they are.
+    """
+    section = data.get("data")
+    if not isinstance(section, dict):
+        return data
+    root = Path(str(section.get("root", DEFAULT_DATA_ROOT))).expanduser()
+    if root.is_absolute():
+        return data
+    return {**data, "data": {**section, "root": str((Path(base) / root).resolve())}}
+
+
+def read_experiment_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The experiment mapping in YAML file ``path``, its ``data.root`` resolved against
+    the file's folder (:func:`resolve_data_root`)."""
+    return resolve_data_root(read_yaml(path), Path(path).resolve().parent)
+
+
 def load_experiment_source(source: ExperimentSource, registry: Registry | None = None) -> Any:
-    """A validated experiment config from a config, a dict or a YAML path."""
+    """A validated experiment config from a config, a dict or a YAML path (a relative
+    ``data.root`` in the file is relative to the file's folder)."""
     if isinstance(source, (str, os.PathLike)):
-        return validate_experiment(read_yaml(source), registry)
+        return validate_experiment(read_experiment_file(source), registry)
     if isinstance(source, Mapping):
         return validate_experiment(dict(source), registry)
     return source
@@ -86,7 +149,8 @@ def experiment_from_run_config(
     ``--run-config "fedplug-config='/abs/params.yaml'"`` overrides an app's inline default.
     Then ``fedplug-set`` overrides (``;``-separated ``dotted.key=value``) and
     ``fedplug-algorithm`` (an entry of ``algorithms:``) apply, as ``fedplug run``'s
-    ``--set`` and ``--algorithm`` do.
+    ``--set`` and ``--algorithm`` do. A relative ``data.root`` (the file's or an
+    override's) is resolved against the file's folder (:func:`resolve_data_root`).
 
     Raises:
         ConfigError: neither key is set, the YAML is invalid, or the experiment does not
@@ -119,7 +183,30 @@ def experiment_from_run_config(
     algorithm = str(run_config.get(RUN_CONFIG_ALGORITHM, "") or "")
     if algorithm:
         data = with_algorithm(data, algorithm)
+    if path:
+        data = resolve_data_root(data, Path(path).expanduser().resolve().parent)
     return validate_experiment(data, registry)
+
+
+class OneLineFedplugErrors(logging.Filter):
+    """On Flower's logger: a :class:`~fedplug.errors.FedplugError` that ends the ServerApp
+    already says what to fix, so Flower's "ServerApp raised an exception" with its
+    traceback becomes that one line. Other exceptions keep their traceback; the
+    ServerApp still exits non-zero and the run is marked failed (Flower does both)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, FedplugError):
+            record.msg, record.args = "fedplug stopped the run: %s", (error,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def report_fedplug_errors_in_one_line() -> None:
+    """Install :class:`OneLineFedplugErrors` on Flower's logger (once per process)."""
+    flower_log = logging.getLogger(FLOWER_LOGGER)
+    if not any(isinstance(each, OneLineFedplugErrors) for each in flower_log.filters):
+        flower_log.addFilter(OneLineFedplugErrors())
 
 
 def run_on_grid(
@@ -133,12 +220,19 @@ def run_on_grid(
     timeout: float = 3600.0,
     train_config: Mapping[str, Any] | None = None,
     observers: Iterable[RoundObserver] = (),
+    resume: bool = True,
+    track: bool | None = None,
+    algorithm: str | None = None,
+    project_root: str | os.PathLike[str] | None = None,
 ) -> tuple[RunResult, FedplugStrategy]:
     """Run one fedplug experiment on the nodes of ``grid`` (inside a ServerApp).
 
     The server loads the dataset for its held-out test set and the input shape only; the
     nodes build their own shards. With ``out_dir`` it writes what ``fedplug run`` writes:
-    ``config.yaml``, ``run_info.json``, ``metrics.json`` and ``model.pt``.
+    ``config.yaml``, ``run_info.json``, ``metrics.json``, ``model.pt`` and a per-round
+    ``checkpoint.pt``, from which a ServerApp stopped mid-run resumes (the same
+    experiment and out_dir, after its last finished round; a checkpoint of another
+    experiment stops the run with one line saying so).
 
     Args:
         grid: the ServerApp's grid.
@@ -150,6 +244,18 @@ def run_on_grid(
         timeout: bound of each message exchange, seconds.
         train_config: extra entries for every train message's ConfigRecord.
         observers: called with every round's record.
+        resume: with ``out_dir``, continue after the last round of ``checkpoint.pt``
+            there (the strategy saves it after every round) when it holds this run;
+            False starts over (the old checkpoint is deleted).
+        track: log the run through :func:`fedplug.tracking.open_tracker` (default None:
+            the experiment's ``tracking.enabled``). A resumed run (a checkpoint in
+            ``out_dir``) continues the MLflow run recorded there.
+        algorithm: the label of the tracked run (its name
+            ``<dataset>-<algorithm>-seed<seed>`` and tag ``fedplug.algorithm``; default
+            the aggregator's name).
+        project_root: folder of the default local store ``mlflow.db`` (default: the
+            project of ``experiment`` when it is a path, see
+            :func:`fedplug.project.project_root`, else ``$DVC_ROOT`` or the working folder).
 
     Returns:
         The run's :class:`RunResult` and the strategy (its ``final_vector``, ``model``).
@@ -158,19 +264,133 @@ def run_on_grid(
         from fedplug.plugins import default_registry
 
         registry = default_registry()
+    source_path = experiment if isinstance(experiment, (str, os.PathLike)) else None
     experiment = load_experiment_source(experiment, registry)
     dataset = load_dataset(experiment.data, registry)
     device = resolve_device(experiment.train.device)
+    out = Path(out_dir) if out_dir else None
+    checkpoint = out / CHECKPOINT_FILE if out is not None else None
+    if checkpoint is not None and not resume:
+        checkpoint.unlink(missing_ok=True)
+    resuming = checkpoint is not None and checkpoint.exists()
+    tracker = open_server_tracker(
+        experiment,
+        out,
+        track=track,
+        algorithm=algorithm,
+        project_root=project_root if project_root is not None else _project_of(source_path),
+        resume=resuming,
+    )
+    with tracker:  # FINISHED on success; FAILED (kept for resuming) on an error
+        run_result, strategy = _run_tracked(
+            grid,
+            experiment,
+            dataset,
+            device,
+            out,
+            checkpoint,
+            resuming,
+            tracker,
+            registry=registry,
+            federated_evaluation=federated_evaluation,
+            node_wait_seconds=node_wait_seconds,
+            timeout=timeout,
+            train_config=train_config,
+            observers=observers,
+        )
+    return run_result, strategy
+
+
+def open_server_tracker(
+    experiment: Any,
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    track: bool | None = None,
+    algorithm: str | None = None,
+    project_root: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    tags: Mapping[str, str] | None = None,
+) -> Tracker:
+    """The tracker of a Flower server run (:func:`fedplug.tracking.open_tracker` with the
+    Flower runtime's tags); a tracker that logs nothing when tracking is off.
+
+    Args:
+        experiment: the validated experiment config.
+        out_dir: the run's output folder (keeps ``mlflow_run.json`` for resuming; default
+            None: nothing to resume).
+        track: default None: ``experiment.tracking.enabled``.
+        algorithm: the run's label: its name ``<dataset>-<algorithm>-seed<seed>`` and tag
+            ``fedplug.algorithm`` (default: the aggregator's name).
+        project_root: folder of the default local store (default: ``$DVC_ROOT`` or the
+            working folder).
+        resume: continue the MLflow run recorded in ``out_dir`` (default True).
+        tags: extra tags (default none).
+    """
+    from fedplug.tracking import open_tracker
+
+    label = algorithm or experiment.train.aggregator.name
+    seed = experiment.train.seed
+    tracker = open_tracker(
+        experiment,
+        out_dir,
+        run_name=f"{experiment.data.dataset.name}-{label}-seed{seed}",
+        tags={
+            "fedplug.algorithm": label,
+            "fedplug.seed": str(seed),
+            "fedplug.runtime": "flower",
+            **dict(tags or {}),
+        },
+        resume=resume,
+        project_root=project_root if project_root is not None else _project_of(None),
+        enabled=track,
+    )
+    if tracker.run_id is not None:
+        logger.info(
+            "fedplug: MLflow run %s in %s%s",
+            tracker.run_id,
+            tracker.uri,
+            " (resumed)" if tracker.resumed else "",
+        )
+    return tracker
+
+
+def _project_of(source_path: str | os.PathLike[str] | None) -> Path:
+    from fedplug.project import project_root
+
+    return project_root(source_path)
+
+
+def _run_tracked(
+    grid: Grid,
+    experiment: Any,
+    dataset: Any,
+    device: Any,
+    out: Path | None,
+    checkpoint: Path | None,
+    resuming: bool,
+    tracker: Tracker,
+    *,
+    registry: Registry,
+    federated_evaluation: bool,
+    node_wait_seconds: float,
+    timeout: float,
+    train_config: Mapping[str, Any] | None,
+    observers: Iterable[RoundObserver],
+) -> tuple[RunResult, FedplugStrategy]:
+    if tracker.enabled:
+        observers = [*observers, tracker.log_round]
     strategy = FedplugStrategy(
         experiment.train,
         num_clients=experiment.data.num_clients,
         num_classes=dataset.num_classes,
+        query_nodes=True,  # the ready ClientApp answers it: client k is partition-id k
         input_shape=tuple(dataset.input_shape),
         registry=registry,
         message_config=experiment_message_config(experiment),
         federated_evaluation=federated_evaluation,
         node_wait_seconds=node_wait_seconds,
         target_accuracy=experiment.study.target_accuracy,
+        checkpoint_path=checkpoint,
         observers=observers,
     )
     test_x = torch.as_tensor(dataset.test_x, dtype=torch.float32).to(device)
@@ -178,11 +398,10 @@ def run_on_grid(
     evaluate_fn = central_evaluation(
         copy.deepcopy(strategy.model), test_x, test_y, experiment.train.eval_batch_size
     )
-    out = Path(out_dir) if out_dir else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_yaml(out / "config.yaml", experiment.model_dump(mode="json"))
-        write_json(out / "run_info.json", {**run_info(), "runtime": "flower"})
+    if out is not None and not resuming:
+        # A resumed run keeps the config.yaml that belongs to its checkpoint until the
+        # strategy has checked the checkpoint against this experiment.
+        _write_run_description(out, experiment)
     strategy.start(
         grid,
         timeout=timeout,
@@ -193,9 +412,25 @@ def run_on_grid(
     if run_result is None:
         raise RuntimeError("FedplugStrategy.start finished without a result")
     if out is not None:
+        if resuming:
+            _write_run_description(out, experiment)
         write_json(out / "metrics.json", run_result.summary())
         torch.save(strategy.model.state_dict(), out / "model.pt")
+    if tracker.enabled:
+        # The rounds a resumed checkpoint restored (or that ended before an observer saw
+        # them) are logged here; the tracker skips those the MLflow run already holds.
+        tracker.log_result(run_result)
+        tracker.log_model(copy.deepcopy(strategy.model).cpu(), test_x[:5].cpu())
+        if out is not None:
+            for name in ("config.yaml", "run_info.json", "metrics.json"):
+                tracker.log_artifacts({"": out / name})  # one call each: the key is the folder
     return run_result, strategy
+
+
+def _write_run_description(out: Path, experiment: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_yaml(out / "config.yaml", experiment.model_dump(mode="json"))
+    write_json(out / "run_info.json", {**run_info(), "runtime": "flower"})
 
 
 def make_server_app(
@@ -204,6 +439,7 @@ def make_server_app(
     out_dir: str | os.PathLike[str] | None = None,
     federated_evaluation: bool | None = None,
     on_result: Callable[[RunResult, FedplugStrategy], None] | None = None,
+    track: bool | None = None,
 ) -> ServerApp:
     """A ServerApp that runs ``experiment`` (default: the one the run config names).
 
@@ -212,22 +448,38 @@ def make_server_app(
         out_dir: output folder (default: run config ``fedplug-out``, else none).
         federated_evaluation: default: run config ``fedplug-federated-evaluation``, else True.
         on_result: called with the result when the run ends (in-process runs and tests).
+        track: log the run to MLflow (default: run config ``fedplug-track``, else the
+            experiment's ``tracking.enabled``).
     """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        report_fedplug_errors_in_one_line()
         run_config = context.run_config
         chosen = experiment if experiment is not None else experiment_from_run_config(run_config)
         evaluation = federated_evaluation
         if evaluation is None:
             evaluation = bool(run_config.get(RUN_CONFIG_FEDERATED_EVALUATION, True))
+        tracking = track
+        if tracking is None and RUN_CONFIG_TRACK in run_config:
+            tracking = bool(run_config[RUN_CONFIG_TRACK])
+        config_path = str(run_config.get(RUN_CONFIG_PATH, "") or "") or None
+        source_path = chosen if isinstance(chosen, (str, os.PathLike)) else config_path
+        # fedplug-algorithm labels the run only when the run config chose the experiment.
+        algorithm = ""
+        if experiment is None:
+            algorithm = str(run_config.get(RUN_CONFIG_ALGORITHM, "") or "")
         result, strategy = run_on_grid(
             grid,
             chosen,
             out_dir=out_dir or (str(run_config.get(RUN_CONFIG_OUT, "")) or None),
             federated_evaluation=evaluation,
             node_wait_seconds=number(run_config, RUN_CONFIG_NODE_WAIT, 300.0),
+            resume=bool(run_config.get(RUN_CONFIG_RESUME, True)),
+            track=tracking,
+            algorithm=algorithm or None,
+            project_root=_project_of(source_path),
         )
         if on_result is not None:
             on_result(result, strategy)

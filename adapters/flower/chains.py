@@ -12,17 +12,27 @@ the round core's own rule (:func:`fedplug.federated_round.unusable`): a chain wh
 member failed stops there. What the chains end with becomes one
 :class:`~fedplug.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
 the round core screens, logs and aggregates as on every runtime.
+
+A stock ClientApp's reply (``arrays`` and ``metrics`` with ``num-examples``, none of
+fedplug's keys) is a full answer: the client id defaults to the one asked, steps and
+seconds to 0. A reply that lacks the client extras a component needs (SCAFFOLD's
+``delta_c``) or a reply metric it reads (QFedAvg's ``train_loss``, which Flower's
+quickstart ClientApp reports) stops the run with the line saying what the ClientApp must
+add.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.errors import TrainingError
 from fedplug.federated_round import ClientFailure, Outcome, chain_update, unusable
 
 from .records import (
@@ -39,7 +49,7 @@ from .records import (
     record_to_vector,
 )
 
-logger = logging.getLogger("fedplug.adapters.flower")
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -55,6 +65,7 @@ class ChainProgress:
     steps: int = 0
     seconds: float = 0.0
     extras: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     failure: str | None = None
 
     @property
@@ -74,7 +85,10 @@ class RoundInProgress:
     """The chains of one round, advanced one exchange at a time.
 
     ``layout`` is the model's (name, shape) layout, to decode replies; ``timeout`` is
-    ``train.failures.client_timeout_seconds``, checked on intermediate members too.
+    ``train.failures.client_timeout_seconds``, checked on intermediate members too;
+    ``required_extras`` the keys every reply's extras must hold, ``required_metrics`` the
+    numbers every reply's metrics must hold (``ClientNeeds.reply_metrics``), and
+    ``requirement`` the line raised when one lacks them.
     """
 
     server_round: int
@@ -82,7 +96,12 @@ class RoundInProgress:
     global_vector: Tensor
     layout: Layout
     timeout: float | None = None
+    required_extras: tuple[str, ...] = ()
+    requirement: str | None = None
+    required_metrics: tuple[str, ...] = ()
     chains: list[ChainProgress] = field(default_factory=list)
+    replies: list[RecordDict] = field(default_factory=list)
+    """The content of every member's usable reply, for the clients' metrics."""
 
     def __post_init__(self) -> None:
         self.chains = [ChainProgress(list(chain), self.global_vector) for chain in self.plan.chains]
@@ -121,6 +140,8 @@ class RoundInProgress:
             reason = self._advance(chain, client_id, reply)
             if reason is not None:
                 chain.fail(f"client {client_id} {reason}")
+            else:
+                self.replies.append(reply.content)
         for client_id, chain in waiting.items():
             if client_id not in answered:
                 chain.fail(f"client {client_id} sent no reply in time")
@@ -130,29 +151,55 @@ class RoundInProgress:
         if reply.has_error():
             return f"raised during training: {reply.error.reason}"
         content = reply.content
-        if MODEL_KEY not in content.array_records or METRICS_KEY not in content.metric_records:
+        model = _single(content.array_records, MODEL_KEY, exclude=EXTRAS_KEY)
+        metrics = _single(content.metric_records, METRICS_KEY)
+        if model is None or metrics is None:
             return f"replied without {MODEL_KEY!r} and {METRICS_KEY!r} records"
-        metrics = content.metric_records[METRICS_KEY]
         try:
             answered_as = integer(metrics, CLIENT_ID, client_id)
-            samples = integer(metrics, NUM_EXAMPLES, 0)
+            samples = integer(metrics, NUM_EXAMPLES, -1)
             steps = integer(metrics, NUM_STEPS, 0)
             seconds = number(metrics, SECONDS, 0.0)
+            reported = {
+                name: number(metrics, name) for name in self.required_metrics if name in metrics
+            }
         except ValueError as error:
             return f"sent malformed metrics: {error}"
+        if samples < 0:
+            if self.plan.weighting == "samples":
+                return f"sent no {NUM_EXAMPLES!r} in its metrics (the weight of its model)"
+            samples = 0
         if answered_as != client_id:
             return f"answered as client {answered_as}, not as client {client_id}"
         try:
-            vector = record_to_vector(content.array_records[MODEL_KEY], self.layout)
+            vector = record_to_vector(model, self.layout)
         except ValueError as error:
             return str(error)
+        extras = record_to_tensors(content.array_records.get(EXTRAS_KEY))
+        missing = [key for key in self.required_extras if key not in extras]
+        if missing:
+            # Not a transient failure: every retry would fail alike, so stop with the fix.
+            raise TrainingError(
+                f"round {self.server_round}: client {client_id} "
+                f"(node {reply.metadata.src_node_id}) "
+                f"replied without {EXTRAS_KEY!r} {missing}; {self.requirement}"
+            )
+        unreported = [name for name in self.required_metrics if name not in reported]
+        if unreported:
+            raise TrainingError(
+                f"round {self.server_round}: client {client_id} "
+                f"(node {reply.metadata.src_node_id}) "
+                f"replied without {unreported} in its {METRICS_KEY!r}; {self.requirement}"
+            )
         chain.vector = vector
-        chain.extras = record_to_tensors(content.array_records.get(EXTRAS_KEY))
+        chain.extras = extras
+        chain.metrics = reported
         chain.samples += samples
         chain.steps += steps
         chain.seconds += seconds
         chain.position += 1
         if chain.position < len(chain.chain):  # the last member's model is screened by the core
+            # Only the last member's metrics are the chain's, screened by the core.
             return unusable(self._update(chain), tuple(self.global_vector.shape), self.timeout)
         return None
 
@@ -165,6 +212,7 @@ class RoundInProgress:
             extras=chain.extras,
             plan=self.plan,
             seconds=chain.seconds,
+            metrics=chain.metrics,
         )
 
     def outcomes(self) -> list[Outcome]:
@@ -176,3 +224,12 @@ class RoundInProgress:
             else self._update(chain)
             for chain in self.chains
         ]
+
+
+def _single(records: Mapping[str, Any], key: str, exclude: str | None = None) -> Any:
+    """``records[key]``, else the only record when there is exactly one (besides
+    ``exclude``), as Flower's strategies read a reply; ``None`` otherwise."""
+    if key in records:
+        return records[key]
+    others = [value for name, value in records.items() if name != exclude]
+    return others[0] if len(others) == 1 else None

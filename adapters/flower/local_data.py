@@ -6,11 +6,16 @@ them) and inputs it can index with a tensor of sample ids. In-memory tensors are
 they are; a map-style dataset (or the dataset behind a DataLoader) is wrapped in
 :class:`IndexedInputs`, which loads and collates exactly the samples of each batch, so
 the user's transforms still run per sample and nothing is copied up front.
+
+A sample is an ``(input, label, ...)`` tuple or, as flwr-datasets and Hugging Face
+``datasets`` give them, a dict such as ``{"img": ..., "label": ...}``: the label is under
+``label_key`` (default ``"label"``) and the input under ``input_key`` (default: the one
+key besides the label and :data:`SAMPLE_ID_KEY`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,31 +26,75 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from fedplug.errors import DataError
 
+DEFAULT_LABEL_KEY = "label"
+"""The label's key in a dict sample (flwr-datasets' CIFAR-10 and MNIST use it)."""
+SAMPLE_ID_KEY = "sample_id"
+"""The key :func:`with_sample_ids` adds to a dict sample."""
+
+
+def input_of(batch: Any, label_key: str = DEFAULT_LABEL_KEY, input_key: str | None = None) -> Any:
+    """The inputs of a sample or a collated batch: ``batch[input_key]`` of a dict (by
+    default its one key besides ``label_key`` and :data:`SAMPLE_ID_KEY`), else the first
+    element of a tuple, else ``batch`` itself.
+
+    Raises:
+        DataError: a dict batch whose input key is ambiguous or absent.
+    """
+    if isinstance(batch, Mapping):
+        if input_key is not None:
+            if input_key not in batch:
+                raise DataError(
+                    f"the samples have no key {input_key!r} (they have {sorted(batch)}); "
+                    "pass input_key= naming the inputs"
+                )
+            return batch[input_key]
+        candidates = [key for key in batch if key not in (label_key, SAMPLE_ID_KEY)]
+        if len(candidates) != 1:
+            raise DataError(
+                f"cannot tell the inputs among the keys {sorted(batch)} of the samples; pass "
+                "input_key= naming them (and label_key= when the label is not 'label')"
+            )
+        return batch[candidates[0]]
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    return batch
+
 
 class IndexedInputs:
     """Inputs of a map-style dataset, indexed by a tensor of sample ids.
 
     Args:
-        dataset: any object with ``__len__`` and ``__getitem__(i) -> (input, label, ...)``.
+        dataset: any object with ``__len__`` and ``__getitem__(i)`` giving an
+            ``(input, label, ...)`` tuple or a dict sample.
         device: where the collated batch goes (the model's device).
         collate: how a list of samples becomes a batch (default
-            ``torch.utils.data.default_collate``); only the first element of its result
-            (the inputs) is used.
+            ``torch.utils.data.default_collate``); only the inputs of its result are used
+            (:func:`input_of`).
+        label_key: the label's key in a dict sample (default ``"label"``).
+        input_key: the inputs' key in a dict sample (default: the one other key).
     """
 
     def __init__(
-        self, dataset: Any, device: torch.device, collate: Callable[[list[Any]], Any] | None = None
+        self,
+        dataset: Any,
+        device: torch.device,
+        collate: Callable[[list[Any]], Any] | None = None,
+        *,
+        label_key: str = DEFAULT_LABEL_KEY,
+        input_key: str | None = None,
     ) -> None:
         self.dataset = dataset
         self.device = device
         self.collate = collate or default_collate
+        self.label_key = label_key
+        self.input_key = input_key
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, sample_ids: Tensor) -> Tensor:
         batch = self.collate([self.dataset[int(i)] for i in sample_ids.tolist()])
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        inputs = input_of(batch, self.label_key, self.input_key)
         return torch.as_tensor(inputs).to(self.device)
 
 
@@ -73,28 +122,65 @@ class LocalData:
         return np.bincount(labels, minlength=num_classes).astype(np.int64)
 
 
-def _labels_of(dataset: Any) -> Tensor:
-    """All labels of a map-style dataset: its ``targets`` attribute (torchvision) when it
-    has one of the right length, else the second element of every sample."""
-    targets = getattr(dataset, "targets", None)
-    if targets is not None and len(targets) == len(dataset):
-        return torch.as_tensor(np.asarray(targets), dtype=torch.long)
+def labels_of(data: Any, label_key: str = DEFAULT_LABEL_KEY) -> np.ndarray:
+    """All labels of a client's training data, as int64, without running its transforms
+    where the data allow it.
+
+    ``data`` is a DataLoader (its dataset is read), labels themselves (a tensor, an array,
+    a list of ints), a Hugging Face ``datasets.Dataset`` (the ``label_key`` column, read
+    with its format reset so that no image transform runs), a dataset with a
+    ``targets`` attribute of its length (torchvision), or any map-style dataset of
+    ``(input, label, ...)`` tuples or dict samples (every sample is read).
+
+    Raises:
+        DataError: a sample is neither such a tuple nor a dict with ``label_key``.
+    """
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if isinstance(data, (Tensor, np.ndarray)):
+        return np.asarray(torch.as_tensor(data).cpu(), dtype=np.int64).reshape(-1)
+    if isinstance(data, (list, tuple)) and all(
+        isinstance(value, (int, np.integer)) for value in data
+    ):
+        return np.asarray(data, dtype=np.int64)
+    columns = getattr(data, "column_names", None)
+    if isinstance(columns, list) and label_key in columns and hasattr(data, "with_format"):
+        # A Hugging Face Dataset: one column read, its user transform not run.
+        return np.asarray(list(data.with_format(None)[label_key]), dtype=np.int64)
+    targets = getattr(data, "targets", None)
+    if targets is not None and len(targets) == len(data):
+        return np.asarray(targets, dtype=np.int64)
     labels = []
-    for index in range(len(dataset)):
-        sample = dataset[index]
-        if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+    for index in range(len(data)):
+        sample = data[index]
+        if isinstance(sample, Mapping) and label_key in sample:
+            labels.append(int(sample[label_key]))
+        elif isinstance(sample, (tuple, list)) and len(sample) >= 2:
+            labels.append(int(sample[1]))
+        else:
+            found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
             raise DataError(
-                "each sample of the dataset must be an (input, label) pair; got "
-                f"{type(sample).__name__} at index {index}"
+                f"sample {index} of the dataset has no label: expected an (input, label) pair or "
+                f"a dict with key {label_key!r} (pass label_key= for another key), got {found}"
             )
-        labels.append(int(sample[1]))
-    return torch.as_tensor(labels, dtype=torch.long)
+    return np.asarray(labels, dtype=np.int64)
 
 
-def as_local_data(data: Any, device: torch.device | str = "cpu") -> LocalData:
+def _labels_of(dataset: Any, label_key: str = DEFAULT_LABEL_KEY) -> Tensor:
+    return torch.as_tensor(labels_of(dataset, label_key), dtype=torch.long)
+
+
+def as_local_data(
+    data: Any,
+    device: torch.device | str = "cpu",
+    *,
+    label_key: str = DEFAULT_LABEL_KEY,
+    input_key: str | None = None,
+) -> LocalData:
     """Accept ``(inputs, labels)`` tensors, a ``TensorDataset``, any map-style
-    ``Dataset``, a ``DataLoader`` over one, or a fedplug ``ClientData`` (its training
-    split).
+    ``Dataset`` (tuple or dict samples, a Hugging Face ``Dataset`` too), a ``DataLoader``
+    over one, or a fedplug ``ClientData`` (its training split). ``label_key`` and
+    ``input_key`` name the parts of a dict sample (see :func:`input_of`).
 
     Raises:
         DataError: the data has another form, or the inputs and labels differ in length.
@@ -116,18 +202,27 @@ def as_local_data(data: Any, device: torch.device | str = "cpu") -> LocalData:
         )
         if inner is None:
             inner = LocalData(
-                IndexedInputs(data.dataset, device, data.collate_fn),
-                _labels_of(data.dataset).to(device),
+                IndexedInputs(
+                    data.dataset,
+                    device,
+                    data.collate_fn,
+                    label_key=label_key,
+                    input_key=input_key,
+                ),
+                _labels_of(data.dataset, label_key).to(device),
             )
         inner.batch_size = data.batch_size
         return inner
     if isinstance(data, TensorDataset) and len(data.tensors) == 2:
         return _from_tensors(data.tensors[0], data.tensors[1], device)
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        return LocalData(IndexedInputs(data, device), _labels_of(data).to(device))
+        return LocalData(
+            IndexedInputs(data, device, label_key=label_key, input_key=input_key),
+            _labels_of(data, label_key).to(device),
+        )
     raise DataError(
         f"cannot train on a {type(data).__name__}; pass (inputs, labels) tensors, a "
-        "map-style torch Dataset of (input, label) pairs, or a DataLoader over one"
+        "map-style dataset of (input, label) pairs or dict samples, or a DataLoader over one"
     )
 
 
@@ -141,3 +236,41 @@ def batches(data: LocalData, batch_size: int) -> Sequence[Tensor]:
     """Sample ids of consecutive evaluation batches."""
     ids = torch.arange(data.num_samples, device=data.labels.device)
     return torch.split(ids, batch_size)
+
+
+class SampleIds(Dataset):
+    """A map-style dataset whose samples also carry their index (see
+    :func:`with_sample_ids`)."""
+
+    def __init__(self, dataset: Any, key: str = SAMPLE_ID_KEY) -> None:
+        self.dataset = dataset
+        self.key = key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.dataset[index]
+        if isinstance(sample, Mapping):
+            return {**sample, self.key: index}
+        if isinstance(sample, (tuple, list)):
+            return (*sample, index)
+        return (sample, index)
+
+    def __getattr__(self, name: str) -> Any:
+        # targets, column_names, ...: what labels_of reads, from the wrapped dataset.
+        # Not dunders: a Hugging Face Dataset's __getitems__ would make a DataLoader
+        # fetch its rows directly, without the sample ids.
+        if name in ("dataset", "key") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def with_sample_ids(dataset: Any, key: str = SAMPLE_ID_KEY) -> SampleIds:
+    """``dataset`` with each sample's index in the client's training set added: under
+    ``key`` (default ``"sample_id"``) in a dict sample, as the last element of a tuple
+    sample. A loss that weighs each sample (FedDisk's weights) reads the batch's ids:
+    ``criterion(model(batch["img"]), batch["label"], batch["sample_id"])``. Wrap the
+    dataset in its own order (the order the client's setup phase saw), before any
+    shuffling DataLoader."""
+    return SampleIds(dataset, key)

@@ -7,35 +7,35 @@ For unit tests and for debugging a strategy step by step. Each node has its own
 replies are deep-copied on the way, as serialisation would, so neither side can see the
 other's objects. A ClientApp that raises gets an error reply, as under the Flower
 runtimes. Delivery is sequential, in message order.
+
+The two Flower internals a grid needs (``Run``, ``TaskIdentity``) come from
+:mod:`.internals`, the one module of fedplug outside Flower's public API.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
-LOOPBACK_RUN_ID = 1
-SERVER_NODE_ID = 1
+from .internals import LOOPBACK_RUN_ID, SERVER_NODE_ID, empty_run, ensure_task_identity
+
+__all__ = [
+    "CLIENT_APP_RAISED_EXCEPTION",
+    "FIRST_NODE_ID",
+    "LOOPBACK_RUN_ID",
+    "SERVER_NODE_ID",
+    "LoopbackGrid",
+    "ensure_task_identity",
+]
+
 FIRST_NODE_ID = 1000
 CLIENT_APP_RAISED_EXCEPTION = 1
 """Flower's ``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``."""
-
-
-def ensure_task_identity() -> None:
-    """Give this process the identity a ServerApp has under a Flower runtime, which the
-    :class:`~flwr.app.Message` constructor reads (left alone when one is set)."""
-    try:
-        _ = (TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id)
-    except RuntimeError:
-        TaskIdentity.run_id = LOOPBACK_RUN_ID
-        TaskIdentity.node_id = SERVER_NODE_ID
-        TaskIdentity.task_id = 1
 
 
 class LoopbackGrid(Grid):
@@ -77,14 +77,15 @@ class LoopbackGrid(Grid):
         """Node ids that answer; remove one to simulate a node that left."""
         self.delivered: list[Message] = []
         """Every message delivered, in order (what the server sent)."""
-        self._run = Run.create_empty(run_id=LOOPBACK_RUN_ID)
+        self._run = empty_run(LOOPBACK_RUN_ID)
         self._pending: dict[str, Message] = {}
 
-    def set_run(self, run: Run) -> None:
+    def set_run(self, run: Any) -> None:
+        # A Run from Flower 1.35 on, a run id before: stored, never read here.
         self._run = run
 
     @property
-    def run(self) -> Run:
+    def run(self) -> Any:
         return self._run
 
     def create_message(

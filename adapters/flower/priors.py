@@ -1,18 +1,23 @@
-"""Before round 1: ask every node for its class counts, by a Flower ``query`` message.
+"""Before round 1: which node holds which client, and (when a component asks) every
+node's class counts, by a Flower ``query`` message.
 
 FedShift's global prior ``P(y)`` and FedGSP's grouping need the K x C class-count matrix
-of all clients. The built-in simulator reads it from the federation; on Flower the server
-sends one ``query`` message to each node and every node answers with its partition id and
-its C class counts (:meth:`FedplugTrainer.describe`), never with data. The server then
-prepares the loss transform and the grouper from the gathered matrix, exactly as the
-simulator does from its own.
+of all clients (``ClientNeeds.class_counts``). The built-in simulator reads it from the
+federation; on Flower the server sends one ``query`` message to each node and every node
+answers with its partition id and its C class counts (:meth:`FedplugTrainer.describe`),
+never with data. The server then prepares the loss transform and the grouper from the
+gathered matrix, exactly as the simulator does from its own.
+
+When nothing needs the counts, no query is sent (a stock ClientApp has no ``query``
+handler): clients are numbered in the order of the node ids
+(:func:`node_order_directory`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +38,7 @@ from .records import (
     integer,
 )
 
-logger = logging.getLogger("fedplug.adapters.flower")
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,51 @@ class ClassCounts:
         object.__setattr__(self, "num_clients", int(self.class_counts.shape[0]))
 
 
+NO_QUERY_HANDLER = "No query function registered"
+"""What a Flower 1.41 ClientApp without ``@app.query()`` answers a query with."""
+
+
 @dataclass(frozen=True)
 class NodeDirectory:
     """Which node holds which fedplug client, and the clients' class counts."""
 
     node_of: dict[int, int]
     """client id -> Flower node id."""
-    class_counts: np.ndarray
-    """K x C."""
+    class_counts: np.ndarray | None
+    """K x C, or ``None`` when no node was asked (nothing needed them)."""
 
     @property
-    def sizes(self) -> np.ndarray:
+    def num_clients(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def sizes(self) -> np.ndarray | None:
+        """The clients' training-set sizes (``None`` when the counts are unknown)."""
+        if self.class_counts is None:
+            return None
         sizes: np.ndarray = self.class_counts.sum(axis=1)
         return sizes
+
+    def counts_or_zeros(self, num_classes: int | None) -> np.ndarray:
+        """The class counts, or K x C zeros when none were gathered (what
+        :meth:`fedplug.components.Grouper.prepare` receives then)."""
+        if self.class_counts is not None:
+            return self.class_counts
+        return np.zeros((self.num_clients, num_classes or 0), dtype=np.int64)
+
+
+def node_order_directory(node_ids: Sequence[int], num_clients: int) -> NodeDirectory:
+    """Clients 0..K-1 on the first K of the sorted ``node_ids`` (no query sent).
+
+    Extra nodes are ignored with a warning.
+    """
+    chosen = sorted(node_ids)[:num_clients]
+    extra = sorted(node_ids)[num_clients:]
+    if extra:
+        logger.warning(
+            "ignoring %d nodes beyond the %d clients: %s", len(extra), num_clients, extra
+        )
+    return NodeDirectory(node_of=dict(enumerate(chosen)), class_counts=None)
 
 
 def wait_for_nodes(grid: Grid, count: int, wait_seconds: float) -> list[int]:
@@ -90,6 +127,8 @@ def gather_class_counts(
     config: Mapping[str, Any] | None = None,
     wait_seconds: float = 300.0,
     timeout: float | None = None,
+    node_ids: Sequence[int] | None = None,
+    requirement: str | None = None,
 ) -> NodeDirectory:
     """Query every node for its partition id and class counts.
 
@@ -106,12 +145,18 @@ def gather_class_counts(
             experiment here).
         wait_seconds: how long to wait for K nodes to connect (default 300).
         timeout: how long to wait for the replies (default: no limit).
+        node_ids: the nodes to ask (default: every connected node, once at least
+            ``num_clients`` are connected).
+        requirement: the one line that says what the ClientApp must add, raised when a
+            node has no query handler (default: a generic hint).
 
     Raises:
         TrainingError: a node failed to answer, or the partition ids do not cover
             0..K-1 exactly once; the message names the node and says what to fix.
     """
-    node_ids = wait_for_nodes(grid, num_clients, wait_seconds)
+    if node_ids is None:
+        node_ids = wait_for_nodes(grid, num_clients, wait_seconds)
+    node_ids = sorted(node_ids)
     entries: dict[str, Any] = {NUM_CLIENTS: num_clients, NUM_CLASSES: num_classes, **(config or {})}
     messages = [
         Message(
@@ -130,15 +175,20 @@ def gather_class_counts(
             raise TrainingError(
                 f"node {node} did not answer the class-count query within {timeout}s"
             )
+        hint = requirement or (
+            "its ClientApp needs a query handler: `@app.query()` returning "
+            "trainer.describe(data, message, context)"
+        )
         if reply.has_error():
+            if NO_QUERY_HANDLER in reply.error.reason:
+                raise TrainingError(f"node {node} has no @app.query() handler; {hint}")
             raise TrainingError(
                 f"node {node} failed to report its class counts: {reply.error.reason}"
             )
         metrics = reply.content.metric_records.get(METRICS_KEY)
         if metrics is None or CLASS_COUNTS not in metrics:
             raise TrainingError(
-                f"node {node} answered the class-count query without {CLASS_COUNTS!r}; its ClientApp "
-                "needs a query handler: `@app.query()` returning trainer.describe(data, message, context)"
+                f"node {node} answered the class-count query without {CLASS_COUNTS!r}; {hint}"
             )
         values = metrics[CLASS_COUNTS]
         counts = [int(value) for value in values] if isinstance(values, list) else []

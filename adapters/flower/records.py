@@ -56,6 +56,10 @@ CHAIN_POSITION = "fedplug.chain-position"
 NUM_EXAMPLES = "num-examples"
 """Flower's weighting key, so stock strategies can aggregate fedplug replies."""
 NUM_STEPS = "fedplug.num-steps"
+REPLY_METRICS = "fedplug.reply-metrics"
+"""In a train message's config: the names of the metrics the server's components read
+from every reply (``ClientNeeds.reply_metrics``, e.g. ``["train_loss"]``); absent when
+none."""
 SECONDS = "fedplug.seconds"
 CLASS_COUNTS = "fedplug.class-counts"
 PARTITION_ID = "fedplug.partition-id"

@@ -1,26 +1,36 @@
 """Server side: a Flower strategy (Message API) that runs any fedplug train config.
 
-:class:`FedplugStrategy` moves models and messages; the round itself is
+:class:`FedplugStrategy` is a Flower strategy like ``FedAvg``: Flower's own
+``Strategy.start`` drives it (its :meth:`~FedplugStrategy.start` is that one, plus
+fedplug's record and checkpoint), and strategies that wrap another (the DP fixed-clipping
+wrappers) can wrap it. It moves models and messages; the round itself is
 :class:`fedplug.federated_round.RoundCore`'s, the same as the simulator's:
 
-1. **setup** (once): a ``query`` message asks every node for its class counts
-   (:mod:`.priors`); that also tells which node holds which client. The loss transform is
-   prepared from the counts (FedShift's prior), then its setup phase, if it declares one,
-   runs over messages (FedDisk's density models; the result stays on the nodes). The
-   grouper is prepared from the counts too (FedGSP's clusters).
-2. **each round**: the core plans it (sampling and the grouper's chains, with the
-   simulator's random streams); one exchange per chain position (:mod:`.chains`), a
-   chain's model handed to its next member through the server. The aggregator's server
-   payload (SCAFFOLD's c) goes down with every model, its client extras (SCAFFOLD's
-   delta_c, FedNova's a_k) come back in the reply, ``fedplug.num-steps`` carries the
-   local step count.
+1. **setup** (once, inside the first ``configure_train``): the nodes are counted (K
+   fixed by ``num_clients``, or the nodes connected, Flower's way); only when a component
+   needs them (``ClientNeeds.class_counts``), a ``query`` message asks every node for its
+   class counts (:mod:`.priors`), which also tells which node holds which client;
+   otherwise clients follow the node ids' order. The loss transform is prepared from the
+   counts (FedShift's prior), then its setup phase, if it declares one, runs over
+   messages (FedDisk's density models; the result stays on the nodes). The grouper is
+   prepared from the counts too (FedGSP's clusters). A config that needs more from the
+   clients than ``arrays`` and ``num-examples`` is named in one line
+   (:mod:`.requirements`).
+2. **each round**: the round is planned (sampling, with the simulator's random
+   streams, and the grouper's chains); one exchange per chain position (:mod:`.chains`),
+   a chain's model handed to its next member through the server. The aggregator's
+   server payload (SCAFFOLD's c) goes down with every model, its client extras
+   (SCAFFOLD's delta_c, FedNova's a_k) come back in the reply, ``fedplug.num-steps``
+   carries the local step count.
 3. **screen, aggregate or retry**: every chain becomes a ``ClientUpdate`` or a
    ``ClientFailure``, and :meth:`RoundCore.run` screens them, aggregates, and retries
    the round under ``train.failures``; clients that trained in a failed attempt start
-   again from the state they had (see :func:`.trainer.load_client_state`).
-4. **evaluate and record**: ``evaluate_fn`` (central, on the server's test set) and,
-   optionally, an ``evaluate`` message to every node for its local test split; the core
-   writes the round's record.
+   again from the state they had (see :func:`.trainer.load_client_state`). The clients'
+   own metrics are averaged weighted by ``num-examples``, as Flower's strategies do.
+4. **evaluate and record**: ``evaluate_fn`` (central, on the server's test set; also at
+   round 0, as Flower calls it) and, optionally, an ``evaluate`` message to every node
+   for its local test split; the core writes the round's record, and with
+   ``checkpoint_path`` the run is saved after every round and resumed from there.
 
 A component that needs every client's raw data in one place (``ClientNeeds.pooled_data``,
 FedDiskAb) is refused with the component's own reason.
@@ -28,33 +38,52 @@ FedDiskAb) is refused with the component's own reason.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import Tensor, nn
 
-from fedplug.cost_model import LinkAndDevice
 from fedplug.components import PhaseCost, RoundPlan
 from fedplug.config import validate_section
-from fedplug.errors import ConfigError
-from fedplug.federated_round import Attempt, Evaluation, Outcome, RoundCore, client_needs
+from fedplug.cost_model import LinkAndDevice
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.federated_round import (
+    Attempt,
+    Evaluation,
+    Outcome,
+    RoundCore,
+    client_needs,
+    group,
+    sample_among,
+)
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
+from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model, resolve_device
-from fedplug.simulation.vectors import tensors_num_bytes, vector_to_model
+from fedplug.simulation.vectors import move_tensors, tensors_num_bytes, vector_to_model
 
 from .chains import RoundInProgress
-from .messages import client_accuracy, evaluate_message, train_message
-from .priors import ClassCounts, NodeDirectory, gather_class_counts
+from .messages import (
+    MetricsAggregation,
+    client_accuracy,
+    evaluate_message,
+    train_message,
+    weighted_metrics,
+)
+from .priors import ClassCounts, NodeDirectory, gather_class_counts, node_order_directory
 from .records import (
     ACCURACY,
     CHAIN_POSITION,
@@ -62,6 +91,8 @@ from .records import (
     LOSS,
     NUM_CLASSES,
     NUM_CLIENTS,
+    NUM_EXAMPLES,
+    REPLY_METRICS,
     ROUND,
     encode_loss_state,
     model_record,
@@ -70,9 +101,10 @@ from .records import (
     tensors_to_record,
     vector_layout,
 )
+from .requirements import Component, client_requirements
 from .setup_phase import run_setup_phase
 
-logger = logging.getLogger("fedplug.adapters.flower")
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
 RoundObserver = Callable[[RoundRecord], None]
 CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
@@ -86,42 +118,96 @@ class _ModelShape:
     num_classes: int
 
 
+@dataclass
+class _FinishedRound:
+    """A round trained and aggregated, waiting for its evaluation before it is recorded."""
+
+    round_number: int
+    plan: RoundPlan
+    attempt: Attempt
+    payload_bytes: int
+    started: float
+    central: MetricRecord | None = None
+    federated: MetricRecord | None = None
+
+
 class FedplugStrategy(Strategy):
     """A Flower strategy driven by a fedplug ``train`` config.
 
+    Two ways to choose the round's nodes:
+
+    - ``num_clients=K`` (the simulator's way): the run has K clients, one per node; each
+      round samples ``train.client_fraction`` of them with the simulator's seeded
+      streams, so a Flower run with fedplug's client loop equals ``fedplug run``.
+    - ``num_clients=None`` (Flower's way, as ``FedAvg``): the clients are the nodes
+      connected when the run starts (once ``max(min_available_nodes, min_train_nodes)``
+      are); each round samples ``max(int(fraction_train * connected), min_train_nodes)``
+      of those still connected, waiting for ``max(min_available_nodes, that)`` as Flower
+      does, seeded (node ids sorted, the round core's sampling stream).
+
     Args:
         train_config: the ``train`` section, validated or as a dict.
-        num_clients: K, the number of nodes (one fedplug client each).
-        num_classes: C.
+        num_clients: K, the number of nodes (one fedplug client each); ``None``: sample
+            among the connected nodes, Flower's way (default).
+        num_classes: C; needed when ``model`` is not given or a component needs the
+            clients' class counts (default: unknown).
         model: the global model (default: ``train.model`` built for ``input_shape`` and
             ``num_classes``, initialised from ``train.seed`` like the simulator's). The
-            strategy loads every global model into it; after :meth:`start` it holds the
-            final one.
+            strategy loads every global model into it; after a run it holds the final one.
         input_shape: the shape of one input; needed when ``model`` is not given, and
             for the FLOP count of the cost model (0 FLOPs without it).
+        fraction_train: the fraction of connected nodes that train each round when
+            ``num_clients`` is ``None`` (default: ``train.client_fraction``); Flower's
+            meaning (``int(fraction * connected)``, at least ``min_train_nodes``).
+        min_train_nodes: the fewest nodes that train in a round (default 2, Flower's).
+        min_available_nodes: the fewest connected nodes a round waits for (default 2,
+            Flower's).
+        train_metrics_aggr_fn: Flower's ``(list[RecordDict], weighting key) ->
+            MetricRecord`` for the clients' train metrics (default: the mean weighted by
+            ``num-examples``, as Flower's ``FedAvg``).
+        evaluate_metrics_aggr_fn: the same for the clients' evaluate metrics.
+        query_nodes: ask every node for its partition id and class counts before round 1
+            even when no component needs the counts, so that client k is the node with
+            ``partition-id=k`` (the ready ClientApp answers the query; default: only when
+            a component needs the counts, as a stock ClientApp has no query handler).
+        checkpoint_path: save the run after every round there and, when the file holds
+            a run of this very config, resume after its last round (default: none).
         registry: the component registry (default: the installed plugins).
         message_config: entries added to the ConfigRecord of every message this
             strategy sends (the ready apps send the experiment here).
         federated_evaluation: send an ``evaluate`` message to every node after each
-            round for its local test accuracy (default True).
-        node_wait_seconds: how long setup waits for K nodes to connect (default 300).
+            round for its local test metrics (default True).
+        node_wait_seconds: how long to wait for the nodes a run or a round needs
+            (default 300).
         link: the cost model's link and device rates (default: the FedGSP paper's).
         target_accuracy: for ``rounds_to_target`` in :attr:`run_result`.
         observers: called with every round's :class:`RoundRecord`.
+        evaluate_fn: ``(round, arrays) -> MetricRecord`` for the round records' central
+            ``accuracy`` and ``loss`` when this strategy is driven by another one's
+            ``start`` (a DP wrapper), which keeps its own ``evaluate_fn`` to itself
+            (default: the one :meth:`start` receives).
 
     Raises:
         ConfigError: a component needs every client's raw data in one place
-            (``ClientNeeds.pooled_data``), which a Flower deployment must not do.
+            (``ClientNeeds.pooled_data``), which a Flower deployment must not do; or a
+            size is out of range.
     """
 
     def __init__(
         self,
         train_config: Mapping[str, Any] | Any,
         *,
-        num_clients: int,
-        num_classes: int,
+        num_clients: int | None = None,
+        num_classes: int | None = None,
         model: nn.Module | None = None,
         input_shape: Sequence[int] | None = None,
+        fraction_train: float | None = None,
+        min_train_nodes: int = 2,
+        min_available_nodes: int = 2,
+        train_metrics_aggr_fn: MetricsAggregation | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+        query_nodes: bool = False,
+        checkpoint_path: str | Path | None = None,
         registry: Registry | None = None,
         message_config: Mapping[str, Any] | None = None,
         federated_evaluation: bool = True,
@@ -129,6 +215,7 @@ class FedplugStrategy(Strategy):
         link: LinkAndDevice | None = None,
         target_accuracy: float | None = None,
         observers: Iterable[RoundObserver] = (),
+        evaluate_fn: CentralEvaluation | None = None,
     ) -> None:
         if registry is None:
             from fedplug.plugins import default_registry
@@ -136,29 +223,53 @@ class FedplugStrategy(Strategy):
             registry = default_registry()
         if isinstance(train_config, Mapping):
             train_config = validate_section("train", dict(train_config), registry)
-        if num_clients < 1 or num_classes < 1:
+        if num_clients is not None and num_clients < 1:
+            raise ConfigError(f"num_clients ({num_clients}) must be positive")
+        if num_classes is not None and num_classes < 1:
+            raise ConfigError(f"num_classes ({num_classes}) must be positive")
+        fraction = train_config.client_fraction if fraction_train is None else fraction_train
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"fraction_train ({fraction}) must be in (0, 1]")
+        if min_train_nodes < 1 or min_available_nodes < 1:
             raise ConfigError(
-                f"num_clients ({num_clients}) and num_classes ({num_classes}) must be positive"
+                f"min_train_nodes ({min_train_nodes}) and min_available_nodes "
+                f"({min_available_nodes}) must be positive"
             )
         self.config = train_config
         self.registry = registry
         self.num_clients = num_clients
         self.num_classes = num_classes
+        self.fraction_train = fraction
+        self.min_train_nodes = min_train_nodes
+        self.min_available_nodes = min_available_nodes
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn or weighted_metrics
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or weighted_metrics
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
-        self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients)
+        # Rebuilt for the number of connected nodes when that is only known at setup.
+        self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients or 1)
         self.grouper = registry.build("groupers", train_config.grouper)
-        sampler = registry.build("samplers", train_config.sampler)
-        needs = client_needs(sampler, self.loss_transform, self.aggregator, self.grouper)
-        if needs.pooled_data is not None:
+        self.sampler = registry.build("samplers", train_config.sampler)
+        self.needs = client_needs(self.sampler, self.loss_transform, self.aggregator, self.grouper)
+        name = train_config.loss_transform.name
+        if self.needs.pooled_data is not None:
             raise ConfigError(
-                f"train.loss_transform {train_config.loss_transform.name!r} cannot run on "
-                f"Flower: {needs.pooled_data}"
+                f"train.loss_transform {name!r} cannot run on Flower: {self.needs.pooled_data}"
             )
+        if self.needs.class_counts and num_classes is None:
+            raise ConfigError(
+                "FedplugStrategy needs num_classes= here: "
+                f"{self._requirement_line() or 'a component needs the class counts'}"
+            )
+        self.query_nodes = query_nodes or self.needs.class_counts
+        self.client_requirements = self._requirement_line()
+        """What the ClientApp must add to the quickstart shape (``None``: nothing)."""
         self.device = resolve_device(train_config.device)
         if model is None:
-            if input_shape is None:
+            if input_shape is None or num_classes is None:
                 raise ConfigError(
-                    "FedplugStrategy needs either model= or input_shape= to build train.model"
+                    "FedplugStrategy needs model=, or input_shape= and num_classes= to build "
+                    "train.model"
                 )
             shape: Any = _ModelShape(tuple(input_shape), num_classes)
             model = build_model(train_config, registry, shape, self.device)
@@ -173,14 +284,20 @@ class FedplugStrategy(Strategy):
         self.link = link or LinkAndDevice()
         self.target_accuracy = target_accuracy
         self.observers = list(observers)
-        # Set by setup(), once the nodes have reported.
+        self.evaluate_fn = evaluate_fn
+        # Set by setup(), once the nodes are known.
         self.directory: NodeDirectory | None = None
         self.core: RoundCore | None = None
         self.setup_cost = PhaseCost(0, 0, 0)
+        self.fingerprint: str | None = None
         self._loss_records: tuple[ArrayRecord, ConfigRecord] | None = None
-        # The round in progress (configure_train .. aggregate_train).
+        self._began = False
+        self._offset = 0
+        """Rounds a resumed checkpoint had finished: Flower's round r is fedplug's r + offset."""
+        # The round in progress (configure_train .. aggregate_evaluate / evaluate_fn).
         self._plans: dict[int, RoundPlan] = {}
         self._round: RoundInProgress | None = None
+        self._round_started = 0.0
         self._grid: Grid | None = None
         self._exchange_timeout = train_config.failures.client_timeout_seconds or 3600.0
         self._exchange_config: dict[str, Any] = {}
@@ -189,77 +306,163 @@ class FedplugStrategy(Strategy):
         self._waiting: dict[int, Any] = {}
         self._node_of_reply: dict[int, int] = {}
         self._attempt: Attempt | None = None
+        self._finished: _FinishedRound | None = None
+        self._central_expected = False
         self._evaluating: dict[int, int] = {}
+        self._total_bytes = 0
+        self.history: list[RoundRecord] = []
+        """fedplug's record of every round finished so far (1..R, resumed ones included)."""
         self.run_result: RunResult | None = None
         self.final_vector: Tensor | None = None
+
+    def _components(self) -> list[Component]:
+        config = self.config
+        return [
+            Component("sampler", config.sampler.name, self.sampler),
+            Component("loss_transform", config.loss_transform.name, self.loss_transform),
+            Component("aggregator", config.aggregator.name, self.aggregator),
+            Component("grouper", config.grouper.name, self.grouper),
+        ]
+
+    def _requirement_line(self) -> str | None:
+        phase = self.loss_transform.setup_phase()
+        return client_requirements(self._components(), phase.name if phase is not None else None)
 
     # ------------------------------------------------------------------------ setup
 
     def summary(self) -> None:
-        """Log what this strategy runs."""
+        """Log what this strategy runs (Flower's ``Strategy.start`` calls this)."""
         config = self.config
-        logger.info(
-            "fedplug strategy: sampler=%s loss_transform=%s aggregator=%s grouper=%s K=%d fraction=%.2f rounds=%d",
+        log = logger.info
+        log("\t├──> fedplug train config:")
+        log(
+            "\t│\t├── sampler=%s loss_transform=%s aggregator=%s grouper=%s",
             config.sampler.name,
             config.loss_transform.name,
             config.aggregator.name,
             config.grouper.name,
-            self.num_clients,
-            config.client_fraction,
-            config.rounds,
+        )
+        if self.num_clients is not None:
+            log(
+                "\t│\t└── clients: %d fixed, fraction %.2f per round (seed %d)",
+                self.num_clients,
+                config.client_fraction,
+                config.seed,
+            )
+        else:
+            log(
+                "\t│\t└── clients: the connected nodes, fraction_train %.2f, "
+                "min_train_nodes %d, "
+                "min_available_nodes %d (seed %d)",
+                self.fraction_train,
+                self.min_train_nodes,
+                self.min_available_nodes,
+                config.seed,
+            )
+        log(
+            "\t└──> from each ClientApp: %s",
+            self.client_requirements or "arrays and metrics with num-examples (nothing more)",
         )
 
     def setup(self, grid: Grid, timeout: float | None = None) -> NodeDirectory:
-        """Gather the nodes' class counts (see :mod:`.priors`), prepare the loss
-        transform from them, run its setup phase over messages when it declares one,
-        prepare the grouper, and start the round core.
+        """Find the nodes, gather their class counts when a component needs them (see
+        :mod:`.priors`), prepare the loss transform, run its setup phase over messages
+        when it declares one, prepare the grouper, and start the round core.
 
         Raises:
-            TrainingError: the nodes did not all report, or a node failed in the setup
-                phase.
+            TrainingError: the nodes did not connect or did not all report, or a node
+                failed in the setup phase; the message says what to fix.
         """
-        directory = gather_class_counts(
-            grid,
-            self.num_clients,
-            self.num_classes,
-            config=self.message_config,
-            wait_seconds=self.node_wait_seconds,
-            timeout=timeout,
-        )
-        self.setup_cost = self._prepare_loss_transform(grid, directory, timeout)
-        self.grouper.prepare(directory.class_counts)
+        started = time.perf_counter()
+        if self.client_requirements is not None:
+            logger.info("fedplug: %s", self.client_requirements)
+        node_ids = self._wait_for_population(grid)
+        num_clients = self.num_clients if self.num_clients is not None else len(node_ids)
+        if self.query_nodes:
+            directory = gather_class_counts(
+                grid,
+                num_clients,
+                self.num_classes or 0,
+                config=self.message_config,
+                timeout=timeout,
+                node_ids=node_ids,
+                requirement=self.client_requirements,
+            )
+        else:
+            directory = node_order_directory(node_ids, num_clients)
+        if self.num_clients is None:
+            self.aggregator = self.registry.build(
+                "aggregators", self.config.aggregator, directory.num_clients
+            )
+        counts = directory.counts_or_zeros(self.num_classes)
+        self.setup_cost = self._prepare_loss_transform(grid, directory, counts, timeout)
+        self.grouper.prepare(counts)
         self.core = RoundCore(
             self.config,
             aggregator=self.aggregator,
             grouper=self.grouper,
-            num_clients=self.num_clients,
+            num_clients=directory.num_clients,
             class_counts=directory.class_counts,
             client_sizes=directory.sizes,
             model_bytes=self._model_bytes(),
             train_flops=self.train_flops,
             link=self.link,
             runtime="flower",
+            checkpoint=self.checkpoint_path,
         )
         self.directory = directory
+        self.fingerprint = self._fingerprint(directory)
+        logger.info(
+            "fedplug setup: %d clients on %d nodes%s in %.1fs",
+            directory.num_clients,
+            len(node_ids),
+            " (class counts gathered)" if directory.class_counts is not None else "",
+            time.perf_counter() - started,
+        )
         return directory
 
+    def _wait_for_population(self, grid: Grid) -> list[int]:
+        """The sorted ids of the connected nodes, once enough are connected: K with
+        ``num_clients``, else Flower's ``max(min_available_nodes, min_train_nodes)``.
+
+        Raises:
+            TrainingError: too few nodes connected within ``node_wait_seconds``.
+        """
+        if self.num_clients is not None:
+            needed, what = self.num_clients, "num_clients"
+        else:
+            needed = max(self.min_available_nodes, self.min_train_nodes)
+            what = "max(min_available_nodes, min_train_nodes)"
+        deadline = time.monotonic() + self.node_wait_seconds
+        while len(node_ids := sorted(grid.get_node_ids())) < needed:
+            if time.monotonic() > deadline:
+                raise TrainingError(
+                    f"only {len(node_ids)} of the {needed} nodes needed ({what}) connected "
+                    f"within {self.node_wait_seconds:.0f}s; start more nodes or lower {what}"
+                )
+            time.sleep(0.1)
+        return node_ids
+
     def _prepare_loss_transform(
-        self, grid: Grid, directory: NodeDirectory, timeout: float | None
+        self, grid: Grid, directory: NodeDirectory, counts: np.ndarray, timeout: float | None
     ) -> PhaseCost:
         """Prepare the loss transform from the class counts, then run its setup phase on
         the nodes; keep the prepared state to send with every train message."""
-        message_config = {
-            NUM_CLIENTS: self.num_clients,
-            NUM_CLASSES: self.num_classes,
-            **self.message_config,
-        }
+        message_config = {NUM_CLIENTS: directory.num_clients, **self.message_config}
+        if self.num_classes is not None:
+            message_config[NUM_CLASSES] = self.num_classes
         transform = self.loss_transform
-        cost = transform.prepare(ClassCounts(directory.class_counts)) or PhaseCost(0, 0, 0)
+        cost = transform.prepare(ClassCounts(counts)) or PhaseCost(0, 0, 0)
         phase = transform.setup_phase()  # after prepare, which may have loaded its result
         if phase is not None:
-            extra = run_setup_phase(
-                grid, directory.node_of, phase, message_config=message_config, timeout=timeout
-            )
+            try:
+                extra = run_setup_phase(
+                    grid, directory.node_of, phase, message_config=message_config, timeout=timeout
+                )
+            except TrainingError as error:
+                if "function registered" in str(error) and self.client_requirements:
+                    raise TrainingError(f"{error}; {self.client_requirements}") from None
+                raise
             cost = PhaseCost(
                 cost.rounds + extra.rounds,
                 cost.bytes_up + extra.bytes_up,
@@ -270,10 +473,66 @@ class FedplugStrategy(Strategy):
         self._loss_records = encode_loss_state(state, name) if state else None
         return cost
 
+    def _fingerprint(self, directory: NodeDirectory) -> str:
+        """Identifies a run: the train config, what the nodes are told, the clients and
+        their counts, the model's layout and the sampling rule."""
+        counts = directory.class_counts
+        identity = {
+            "train": self.config.model_dump(mode="json"),
+            "message_config": {key: str(value) for key, value in self.message_config.items()},
+            "num_classes": self.num_classes,
+            "num_clients": directory.num_clients,
+            "class_counts": counts.tolist() if counts is not None else None,
+            "layout": [[name, list(shape)] for name, shape in self.layout],
+            "sampling": None
+            if self.num_clients is not None
+            else [self.fraction_train, self.min_train_nodes, self.min_available_nodes],
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _begin(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Start the aggregator from ``arrays``, or resume from the checkpoint when it
+        holds a run of this config; return the global model to train round 1 (or the
+        first round after the checkpoint's) from.
+
+        Raises:
+            TrainingError: the checkpoint belongs to another config (one line saying so).
+        """
+        self._began = True
+        self._total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
+        state = None
+        if self.checkpoint_path is not None:
+            assert self.fingerprint is not None  # set by setup()
+            state = load_checkpoint(self.checkpoint_path, self.fingerprint)
+        if state is None:
+            self.aggregator.initialize(record_to_vector(arrays, self.layout))
+            return arrays
+        vector = state["global_vector"].cpu()
+        self.aggregator.load_state_dict(move_tensors(state["aggregator"], "cpu"))
+        self.grouper.load_state_dict(state["grouper"])
+        self.history = [RoundRecord.from_dict(record) for record in state["history"]]
+        self.setup_cost = PhaseCost(**state["setup_cost"])
+        self._offset = len(self.history)
+        if self.history:
+            self._total_bytes = self.history[-1].cumulative_bytes
+        self.final_vector = vector
+        self.run_result = self._run_result()
+        logger.info("fedplug: resuming from %s after round %d", self.checkpoint_path, self._offset)
+        return self._vector_record(vector)
+
+    def _ensure_started(
+        self, grid: Grid, arrays: ArrayRecord, timeout: float | None
+    ) -> ArrayRecord:
+        if self.core is None:
+            self.setup(grid, timeout)
+        if not self._began:
+            arrays = self._begin(arrays)
+        return arrays
+
     def _require_core(self) -> RoundCore:
         if self.core is None:
             raise RuntimeError(
-                "call FedplugStrategy.setup(grid) (start() does) before the first round"
+                "call FedplugStrategy.setup(grid) (the first configure_train does) first"
             )
         return self.core
 
@@ -284,30 +543,77 @@ class FedplugStrategy(Strategy):
 
     # ------------------------------------------------------------------------ train
 
-    def plan(self, server_round: int) -> RoundPlan:
-        """The round's chains, computed once per round (a retried round trains the same
-        plan)."""
-        if server_round not in self._plans:
-            self._plans = {server_round: self._require_core().plan(server_round - 1)}
-        return self._plans[server_round]
+    def plan(self, round_number: int) -> RoundPlan:
+        """The plan of fedplug round ``round_number`` (1-based), computed once per round
+        (a retried round trains the same plan)."""
+        if round_number not in self._plans:
+            if self.num_clients is not None:
+                plan = self._require_core().plan(round_number - 1)
+            else:
+                plan = self._plan_among_connected(round_number - 1)
+            self._plans = {round_number: plan}
+        return self._plans[round_number]
+
+    def _plan_among_connected(self, round_index: int) -> RoundPlan:
+        """Flower's sampling (``FedAvg.configure_train``), seeded: of the clients whose
+        node is connected (sorted), ``max(int(fraction_train * n), min_train_nodes)``,
+        once ``max(min_available_nodes, that)`` are connected; then the grouper's chains.
+
+        Raises:
+            TrainingError: too few nodes connected within ``node_wait_seconds``.
+        """
+        directory = self._require_setup()
+        grid = self._grid
+        assert grid is not None  # set by configure_train
+        deadline = time.monotonic() + self.node_wait_seconds
+        while True:
+            connected = set(grid.get_node_ids())
+            candidates = [
+                client for client, node in sorted(directory.node_of.items()) if node in connected
+            ]
+            size = max(int(len(candidates) * self.fraction_train), self.min_train_nodes)
+            needed = max(self.min_available_nodes, size)
+            if len(candidates) >= needed:
+                break
+            if time.monotonic() > deadline:
+                raise TrainingError(
+                    f"round {round_index + 1}: only {len(candidates)} of the run's "
+                    f"{directory.num_clients} nodes are connected, {needed} needed "
+                    f"(min_available_nodes={self.min_available_nodes}, "
+                    f"min_train_nodes={self.min_train_nodes}) within {self.node_wait_seconds:.0f}s"
+                )
+            logger.info(
+                "waiting for nodes to connect: %d connected (minimum required: %d)",
+                len(candidates),
+                needed,
+            )
+            time.sleep(1.0)
+        clients = sample_among(np.asarray(candidates), size, self.config.seed, round_index)
+        return group(self.config, self.grouper, clients, round_index)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Start a round: plan it and return the messages of every chain's first member.
-        Before the first round, when :meth:`start` did not, run :meth:`setup` and start
-        the aggregator from ``arrays`` (so Flower's own ``Strategy.start`` and wrapping
-        strategies can drive this one)."""
-        if self.core is None:
-            self.setup(grid)
-            self.aggregator.initialize(record_to_vector(arrays, self.layout))
+        Before the first round, run :meth:`setup` and start the aggregator from
+        ``arrays`` (or resume from the checkpoint), so Flower's own ``Strategy.start`` and
+        wrapping strategies can drive this one."""
         self._grid = grid
+        arrays = self._ensure_started(grid, arrays, self._exchange_timeout)
+        round_number = server_round + self._offset
+        if self._finished is not None and self._finished.round_number != round_number:
+            self._record_finished()
+        if self._round is None or self._round.server_round != round_number:
+            self._round_started = time.perf_counter()  # a retry is part of the same round
         self._round = RoundInProgress(
-            server_round,
-            self.plan(server_round),
+            round_number,
+            self.plan(round_number),
             record_to_vector(arrays, self.layout),
             self.layout,
             self.config.failures.client_timeout_seconds,
+            required_extras=self.needs.reply_extras,
+            requirement=self.client_requirements,
+            required_metrics=self.needs.reply_metrics,
         )
         self._exchange_config = dict(config)
         payload = self.aggregator.server_payload()
@@ -328,14 +634,17 @@ class FedplugStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Take the replies, finish the round's chains (hand-offs through the grid that
         :meth:`configure_train` was given), and let the round core screen, aggregate and,
-        under ``train.failures``, replay the round.
+        under ``train.failures``, replay the round. The metrics are the clients' own,
+        averaged by ``train_metrics_aggr_fn`` (weighted by ``num-examples``), plus
+        ``accepted``, ``failures``, ``bytes-up`` and ``attempts``.
 
         Raises:
-            TrainingError: too many clients failed in every attempt, or the global model
-                became non-finite.
+            TrainingError: too many clients failed in every attempt, the global model
+                became non-finite, or a reply lacks what a component needs.
         """
         round_ = self._require_round()
-        self._exchange(self.configure_hand_off(server_round, replies))
+        round_number = round_.server_round
+        self._exchange(self.configure_hand_off(round_number, replies))
 
         def train_attempt(attempt: int) -> list[Outcome]:
             if attempt > 0:
@@ -343,21 +652,25 @@ class FedplugStrategy(Strategy):
                 grid = self._grid
                 assert grid is not None  # set by configure_train
                 config = ConfigRecord(self._exchange_config)
-                self._exchange(self.configure_train(server_round, arrays, config, grid))
+                self._exchange(
+                    list(self.configure_train(round_number - self._offset, arrays, config, grid))
+                )
             return self._require_round().outcomes()
 
         core = self._require_core()
-        attempt = core.run(server_round - 1, round_.global_vector, round_.plan, train_attempt)
+        plan = self.plan(round_number)
+        attempt = core.run(round_number - 1, round_.global_vector, plan, train_attempt)
         self._attempt = attempt
-        tally = attempt.tally
-        metrics = MetricRecord(
-            {
-                "accepted": tally.accepted,
-                "failures": tally.failures,
-                "bytes-up": tally.bytes_up,
-                "attempts": attempt.attempts,
-            }
+        self._finished = _FinishedRound(
+            round_number, plan, attempt, self._payload_bytes, self._round_started
         )
+        self.final_vector = attempt.vector
+        metrics = self.train_metrics_aggr_fn(list(self._require_round().replies), NUM_EXAMPLES)
+        tally = attempt.tally
+        metrics["accepted"] = tally.accepted
+        metrics["failures"] = tally.failures
+        metrics["bytes-up"] = tally.bytes_up
+        metrics["attempts"] = attempt.attempts
         return self._vector_record(attempt.vector), metrics
 
     def _exchange(self, messages: list[Message]) -> None:
@@ -399,7 +712,9 @@ class FedplugStrategy(Strategy):
             config = {
                 **self._common_config(round_.server_round, client),
                 CHAIN_POSITION: chain.position,
+                **self._reply_metrics,
                 **self._exchange_config,
+                ROUND: round_.server_round,  # fedplug's round, also after a resume
             }
             messages.append(
                 train_message(
@@ -415,14 +730,22 @@ class FedplugStrategy(Strategy):
             self._node_of_reply[node] = client
         return messages
 
-    def _common_config(self, server_round: int, client: int) -> dict[str, Any]:
-        return {
-            ROUND: server_round,
+    @property
+    def _reply_metrics(self) -> dict[str, Any]:
+        """The metrics a train message asks for (FedplugTrainer and FedplugLoss report
+        them when asked; a quickstart ClientApp reports ``train_loss`` on its own)."""
+        return {REPLY_METRICS: list(self.needs.reply_metrics)} if self.needs.reply_metrics else {}
+
+    def _common_config(self, round_number: int, client: int) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            ROUND: round_number,
             CLIENT_ID: client,
-            NUM_CLASSES: self.num_classes,
-            NUM_CLIENTS: self.num_clients,
+            NUM_CLIENTS: self._require_setup().num_clients,
             **self.message_config,
         }
+        if self.num_classes is not None:
+            config[NUM_CLASSES] = self.num_classes
+        return config
 
     def _vector_record(self, vector: Tensor) -> ArrayRecord:
         vector_to_model(vector.to(self.device), self.model)
@@ -440,13 +763,17 @@ class FedplugStrategy(Strategy):
         if not self.federated_evaluation:
             return []
         directory = self._require_setup()
+        round_number = server_round + self._offset
         connected = set(grid.get_node_ids())
         self._evaluating = {
             node: client for client, node in directory.node_of.items() if node in connected
         }
         return [
             evaluate_message(
-                node, server_round, arrays, {**self._common_config(server_round, client), **config}
+                node,
+                round_number,
+                arrays,
+                {**self._common_config(round_number, client), **config, ROUND: round_number},
             )
             for node, client in sorted(self._evaluating.items(), key=lambda item: item[1])
         ]
@@ -454,9 +781,96 @@ class FedplugStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Mean and (population) spread of the per-client accuracies (see
-        :func:`.messages.client_accuracy`)."""
-        return client_accuracy(replies, self._evaluating, server_round)
+        """The clients' metrics averaged by ``evaluate_metrics_aggr_fn`` (weighted by
+        ``num-examples``), plus the mean and (population) spread of their ``accuracy``
+        (the simulator's ``client-accuracy-mean`` / ``-std``, see
+        :func:`.messages.client_accuracy`). Records the round unless a central
+        evaluation is still to come."""
+        replies = list(replies)
+        round_number = server_round + self._offset
+        usable = [reply.content for reply in replies if not reply.has_error()]
+        metrics = self.evaluate_metrics_aggr_fn(usable, NUM_EXAMPLES) if usable else None
+        spread = client_accuracy(replies, self._evaluating, round_number)
+        if spread is not None:
+            metrics = metrics if metrics is not None else MetricRecord()
+            for key, value in spread.items():
+                metrics[key] = value
+        if metrics is not None and not len(metrics):
+            metrics = None
+        finished = self._finished
+        if finished is not None and finished.round_number == round_number:
+            finished.federated = spread
+            if not self._central_expected:
+                self._record_finished()
+        return metrics
+
+    # ----------------------------------------------------------------------- record
+
+    def _record_finished(self) -> None:
+        """Write the finished round's record, log it, save the checkpoint, tell the
+        observers."""
+        finished, self._finished = self._finished, None
+        if finished is None:
+            return
+        central, federated = finished.central, finished.federated
+        if central is None and self.evaluate_fn is not None:  # driven by another start()
+            central = self.evaluate_fn(finished.round_number, self._vector_record(finished.attempt.vector))
+        nan = float("nan")
+        evaluation = Evaluation(
+            number(central, ACCURACY, nan) if central is not None else nan,
+            number(central, LOSS, nan) if central is not None else nan,
+            number(federated, "client-accuracy-mean", nan) if federated is not None else nan,
+            number(federated, "client-accuracy-std", nan) if federated is not None else nan,
+        )
+        record = self._require_core().record(
+            finished.round_number - 1,
+            finished.plan,
+            finished.attempt,
+            evaluation,
+            payload_bytes=finished.payload_bytes,
+            bytes_so_far=self._total_bytes,
+            started=finished.started,
+        )
+        self._total_bytes = record.cumulative_bytes
+        self.history.append(record)
+        self.final_vector = finished.attempt.vector
+        self.run_result = self._run_result()
+        tally = finished.attempt.tally
+        logger.info(
+            "fedplug round %d: %d/%d chains accepted, %d failed, %d attempt(s), "
+            "accuracy %.4f, client accuracy %.4f, %.2fs",
+            record.round,
+            tally.accepted,
+            len(finished.plan.chains),
+            tally.failures,
+            finished.attempt.attempts,
+            record.accuracy,
+            record.client_accuracy_mean,
+            record.seconds,
+        )
+        if self.checkpoint_path is not None:
+            save_checkpoint(self.checkpoint_path, self._checkpoint_state(finished.attempt.vector))
+        for observer in self.observers:
+            observer(record)
+
+    def _checkpoint_state(self, vector: Tensor) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "global_vector": vector.detach().cpu(),
+            "aggregator": move_tensors(self.aggregator.state_dict(), "cpu"),
+            "grouper": self.grouper.state_dict(),
+            "history": [vars(record) for record in self.history],
+            "setup_cost": asdict(self.setup_cost),
+        }
+
+    def _run_result(self) -> RunResult:
+        return RunResult(
+            list(self.history),
+            self.target_accuracy,
+            setup_rounds=self.setup_cost.rounds,
+            setup_bytes=self.setup_cost.bytes_up + self.setup_cost.bytes_down,
+            derived_params=self.derived_params(),
+        )
 
     # ------------------------------------------------------------------------ start
 
@@ -470,8 +884,11 @@ class FedplugStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: CentralEvaluation | None = None,
     ) -> Result:
-        """Run the whole experiment: setup, then ``num_rounds`` rounds (default
-        ``train.rounds``).
+        """Run the whole experiment: Flower's ``Strategy.start`` (``evaluate_fn`` at
+        round 0 too), with ``initial_arrays`` defaulting to :attr:`model`'s and
+        ``num_rounds`` to ``train.rounds``, resuming after the checkpoint's last round
+        when ``checkpoint_path`` holds this run (``num_rounds`` counts the resumed
+        rounds; the Result's rounds are fedplug's).
 
         ``timeout`` bounds each message exchange (``train.failures.client_timeout_seconds``
         bounds it further when set). ``evaluate_fn(round, arrays)`` evaluates centrally;
@@ -480,101 +897,65 @@ class FedplugStrategy(Strategy):
         ``metrics.json`` content) and :attr:`final_vector` the final model.
 
         Raises:
-            TrainingError: too many clients failed in every attempt of a round, or the
-                global model became non-finite.
+            TrainingError: too many clients failed in every attempt of a round, the
+                global model became non-finite, or the checkpoint is another run's.
         """
-        self.summary()
-        started_setup = time.perf_counter()
-        self.setup(grid, timeout)
-        logger.info(
-            "fedplug setup: %d nodes reported in %.1fs",
-            self.num_clients,
-            time.perf_counter() - started_setup,
-        )
         num_rounds = self.config.rounds if num_rounds is None else num_rounds
+        evaluate_fn = evaluate_fn if evaluate_fn is not None else self.evaluate_fn
         client_timeout = self.config.failures.client_timeout_seconds
         self._exchange_timeout = timeout if client_timeout is None else min(timeout, client_timeout)
         arrays = initial_arrays if initial_arrays is not None else model_record(self.model)
-        global_vector = record_to_vector(arrays, self.layout)
-        self.aggregator.initialize(global_vector)
-        train_config = train_config if train_config is not None else ConfigRecord()
-        evaluate_config = evaluate_config if evaluate_config is not None else ConfigRecord()
-        result = Result()
-        history: list[RoundRecord] = []
-        total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
-        for server_round in range(1, num_rounds + 1):
-            started = time.perf_counter()
-            messages = list(self.configure_train(server_round, arrays, train_config, grid))
-            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
-            assert new_arrays is not None and self._attempt is not None  # or it raised
-            arrays, global_vector = new_arrays, self._attempt.vector
-            result.train_metrics_clientapp[server_round] = train_metrics
-            evaluation = self._evaluate(
-                server_round, arrays, evaluate_config, evaluate_fn, grid, result
-            )
-            record = self._require_core().record(
-                server_round - 1,
-                self.plan(server_round),
-                self._attempt,
-                evaluation,
-                payload_bytes=self._payload_bytes,
-                bytes_so_far=total_bytes,
-                started=started,
-            )
-            logger.info(
-                "round %d: accuracy %.4f, %d/%d chains accepted, %.2fs",
-                server_round,
-                record.accuracy,
-                self._attempt.tally.accepted,
-                len(self.plan(server_round).chains),
-                record.seconds,
-            )
-            total_bytes = record.cumulative_bytes
-            history.append(record)
-            for observer in self.observers:
-                observer(record)
-        self.final_vector = global_vector
-        result.arrays = self._vector_record(global_vector)
-        self.run_result = RunResult(
-            history,
-            self.target_accuracy,
-            setup_rounds=self.setup_cost.rounds,
-            setup_bytes=self.setup_cost.bytes_up + self.setup_cost.bytes_down,
-            derived_params=self.derived_params(),
-        )
-        return result
+        # Set up before Flower's loop only to know how many rounds a resumed run has left.
+        arrays = self._ensure_started(grid, arrays, timeout)
+        offset = self._offset
+        remaining = num_rounds - offset
+        if remaining <= 0:
+            logger.info("fedplug: the checkpoint already holds all %d rounds", num_rounds)
+            self.run_result = self._run_result()
+            return Result(arrays=arrays)
 
-    def _evaluate(
-        self,
-        server_round: int,
-        arrays: ArrayRecord,
-        evaluate_config: ConfigRecord,
-        evaluate_fn: CentralEvaluation | None,
-        grid: Grid,
-        result: Result,
-    ) -> Evaluation:
-        """The round's central and federated evaluation (NaN where there is none)."""
-        accuracy = loss = client_mean = client_std = float("nan")
-        if evaluate_fn is not None:
-            central = evaluate_fn(server_round, arrays)
-            if central is not None:
-                result.evaluate_metrics_serverapp[server_round] = central
-                accuracy = number(central, ACCURACY, float("nan"))
-                loss = number(central, LOSS, float("nan"))
-        messages = list(self.configure_evaluate(server_round, arrays, evaluate_config, grid))
-        if messages:
-            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
-            federated = self.aggregate_evaluate(server_round, replies)
-            if federated is not None:
-                result.evaluate_metrics_clientapp[server_round] = federated
-                client_mean = number(federated, "client-accuracy-mean")
-                client_std = number(federated, "client-accuracy-std")
-        return Evaluation(accuracy, loss, client_mean, client_std)
+        def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            assert evaluate_fn is not None
+            metrics = evaluate_fn(server_round + offset, arrays)
+            finished = self._finished
+            if server_round > 0 and finished is not None:
+                finished.central = metrics
+                self._record_finished()
+            return metrics
+
+        self._central_expected = evaluate_fn is not None
+        try:
+            result = super().start(
+                grid,
+                arrays,
+                remaining,
+                timeout,
+                train_config,
+                evaluate_config,
+                central if evaluate_fn is not None else None,
+            )
+        finally:
+            self._central_expected = False
+        self._record_finished()
+        if self.final_vector is not None:
+            result.arrays = self._vector_record(self.final_vector)
+        self.run_result = self._run_result()
+        if not offset:
+            return result
+        return Result(
+            arrays=result.arrays,
+            train_metrics_clientapp=_shifted(result.train_metrics_clientapp, offset),
+            evaluate_metrics_clientapp=_shifted(result.evaluate_metrics_clientapp, offset),
+            evaluate_metrics_serverapp=_shifted(result.evaluate_metrics_serverapp, offset),
+        )
 
     def derived_params(self) -> dict[str, Any]:
         """The round core's derived parameters (the simulator's), with ``engine: flower``."""
         return self._require_core().derived_params("flower")
+
+
+def _shifted(by_round: dict[int, MetricRecord], offset: int) -> dict[int, MetricRecord]:
+    return {server_round + offset: metrics for server_round, metrics in by_round.items()}
 
 
 def central_evaluation(

@@ -50,6 +50,7 @@ from fedplug.components import Aggregator, LossTransform
 from fedplug.components import Context as LossContext
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
+from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
 from fedplug.setup_phase import PhaseInputs, SetupPhase
 from fedplug.simulation.local_training import (
@@ -60,7 +61,7 @@ from fedplug.simulation.local_training import (
 )
 from fedplug.simulation.vectors import move_tensors, vector_to_model
 
-from .local_data import LocalData, as_local_data, batches
+from .local_data import DEFAULT_LABEL_KEY, LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
     CLASS_COUNTS,
@@ -78,6 +79,7 @@ from .records import (
     NUM_STEPS,
     PARTITION_ID,
     PAYLOAD_KEY,
+    REPLY_METRICS,
     ROUND,
     SECONDS,
     decode_loss_state,
@@ -110,10 +112,20 @@ class FedplugTrainer:
         num_classes: C, for the class counts the sampler and FedShift read (default: the
             server's ``fedplug.num-classes`` when it sends one, else the width of the
             model's output).
+        label_key: the label's key in dict samples (flwr-datasets' ``batch["label"]``;
+            default ``"label"``).
+        input_key: the inputs' key in dict samples (e.g. ``"img"``; default: the one key
+            besides the label and ``"sample_id"``).
     """
 
     def __init__(
-        self, train_config: Any, *, registry: Registry | None = None, num_classes: int | None = None
+        self,
+        train_config: Any,
+        *,
+        registry: Registry | None = None,
+        num_classes: int | None = None,
+        label_key: str = DEFAULT_LABEL_KEY,
+        input_key: str | None = None,
     ) -> None:
         if registry is None:
             from fedplug.plugins import default_registry
@@ -122,6 +134,8 @@ class FedplugTrainer:
         self.config = train_config
         self.registry = registry
         self.num_classes = num_classes
+        self.label_key = label_key
+        self.input_key = input_key
         self.algorithm = ClientAlgorithm(
             sampler=registry.build("samplers", train_config.sampler),
             loss_transform=registry.build("loss_transforms", train_config.loss_transform),
@@ -131,6 +145,11 @@ class FedplugTrainer:
         self.schedule = LocalSchedule(
             train_config.local_epochs, train_config.batch_size, train_config.optimizer
         )
+        self.reply_metrics = client_needs(
+            self.algorithm.sampler, self.algorithm.loss_transform, self.algorithm.aggregator
+        ).reply_metrics
+        """The metrics every reply carries because this trainer's own components read
+        them; a server adds more by naming them in ``fedplug.reply-metrics``."""
         self._prepared = not _needs_prepare(self.algorithm.loss_transform)
         self._phase: SetupPhase | None = self.algorithm.loss_transform.setup_phase()
         self._payload_keys: set[str] | None = None
@@ -143,16 +162,25 @@ class FedplugTrainer:
         *,
         registry: Registry | None = None,
         num_classes: int | None = None,
+        label_key: str = DEFAULT_LABEL_KEY,
+        input_key: str | None = None,
     ) -> FedplugTrainer:
         """Build from a ``train`` section as a dict (validated here, strictly: a typo is
         a :class:`~fedplug.errors.ConfigError` naming its path) or an already validated
-        config. Unset fields take their defaults (uniform sampler, cross-entropy, FedAvg)."""
+        config. Unset fields take their defaults (uniform sampler, cross-entropy, FedAvg).
+        The other arguments are :class:`FedplugTrainer`'s."""
         config = (
             validate_section("train", dict(train), registry)
             if isinstance(train, Mapping)
             else train
         )
-        return cls(config, registry=registry, num_classes=num_classes)
+        return cls(
+            config,
+            registry=registry,
+            num_classes=num_classes,
+            label_key=label_key,
+            input_key=input_key,
+        )
 
     # ------------------------------------------------------------------ preparation
 
@@ -224,7 +252,7 @@ class FedplugTrainer:
         cached = self._data_cache.get(id(data))
         if cached is not None and cached[0] is data and cached[1] == device:
             return cached[2]
-        local = as_local_data(data, device)
+        local = as_local_data(data, device, label_key=self.label_key, input_key=self.input_key)
         if len(self._data_cache) >= DATA_CACHE_SIZE:
             self._data_cache.pop(next(iter(self._data_cache)))
         self._data_cache[id(data)] = (data, device, local)
@@ -250,13 +278,7 @@ class FedplugTrainer:
 
     @staticmethod
     def _client_id(config: ConfigRecord, context: Context | None) -> int:
-        """The server's ``fedplug.client-id``, else the node's ``partition-id``, else its
-        node id: the key of the client's random stream."""
-        if CLIENT_ID in config:
-            return integer(config, CLIENT_ID)
-        if context is not None and "partition-id" in context.node_config:
-            return integer(context.node_config, "partition-id")
-        return int(context.node_id) if context is not None else 0
+        return client_id_of(config, context)
 
     def fit(
         self,
@@ -271,8 +293,11 @@ class FedplugTrainer:
 
         Args:
             model: the user's torch model, of the architecture the server sends.
-            data: ``(inputs, labels)`` tensors, a map-style Dataset, or a DataLoader (its
-                batch size then replaces ``train.batch_size``). A dataset's labels are read
+            data: ``(inputs, labels)`` tensors, a map-style Dataset of ``(input, label)``
+                pairs or dict samples (a Hugging Face / flwr-datasets ``Dataset`` with its
+                transform set, too), or a DataLoader over one (its batch size then
+                replaces ``train.batch_size``; its shuffling is not used: the sampler
+                decides the order). A dataset's labels are read
                 once and kept while the same object is passed again; pass a new object
                 when the data changes.
             message: the train message (Flower's ``"arrays"`` record and ``"config"``
@@ -286,8 +311,10 @@ class FedplugTrainer:
         Returns:
             The reply: the trained model as ``"arrays"`` (a state_dict record), a
             ``"metrics"`` record with ``num-examples`` (Flower's weighting key),
-            ``fedplug.num-steps`` and ``fedplug.seconds``, and the aggregator's extras
-            when it has any.
+            ``fedplug.num-steps`` and ``fedplug.seconds``, plus the metrics the server
+            asks for in ``fedplug.reply-metrics`` or this trainer's components read
+            (``train_loss``, :data:`fedplug.components.TRAIN_LOSS`; computed only then),
+            and the aggregator's extras when it has any.
         """
         started = time.perf_counter()
         content = message.content
@@ -323,6 +350,7 @@ class FedplugTrainer:
             schedule=schedule,
             round_index=round_index,
             rng=local_rng(self.config.seed, round_index, client_id),
+            reply_metrics=requested_metrics(config, self.reply_metrics),
         )
         save_client_state(context, state_namespace, client_state)
         metrics = MetricRecord(
@@ -331,6 +359,7 @@ class FedplugTrainer:
                 NUM_STEPS: result.num_steps,
                 SECONDS: time.perf_counter() - started,
                 CLIENT_ID: client_id,
+                **result.metrics,
             }
         )
         reply = RecordDict({MODEL_KEY: model_record(model), METRICS_KEY: metrics})
@@ -430,6 +459,26 @@ class FedplugTrainer:
             }
         )
         return Message(RecordDict({METRICS_KEY: metrics}), reply_to=message)
+
+
+def requested_metrics(config: ConfigRecord, own: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The reply metrics a train message's ``fedplug.reply-metrics`` asks for, after
+    ``own`` (those the node's own components read), each once."""
+    asked = config.get(REPLY_METRICS, [])
+    if isinstance(asked, str):
+        asked = [asked]
+    return tuple(dict.fromkeys([*own, *(str(name) for name in asked)]))
+
+
+def client_id_of(config: ConfigRecord, context: Context | None) -> int:
+    """The server's ``fedplug.client-id``, else the node's ``partition-id``, else its
+    node id: the key of the client's random stream
+    (:func:`fedplug.simulation.local_training.local_rng`)."""
+    if CLIENT_ID in config:
+        return integer(config, CLIENT_ID)
+    if context is not None and "partition-id" in context.node_config:
+        return integer(context.node_config, "partition-id")
+    return int(context.node_id) if context is not None else 0
 
 
 # ------------------------------------------------------------------- client state

@@ -14,7 +14,16 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedplug.components import Aggregator, Context, LocalTraining, LossTransform, Sampler
+from fedplug.components import (
+    REPLY_METRICS,
+    TRAIN_LOSS,
+    Aggregator,
+    Context,
+    LocalTraining,
+    LossTransform,
+    Sampler,
+)
+from fedplug.errors import ConfigError
 from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 
@@ -52,6 +61,8 @@ class LocalResult:
     num_steps: int
     num_samples: int
     extras: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The reply metrics asked for (``train_locally``'s ``reply_metrics``)."""
 
 
 class FusedSGD:
@@ -115,6 +126,26 @@ def local_rng(seed: int, round_index: int, client_id: int) -> np.random.Generato
     return np.random.default_rng([seed, round_index, client_id, 0x5EED])
 
 
+def check_reply_metrics(names: tuple[str, ...] | list[str]) -> None:
+    """Refuse reply metrics fedplug's client side does not compute.
+
+    Raises:
+        ConfigError: a name is not one of :data:`fedplug.components.REPLY_METRICS`.
+    """
+    unknown = [name for name in names if name not in REPLY_METRICS]
+    if unknown:
+        raise ConfigError(
+            f"a component asks the clients for the reply metrics {unknown}, which fedplug's "
+            f"client side does not compute; it reports: {', '.join(sorted(REPLY_METRICS))}"
+        )
+
+
+def mean_loss(loss_sum: Tensor | float, steps: int) -> float:
+    """:data:`~fedplug.components.TRAIN_LOSS` from the float64 sum of the steps' losses
+    (NaN when no step ran). Reading it is the one device sync of the round."""
+    return float(loss_sum) / steps if steps else float("nan")
+
+
 def train_locally(
     model: nn.Module,
     start_vector: Tensor,
@@ -129,12 +160,25 @@ def train_locally(
     schedule: LocalSchedule,
     round_index: int,
     rng: np.random.Generator,
+    reply_metrics: tuple[str, ...] = (),
 ) -> LocalResult:
     """Train ``model`` from ``start_vector`` on one client's data; return its new state.
 
     ``client_state`` is updated in place by the aggregator's client side (SCAFFOLD's
     control variate). ``labels`` for the sampler are read from ``train_y`` once.
+    ``reply_metrics`` (default none): the metrics the run's components ask for
+    (:attr:`fedplug.components.ClientNeeds.reply_metrics`), returned in
+    :attr:`LocalResult.metrics`. ``train_loss`` sums every step's batch loss on the
+    device in float64 and reads it once at the end; without it the loop does no extra
+    work.
     """
+    if reply_metrics:
+        check_reply_metrics(reply_metrics)
+    loss_sum = (
+        torch.zeros((), dtype=torch.float64, device=train_y.device)
+        if TRAIN_LOSS in reply_metrics
+        else None
+    )
     vector_to_model(start_vector, model)
     model.train()
     optimizer = make_optimizer(model.parameters(), schedule.optimizer)
@@ -163,10 +207,15 @@ def train_locally(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if loss_sum is not None:
+                loss_sum += loss.detach()
             steps += 1
     end_vector = model_to_vector(model)
     training = LocalTraining(
         num_steps=steps, learning_rate=schedule.optimizer.lr, momentum=schedule.optimizer.momentum
     )
     extras = algorithm.aggregator.client_finish(start_vector, end_vector, training, payload, client_state)
-    return LocalResult(vector=end_vector, num_steps=steps, num_samples=int(train_y.shape[0]), extras=extras)
+    metrics = {TRAIN_LOSS: mean_loss(loss_sum, steps)} if loss_sum is not None else {}
+    return LocalResult(
+        vector=end_vector, num_steps=steps, num_samples=int(train_y.shape[0]), extras=extras, metrics=metrics
+    )

@@ -49,6 +49,10 @@ class RoundContext:
     loss_contexts: dict[int, Context] = field(default_factory=dict)
     """Each client's loss-transform constants, computed once per run by :meth:`loss_context`
     (an engine that trains in other processes brings the ones computed there back here)."""
+    reply_metrics: tuple[str, ...] = ()
+    """The metrics every chain reports with its model, as the run's components ask
+    (:attr:`fedplug.components.ClientNeeds.reply_metrics`); empty (the default) costs the
+    engines nothing."""
 
     def loss_context(self, client_id: int) -> Context:
         """The loss transform's constants for a client, computed once per run."""
@@ -70,10 +74,13 @@ class RoundContext:
         extras: dict[str, Tensor],
         plan: RoundPlan,
         seconds: float,
+        metrics: dict[str, float] | None = None,
     ) -> ClientUpdate:
         """A chain's update under the round's weight rule
-        (:func:`fedplug.federated_round.chain_update`)."""
-        return chain_update(chain, vector, samples=samples, steps=steps, extras=extras, plan=plan, seconds=seconds)
+        (:func:`fedplug.federated_round.chain_update`), with its last member's ``metrics``."""
+        return chain_update(
+            chain, vector, samples=samples, steps=steps, extras=extras, plan=plan, seconds=seconds, metrics=metrics
+        )
 
     def save(self, clients: list[int]) -> dict[int, dict[str, Tensor]]:
         """Copies of ``clients``' states, for a replayed round."""

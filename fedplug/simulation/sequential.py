@@ -31,10 +31,11 @@ def train_chain(
     Every engine that trains chains one at a time (sequential, parallel) calls this, so
     their results cannot drift apart. An exception while training (a failing client)
     becomes a :class:`ClientFailure` with the reason ``"<ExceptionType>: <message>"``.
-    ``context.client_states`` of the chain's clients are updated in place.
+    ``context.client_states`` of the chain's clients are updated in place; the chain
+    reports its last member's ``context.reply_metrics``.
     """
     started = time.perf_counter()
-    vector, steps, samples, extras = start_vector, 0, 0, {}
+    vector, steps, samples, extras, metrics = start_vector, 0, 0, {}, {}
     try:
         for client_id in chain:
             client = context.federation.clients[client_id]
@@ -51,13 +52,14 @@ def train_chain(
                 schedule=context.schedule,
                 round_index=round_index,
                 rng=local_rng(context.seed, round_index, client_id),
+                reply_metrics=context.reply_metrics,
             )
-            vector, extras = result.vector, result.extras
+            vector, extras, metrics = result.vector, result.extras, result.metrics
             steps += result.num_steps
             samples += result.num_samples
     except Exception as error:  # a failing client must not stop the federation
         return ClientFailure(chain, f"{type(error).__name__}: {error}")
-    return context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started)
+    return context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started, metrics)
 
 
 @dataclass

@@ -40,9 +40,9 @@ from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
 from fedplug.simulation.evaluation import Evaluator
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.federated_round import RoundCore, sample_clients
+from fedplug.federated_round import RoundCore, client_needs, sample_clients
 from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.round_context import RoundContext
 from fedplug.simulation.sequential import SequentialEngine
@@ -115,6 +115,11 @@ class Simulator:
         )
         self.grouper = registry.build("groupers", train_config.grouper)
         self.grouper.prepare(federation.class_counts)
+        self.reply_metrics = client_needs(
+            self.algorithm.sampler, self.algorithm.loss_transform, self.algorithm.aggregator, self.grouper
+        ).reply_metrics
+        """The metrics every client reports with its model (none unless a component asks)."""
+        check_reply_metrics(self.reply_metrics)
         self.schedule = LocalSchedule(train_config.local_epochs, train_config.batch_size, train_config.optimizer)
         self.engine = self._choose_engine()
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
@@ -172,7 +177,9 @@ class Simulator:
         else:
             setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
             self.algorithm.aggregator.initialize(global_vector)
-        context = RoundContext(self.federation, self.algorithm, self.schedule, config.seed, client_states)
+        context = RoundContext(
+            self.federation, self.algorithm, self.schedule, config.seed, client_states, reply_metrics=self.reply_metrics
+        )
         result = RunResult(
             history,
             self.target_accuracy,

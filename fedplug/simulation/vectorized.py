@@ -65,11 +65,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 
-from fedplug.components import ClientUpdate, Context, LocalTraining, RoundPlan
+from fedplug.components import TRAIN_LOSS, ClientUpdate, Context, LocalTraining, RoundPlan
 from fedplug.errors import ConfigError
-from fedplug.simulation.local_training import local_rng
+from fedplug.simulation.local_training import local_rng, mean_loss
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 
 DEFAULT_MAX_CLIENTS_PER_BLOCK = 128
@@ -298,6 +298,7 @@ class _ChainProgress:
     steps: int = 0
     samples: int = 0
     extras: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -408,6 +409,7 @@ class VectorizedEngine:
                     item.extras,
                     plan,
                     seconds * share,
+                    item.metrics,
                 )
 
     def _block_size(self, context: RoundContext) -> int:
@@ -436,9 +438,11 @@ class VectorizedEngine:
                 for index, chain in enumerate(chains)
                 if position < len(chain)
             ]
-            end_vectors, steps = self._train_group(members, round_index, context)
+            end_vectors, steps, metrics = self._train_group(members, round_index, context)
             optimizer = context.schedule.optimizer
-            for member, end_vector, num_steps in zip(members, end_vectors, steps):
+            for member, end_vector, num_steps, member_metrics in zip(
+                members, end_vectors, steps, metrics
+            ):
                 client_id = member.client_id
                 training = LocalTraining(
                     num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum
@@ -451,7 +455,7 @@ class VectorizedEngine:
                     context.client_state(client_id),
                 )
                 item = progress[member.chain_index]
-                item.vector, item.extras = end_vector, extras
+                item.vector, item.extras, item.metrics = end_vector, extras, member_metrics
                 item.steps += num_steps
                 item.samples += context.federation.clients[client_id].num_samples
         return progress
@@ -460,10 +464,12 @@ class VectorizedEngine:
 
     def _train_group(
         self, members: Sequence[_Member], round_index: int, context: RoundContext
-    ) -> tuple[list[Tensor], list[int]]:
+    ) -> tuple[list[Tensor], list[int], list[dict[str, float]]]:
         """Train each member from its own start vector on its own data, in lockstep.
 
-        Returns every member's final vector and number of steps, in ``members`` order.
+        Returns every member's final vector, number of steps and reply metrics
+        (``context.reply_metrics``: its own mean training loss, summed per client on the
+        device and read once at the end), in ``members`` order.
         """
         federation, algorithm, schedule = context.federation, context.algorithm, context.schedule
         device = federation.device
@@ -523,7 +529,11 @@ class VectorizedEngine:
             if optimizer.momentum != 0
             else None
         )
-        step_gradient = self._step_gradient(context)
+        report_loss = TRAIN_LOSS in context.reply_metrics
+        step_gradient = self._step_gradient(context, with_loss=report_loss)
+        loss_sums = (
+            torch.zeros(len(members), dtype=torch.float64, device=device) if report_loss else None
+        )
         self.model.train()
 
         active = -1
@@ -543,7 +553,7 @@ class VectorizedEngine:
                     else []
                 )
             batch = global_ids[:active, step]
-            gradients = step_gradient(
+            step_result = step_gradient(
                 params_now,
                 buffers_now,
                 anchor_now,
@@ -554,6 +564,11 @@ class VectorizedEngine:
                 loss_now,
                 aggregator_now,
             )
+            if loss_sums is not None:
+                gradients, losses = step_result
+                loss_sums[:active] += losses.detach()
+            else:
+                gradients = step_result
             # torch.optim.SGD's arithmetic (no dampening, no Nesterov), per client.
             updates = [gradients[name] for name in self._parameter_names]
             if optimizer.weight_decay != 0:
@@ -572,10 +587,14 @@ class VectorizedEngine:
         end = torch.cat(flat, dim=1) if flat else torch.zeros((num_members, 0), device=device)
         end_vectors: list[Tensor] = [end[0]] * num_members
         step_counts = [0] * num_members
+        metrics: list[dict[str, float]] = [{} for _ in range(num_members)]
+        sums = loss_sums.tolist() if loss_sums is not None else None  # the one sync
         for position, n in enumerate(rank):
             end_vectors[n] = end[position].clone()
             step_counts[n] = int(steps[position])
-        return end_vectors, step_counts
+            if sums is not None:
+                metrics[n] = {TRAIN_LOSS: mean_loss(sums[position], step_counts[n])}
+        return end_vectors, step_counts, metrics
 
     @staticmethod
     def _unflatten(
@@ -594,8 +613,10 @@ class VectorizedEngine:
             offset += count
         return out
 
-    def _step_gradient(self, context: RoundContext) -> Callable[..., dict[str, Tensor]]:
-        """``vmap(grad(loss))``: every active client's gradient for its own batch."""
+    def _step_gradient(self, context: RoundContext, with_loss: bool = False) -> Callable[..., Any]:
+        """``vmap(grad(loss))``: every active client's gradient for its own batch; with
+        ``with_loss``, ``vmap(grad_and_value(loss))``: the gradients and each client's
+        batch loss."""
         model = self.model
         algorithm = context.algorithm
         loss_transform = algorithm.loss_transform
@@ -625,4 +646,6 @@ class VectorizedEngine:
                         loss = loss + term
             return loss
 
+        if with_loss:
+            return vmap(grad_and_value(client_loss), randomness="error")
         return vmap(grad(client_loss), randomness="error")

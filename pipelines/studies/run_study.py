@@ -8,9 +8,14 @@ Each run trains into ``<out>/<run-id>/`` (default ``reports/studies/<name>[-<suf
 with :func:`fedplug.experiment.run_experiment`: ``metrics.json``, ``config.yaml``,
 ``run_info.json``, ``model.pt``. The runner is resumable: a run whose ``metrics.json``
 exists is skipped, and a run killed mid-way continues from its per-round checkpoint. Each
-run is logged to the MLflow experiment ``study-<name>`` (``$MLFLOW_TRACKING_URI``, else
-``sqlite:///mlflow.db``) unless ``--no-mlflow``. At the end (and with ``--report-only``
-without training) it writes ``summary.md``, ``summary.json`` and the spec's plots.
+run is logged to the MLflow experiment ``study-<name>`` (``base.tracking.uri``, else
+``$MLFLOW_TRACKING_URI``, else the project's ``sqlite:///<root>/mlflow.db``) unless
+``--no-mlflow``, as a child run (named by its run id) of one parent run per study output
+folder (named after it, found again by its tag ``fedplug.parent``, so a resumed study
+adds to the same parent). At the end (and with ``--report-only`` without training) it
+writes ``summary.md``, ``summary.json`` and the spec's plots; after training, these go to
+the parent run too (metrics ``<cell labels>/<algorithm>.<column>``, e.g.
+``0.1/fedavgm0.9.final_accuracy``), which is marked FINISHED.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -52,10 +57,48 @@ def main(argv: list[str] | None = None) -> int:
     runs = expand_study(spec, registry, args.overrides)
     out = Path(args.out) if args.out else default_out(spec.name, runs)
     out.mkdir(parents=True, exist_ok=True)
+    parent = None
     if not args.report_only:
-        train_all(spec, runs, out, registry, mlflow=not args.no_mlflow, only=args.only)
+        parent = train_all(spec, runs, out, registry, mlflow=not args.no_mlflow, only=args.only)
     write_study_report(spec, runs, out)
+    if parent is not None:
+        log_study_summary(parent, out)
     return 0
+
+
+class StudyParent(NamedTuple):
+    """The MLflow parent run of a study output folder."""
+
+    uri: str
+    run_id: str
+
+
+def parent_key(out: Path, root: Path) -> str:
+    """``study:<out folder>``, relative to the project root when inside it."""
+    resolved = out.resolve()
+    try:
+        return f"study:{resolved.relative_to(root)}"
+    except ValueError:
+        return f"study:{resolved}"
+
+
+def log_study_summary(parent: StudyParent, out: Path) -> None:
+    """The study's summary on the parent run, then FINISHED: one metric per summary row and
+    column (``<cell labels>/<algorithm>.<column>``, e.g. ``0.1/fedavgm0.9.final_accuracy``),
+    ``summary.md``, ``summary.json`` and the figures."""
+    from fedplug.project import log_parent_summary
+
+    rows = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else []
+    metrics = {}
+    for row in rows:
+        label = "/".join(str(row[key]) for key in row if isinstance(row[key], str))
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[f"{label}.{key}"] = value
+    files = [("", out / "summary.md"), ("", out / "summary.json")]
+    files += [("figures", figure) for figure in sorted(out.glob("*.png"))]
+    log_parent_summary(parent.uri, parent.run_id, metrics, files)
+    print(f"study: summary logged to MLflow parent run {parent.run_id} at {parent.uri}")
 
 
 def default_out(name: str, runs: list[Any]) -> Path:
@@ -65,9 +108,12 @@ def default_out(name: str, runs: list[Any]) -> Path:
     return Path("reports/studies") / (name if dataset == "mnist" else f"{name}-{dataset}")
 
 
-def train_all(spec: Any, runs: list[Any], out: Path, registry: Any, *, mlflow: bool, only: str | None) -> None:
+def train_all(
+    spec: Any, runs: list[Any], out: Path, registry: Any, *, mlflow: bool, only: str | None
+) -> StudyParent | None:
     """Train the runs that have no ``metrics.json`` yet, reusing one federation for runs
-    that share a data config."""
+    that share a data config; returns the MLflow parent run (None without MLflow or when
+    nothing was left to train)."""
     from fedplug.data.build import build_federation
     from fedplug.simulation.simulator import resolve_device
     from fedplug.study import pending_runs
@@ -76,14 +122,23 @@ def train_all(spec: Any, runs: list[Any], out: Path, registry: Any, *, mlflow: b
     print(f"study {spec.name}: {len(runs)} runs, {len(runs) - len(pending_runs(runs, out))} done, "
           f"{len(todo)} to train -> {out}", flush=True)
     if not todo:
-        return
-    target = None
+        return None
+    parent = None
     if mlflow:
+        from fedplug.project import find_or_create_parent_run, project_root, relocate_project_store
         from fedplug.tracking import choose_tracking_uri
 
-        target = choose_tracking_uri(None, False, ROOT)
+        tracking = runs[0].config.tracking
+        root = project_root(ROOT / "params.yaml")  # $DVC_ROOT under DVC, else this checkout
+        target = choose_tracking_uri(tracking.uri, tracking.fallback_to_local, root)
         if target.fallback_reason:
             print(f"study: WARNING: {target.fallback_reason}; logging to {target.uri}", file=sys.stderr)
+        relocate_project_store(target.uri, root)
+        parent = StudyParent(target.uri, find_or_create_parent_run(
+            target.uri, f"study-{spec.name}", parent_key(out, root), out.name,
+            tags={"fedplug.study": spec.name},
+        ))
+        print(f"study {spec.name}: MLflow parent run {parent.run_id} at {target.uri}", flush=True)
     set_torch_threads()
     cached_key, federation = None, None
     for index, run in enumerate(todo, 1):
@@ -93,41 +148,42 @@ def train_all(spec: Any, runs: list[Any], out: Path, registry: Any, *, mlflow: b
             federation = build_federation(run.config.data, registry, resolve_device(run.config.train.device))
             cached_key = key
         started = time.perf_counter()
-        summary = train_one(spec, run, out / run.run_id, registry, federation, target)
+        summary = train_one(spec, run, out / run.run_id, registry, federation, parent)
         print(f"[{index}/{len(todo)}] {run.run_id}: final accuracy {summary['final_accuracy']:.4f}, "
               f"{time.perf_counter() - started:.0f} s", flush=True)
+    return parent
 
 
-def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any, target: Any) -> dict[str, Any]:
-    """Train one run into ``folder`` (resuming its checkpoint), optionally logged to MLflow."""
-    from fedplug.config import flatten
+def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
+              parent: StudyParent | None) -> dict[str, Any]:
+    """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
+    of ``parent`` (nothing logged when ``parent`` is None)."""
     from fedplug.experiment import run_experiment
     from fedplug.simulation.simulator import config_fingerprint
+    from fedplug.tracking import open_tracker
 
     folder.mkdir(parents=True, exist_ok=True)
-    tracker = None
-    if target is not None:
-        from fedplug.tracking import MlflowTracker, run_tags
-
-        tags = run_tags(run.config, run.algorithm, run.seed)
-        tags.update({f"study.{axis}": label for axis, label in run.cell.items()})
-        tags["study.name"] = spec.name
-        tracker = MlflowTracker.open(
-            target.uri, f"study-{spec.name}", run.run_id, tags=tags,
-            state_path=folder / TRACKING_STATE_NAME, fingerprint=config_fingerprint(run.config.train, federation),
-        )
-        tracker.log_params({"fedplug.algorithm": run.algorithm, **flatten(run.config)})
-    observers = [tracker.log_round] if tracker is not None else []
+    tags = {f"study.{axis}": label for axis, label in run.cell.items()}
+    tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed)})
+    tracker = open_tracker(
+        run.config, folder, run_name=run.run_id, enabled=parent is not None,
+        parent=parent.run_id if parent is not None else None, tags=tags,
+        fingerprint=config_fingerprint(run.config.train, federation), project_root=ROOT,
+        experiment_name=f"study-{spec.name}", uri=parent.uri if parent is not None else None,
+    )
+    if tracker.resumed and parent is not None:
+        tracker.set_tags({"mlflow.parentRunId": parent.run_id})
     try:
-        result, _ = run_experiment(run.config, folder, registry=registry, observers=observers, federation=federation)
-    except BaseException:
-        if tracker is not None:
-            tracker.fail()
-        raise
-    if tracker is not None:
+        result, simulator = run_experiment(run.config, folder, registry=registry, observers=[tracker.log_round],
+                                           federation=federation)
         tracker.log_result(result)
-        tracker.log_artifacts({"": folder / "metrics.json"})
-        tracker.finish()
+        for name in ("config.yaml", "metrics.json", "run_info.json"):
+            tracker.log_artifacts({"": folder / name})
+        tracker.log_model(simulator.model, federation.test_x[:5])
+    except BaseException:
+        tracker.fail()
+        raise
+    tracker.finish()
     (folder / CHECKPOINT_NAME).unlink(missing_ok=True)
     return result.summary()
 

@@ -1,4 +1,4 @@
-"""MLflow tracking for the pipeline's train stage: one MLflow run per algorithm and seed.
+"""The MLflow backend of :func:`fedplug.tracking.open_tracker`: one MLflow run per training run.
 
 Layout in MLflow:
 
@@ -25,6 +25,14 @@ does not answer within a few seconds, :func:`choose_tracking_uri` raises
 :class:`~fedplug.errors.TrackingError`, or, with ``tracking.fallback_to_local: true``, uses
 the local store and says so.
 
+Runs are created the way ``mlflow.start_run`` creates them: with the tags MLflow's run
+context providers resolve (``mlflow.source.name``, ``mlflow.source.git.commit``,
+``mlflow.user``, ...), plus ``mlflow.parentRunId`` for a nested run. Models go through
+``mlflow.pytorch.log_model`` (:meth:`MlflowTracker.log_model`), so
+``mlflow.pytorch.load_model("runs:/<run id>/model")`` returns a working module. A local
+``sqlite:`` store keeps the artifacts of the experiments it creates next to itself
+(``<store folder>/mlruns``), wherever the process runs.
+
 Resuming: the tracker writes ``{run_id, fingerprint, tracking_uri}`` to a small state file
 in the run's output folder. A re-run with the same fingerprint (the same training config on
 the same federation) re-opens that MLflow run instead of starting a second one and logs only
@@ -34,6 +42,7 @@ the state file once the run is complete (:meth:`MlflowTracker.finish` does).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -285,6 +294,8 @@ class MlflowTracker:
         tags: Mapping[str, str] | None = None,
         state_path: str | os.PathLike[str] | None = None,
         fingerprint: str | None = None,
+        parent_run_id: str | None = None,
+        resume: bool = True,
     ) -> MlflowTracker:
         """Start a run in ``experiment_name`` (created if missing), or re-open the run
         recorded in ``state_path`` when its fingerprint and URI match.
@@ -299,6 +310,8 @@ class MlflowTracker:
             fingerprint: identifies the training run (the simulator's config fingerprint);
                 a state file with another fingerprint is replaced, and the interrupted run
                 it names is marked KILLED.
+            parent_run_id: start a nested run under this run (default None: top level).
+            resume: False never re-opens the recorded run (it is marked KILLED).
         """
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -313,7 +326,7 @@ class MlflowTracker:
                     client.get_run(run_id)
                 except MlflowException:
                     run_id = None
-                if run_id is not None and previous.get("fingerprint") == fingerprint:
+                if run_id is not None and resume and previous.get("fingerprint") == fingerprint:
                     client.update_run(run_id, status="RUNNING")
                     steps = {
                         int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")
@@ -324,7 +337,9 @@ class MlflowTracker:
                     client.set_terminated(run_id, "KILLED")
             experiment = client.get_experiment_by_name(experiment_name)
             if experiment is None:
-                experiment_id = client.create_experiment(experiment_name)
+                experiment_id = client.create_experiment(
+                    experiment_name, artifact_location=local_artifact_location(uri)
+                )
             elif experiment.lifecycle_stage == "deleted":
                 raise TrackingError(
                     f"MLflow experiment {experiment_name!r} was deleted; restore it "
@@ -332,7 +347,9 @@ class MlflowTracker:
                 )
             else:
                 experiment_id = experiment.experiment_id
-            run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
+            run = client.create_run(
+                experiment_id, run_name=run_name, tags=start_run_tags(tags, parent_run_id)
+            )
         except MlflowException as error:
             raise TrackingError(
                 f"MLflow at {uri} refused to start the run: {error.message}"
@@ -343,6 +360,11 @@ class MlflowTracker:
                 state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri}
             )
         return cls(client, run_id, state_file, resumed=False, logged_rounds=set())
+
+    @property
+    def uri(self) -> str:
+        """The tracking URI this run lives at."""
+        return str(self.client.tracking_uri)
 
     # ---------------------------------------------------------------- logging
 
@@ -397,6 +419,78 @@ class MlflowTracker:
                 f"upload {path}", self.client.log_artifact, self.run_id, str(path), folder or None
             )
 
+    def log_model(
+        self,
+        model: Any,
+        input_example: Any,
+        *,
+        name: str = "model",
+        registered_model_name: str | None = None,
+    ) -> str:
+        """Log ``model`` as an MLflow PyTorch model at ``runs:/<run id>/<name>``.
+
+        Args:
+            model: a ``torch.nn.Module`` (its class must be importable where it is loaded).
+            input_example: a small batch of inputs (``numpy.ndarray`` or ``torch.Tensor``);
+                stored with the model, and the signature (input and output shapes) is
+                inferred from it and the model's output on it.
+            name: the model's artifact folder (default ``"model"``).
+            registered_model_name: also register it as a new version of this model in the
+                model registry (default None: not registered).
+
+        Returns:
+            The model URI ``runs:/<run id>/<name>``.
+        """
+        import mlflow
+        import mlflow.pytorch
+        import numpy as np
+        import torch
+        from mlflow.exceptions import MlflowException
+        from mlflow.models import infer_signature
+
+        example = (
+            input_example.detach().cpu().numpy()
+            if isinstance(input_example, torch.Tensor)
+            else np.asarray(input_example)
+        )
+        model = copy.deepcopy(model).to("cpu").eval()  # the caller's model stays where it is
+        with torch.no_grad():
+            output = model(torch.as_tensor(example)).numpy()
+        # Distribution versions (torch.__version__ may carry a local tag such as +cu130).
+        requirements = [
+            f"{package}=={version}"
+            for package in ("torch", "numpy", "fedplug")
+            if (version := _package_version(package))
+        ]
+        previous_uri = mlflow.get_tracking_uri()
+        previous_experiment = os.environ.get("MLFLOW_EXPERIMENT_ID")
+        # mlflow.pytorch.log_model writes through the fluent API, which reads the global URI
+        # and, without an active run, puts the LoggedModel in the *active* experiment (the
+        # Default one): then runs:/<id>/model does not resolve. Name the run's experiment.
+        mlflow.set_tracking_uri(self.uri)
+        os.environ["MLFLOW_EXPERIMENT_ID"] = self.client.get_run(self.run_id).info.experiment_id
+        try:
+            mlflow.pytorch.log_model(
+                pytorch_model=model,
+                name=name,
+                input_example=example,
+                signature=infer_signature(example, output),
+                registered_model_name=registered_model_name,
+                pip_requirements=requirements,  # explicit: inferring them spawns a process
+                run_id=self.run_id,
+            )
+        except MlflowException as error:
+            raise TrackingError(
+                f"MLflow could not log the model for run {self.run_id}: {error.message}"
+            ) from None
+        finally:
+            mlflow.set_tracking_uri(previous_uri)
+            if previous_experiment is None:
+                os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+            else:
+                os.environ["MLFLOW_EXPERIMENT_ID"] = previous_experiment
+        return f"runs:/{self.run_id}/{name}"
+
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (overwriting tags of the same name)."""
         from mlflow.entities import RunTag
@@ -429,6 +523,38 @@ class MlflowTracker:
             raise TrackingError(
                 f"MLflow could not {what} for run {self.run_id}: {error.message}"
             ) from None
+
+
+def local_artifact_location(uri: str) -> str | None:
+    """``file://<store folder>/mlruns`` for a local ``sqlite:///`` store (None otherwise:
+    the server or MLflow decides), so a store's artifacts lie next to it."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    store_folder = Path(uri.removeprefix("sqlite:///")).resolve().parent
+    return (store_folder / "mlruns").as_uri()
+
+
+def start_run_tags(
+    tags: Mapping[str, str] | None, parent_run_id: str | None = None
+) -> dict[str, str]:
+    """The tags ``mlflow.start_run`` gives a new run: what MLflow's run context providers
+    resolve (source name and type, git commit, user), then ``tags``, then
+    ``mlflow.parentRunId`` for a nested run."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    resolved = {key: str(value) for key, value in resolve_tags(dict(tags or {})).items()}
+    if parent_run_id is not None:
+        resolved["mlflow.parentRunId"] = parent_run_id
+    return resolved
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _read_state(path: Path | None) -> dict[str, Any] | None:

@@ -1,0 +1,338 @@
+"""fedplug's server side next to a FedML user's own ``ClientTrainer``, model and data.
+
+A FedML cross-silo app already has a ``ClientTrainer`` (its own loop; FedML's default
+``get_model_params`` replies ``model.state_dict()``) and FedML's server collects
+``(sample count, state dict)`` from every silo. :class:`FedplugAggregator` is the
+``ServerAggregator`` to pass to ``FedMLCrossSiloServer`` (or ``fedml.run_cross_silo_server``)
+instead of FedML's default one: fedplug's sampling (``train.client_fraction``), its
+aggregators (fedavg, fedavgm, fedadam, fedyogi, fedadagrad, or any plugin's) and its
+groupers (FedGSP: each group trains in sequence, one FedML round per chain position)
+decide the next global model. Nothing changes on the clients.
+
+Silo ``k`` (FedML's data-silo index) is fedplug client ``k``; FedML must send every round
+to every silo (``client_num_per_round == client_num_in_total == num_clients``): a silo
+that fedplug did not sample, or that is not at this chain position, trains anyway and
+its reply is ignored. FedML's ``comm_round`` must be :attr:`FedplugAggregator.comm_round`
+(``train.rounds`` times the longest chain of each round; ``train.rounds`` without a
+grouper).
+
+A component that needs more from the clients than their model and sample count (IWDS,
+FedShift, FedProx, SCAFFOLD, FedNova, FedDisk) is refused in one line naming what it
+needs; those run with fedplug's own ClientTrainer (``python -m fedplug.adapters.fedml run``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from fedml.core import ServerAggregator
+from torch import Tensor, nn
+
+from fedplug.components import ClientNeeds, RoundPlan
+from fedplug.config import validate_section
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.federated_round import (
+    Attempt,
+    ClientFailure,
+    Evaluation,
+    Outcome,
+    RoundCore,
+    chain_update,
+    client_needs,
+)
+from fedplug.registry import Registry
+from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.simulation.vectors import model_to_vector, vector_to_model
+
+ClientReply = tuple[float, Mapping[str, Tensor]]
+"""What FedML's server hands ``aggregate`` per silo: ``(sample count, state dict)``."""
+
+
+def unmet_needs(needs: ClientNeeds, class_counts_given: bool) -> list[str]:
+    """What the components need that a plain FedML ClientTrainer does not give."""
+    unmet = []
+    if needs.client_side:
+        unmet.append("fedplug's client side in the training loop")
+    if needs.client_state:
+        unmet.append("per-client state kept across rounds")
+    if needs.server_payload:
+        unmet.append(f"server tensors sent with the model ({', '.join(needs.server_payload)})")
+    if needs.reply_extras:
+        unmet.append(f"reply tensors besides the model ({', '.join(needs.reply_extras)})")
+    if needs.reply_metrics:
+        unmet.append(f"reply metrics besides the sample count ({', '.join(needs.reply_metrics)})")
+    if needs.class_counts and not class_counts_given:
+        unmet.append("every client's class counts (pass class_counts=)")
+    if needs.pooled_data is not None:
+        unmet.append(needs.pooled_data)
+    return unmet
+
+
+def class_counts_of(
+    train_data_local_dict: Mapping[int, Iterable[Any]], num_classes: int
+) -> np.ndarray:
+    """The K x C class counts of FedML's ``train_data_local_dict`` (silo -> batches of
+    ``(x, y)``), for a grouper that needs them (FedGSP's ``fedgsp`` mode)."""
+    counts = np.zeros((len(train_data_local_dict), num_classes), dtype=np.int64)
+    for silo, batches in train_data_local_dict.items():
+        for _, labels in batches:
+            counts[silo] += np.bincount(np.asarray(labels).reshape(-1), minlength=num_classes)
+    return counts
+
+
+class FedplugAggregator(ServerAggregator):
+    """A FedML ``ServerAggregator`` that runs fedplug's server side over plain replies.
+
+    Args:
+        model: the global model (FedML's server model); it holds the current global
+            model throughout.
+        args: FedML's arguments.
+        train_config: fedplug's ``train`` section (validated or a dict): its
+            ``aggregator``, ``grouper``, ``client_fraction``, ``rounds`` and ``seed`` are
+            used; its sampler and loss transform must be client-free (uniform,
+            cross_entropy).
+        num_clients: K, the number of FedML silos.
+        class_counts: K x C class counts (:func:`class_counts_of`), for a grouper that
+            needs them (default: none).
+        test_data: batches of ``(x, y)`` to evaluate the global model on after each
+            round (default: no central evaluation, NaN accuracy).
+        registry: the component registry (default: the installed plugins).
+
+    Raises:
+        ConfigError: a component needs more from the clients than model and sample
+            count (one line naming what), or the config is invalid.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Any,
+        train_config: Mapping[str, Any] | Any,
+        *,
+        num_clients: int,
+        class_counts: np.ndarray | None = None,
+        test_data: Iterable[tuple[Tensor, Tensor]] | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        super().__init__(model, args)
+        if registry is None:
+            from fedplug.plugins import default_registry
+
+            registry = default_registry()
+        if isinstance(train_config, Mapping):
+            train_config = validate_section("train", dict(train_config), registry)
+        if num_clients < 1:
+            raise ConfigError(f"num_clients ({num_clients}) must be positive")
+        self.config = train_config
+        self.num_clients = num_clients
+        self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients)
+        self.grouper = registry.build("groupers", train_config.grouper)
+        sampler = registry.build("samplers", train_config.sampler)
+        loss_transform = registry.build("loss_transforms", train_config.loss_transform)
+        needs = client_needs(sampler, loss_transform, self.aggregator, self.grouper)
+        unmet = unmet_needs(needs, class_counts is not None)
+        if unmet:
+            names = ", ".join(
+                f"{slot}={getattr(train_config, slot).name}"
+                for slot in ("sampler", "loss_transform", "aggregator", "grouper")
+            )
+            raise ConfigError(
+                f"FedplugAggregator runs next to your own FedML ClientTrainer, whose replies are "
+                f"a model and a sample count; {names} also needs: {'; '.join(unmet)}. Run it with "
+                "fedplug's ClientTrainer instead: python -m fedplug.adapters.fedml run CONFIG"
+            )
+        counts = (
+            np.asarray(class_counts, dtype=np.int64)
+            if class_counts is not None
+            else np.zeros((num_clients, 1), dtype=np.int64)
+        )
+        if counts.shape[0] != num_clients:
+            raise ConfigError(
+                f"class_counts has {counts.shape[0]} rows, one per client is {num_clients}"
+            )
+        self.grouper.prepare(counts)
+        self.vector = model_to_vector(model).detach().clone()
+        self.aggregator.initialize(self.vector)
+        self.core = RoundCore(
+            train_config,
+            aggregator=self.aggregator,
+            grouper=self.grouper,
+            num_clients=num_clients,
+            class_counts=counts if class_counts is not None else None,
+            client_sizes=None,
+            model_bytes=self.vector.numel() * 4,
+            can_replay=False,
+            runtime="FedML",
+        )
+        self.plans: list[RoundPlan] = [self.core.plan(index) for index in range(train_config.rounds)]
+        self.test_data = test_data
+        self.history: list[RoundRecord] = []
+        self._round = 0
+        self._position = 0
+        self._chains: list[_Chain] = []
+        self._started = time.perf_counter()
+        self._bytes = 0
+        self._start_round()
+
+    @property
+    def comm_round(self) -> int:
+        """The FedML rounds the run takes (``args.comm_round``): one per chain position
+        of every fedplug round."""
+        return sum(max(len(chain) for chain in plan.chains) for plan in self.plans)
+
+    @property
+    def result(self) -> RunResult:
+        """The finished rounds, as ``fedplug run``'s ``metrics.json`` holds them."""
+        return RunResult(list(self.history), None)
+
+    # ------------------------------------------------------------- FedML's calls
+
+    def get_model_params(self) -> OrderedDict[str, Tensor]:
+        return OrderedDict(self.model.state_dict())
+
+    def set_model_params(self, model_parameters: Any) -> None:
+        """FedML stores what :meth:`aggregate` returned; per-silo models (a plain dict)
+        are not a global model, so only a state dict is loaded."""
+        if isinstance(model_parameters, OrderedDict):
+            self.model.load_state_dict(model_parameters)
+
+    def aggregate(self, raw_client_model_or_grad_list: list[ClientReply]) -> Any:
+        """Take the silos' replies for the current chain position. Between positions of
+        a round, return ``{silo: state dict}`` (a plain dict, which FedML sends silo by
+        silo: each chain's next member gets its chain's model); after a round's last
+        position, the new global model (a state dict, which FedML sends to all).
+
+        Raises:
+            TrainingError: FedML sent more rounds than :attr:`comm_round`, a reply is
+                missing, or too many chains failed (FedML cannot replay a round).
+        """
+        if self._round >= len(self.plans):
+            raise TrainingError(
+                f"FedML ran more rounds than fedplug planned; set args.comm_round = {self.comm_round}"
+            )
+        replies = list(raw_client_model_or_grad_list)
+        if len(replies) != self.num_clients:
+            raise TrainingError(
+                f"FedML handed {len(replies)} replies, fedplug expects one per silo ({self.num_clients}); "
+                f"set client_num_per_round = client_num_in_total = {self.num_clients}"
+            )
+        for chain in self._chains:
+            if self._position < len(chain.members):
+                chain.take(replies[chain.members[self._position]], self.model)
+        self._position += 1
+        if any(self._position < len(chain.members) for chain in self._chains):
+            return self._per_silo_models()
+        self._finish_round()
+        self._round += 1
+        if self._round < len(self.plans):
+            self._start_round()
+        return self.get_model_params()
+
+    def test(self, test_data: Any, device: Any, args: Any) -> dict[str, float] | None:
+        """The last finished round's metrics (evaluated on ``test_data`` given at
+        construction)."""
+        if not self.history:
+            return None
+        record = self.history[-1]
+        return {"round": record.round, "accuracy": record.accuracy, "loss": record.loss}
+
+    # ----------------------------------------------------------------- internals
+
+    def _start_round(self) -> None:
+        plan = self.plans[self._round]
+        self._chains = [_Chain(list(chain), self.vector) for chain in plan.chains]
+        self._position = 0
+        self._started = time.perf_counter()
+
+    def _per_silo_models(self) -> dict[int, OrderedDict[str, Tensor]]:
+        global_state = self.get_model_params()
+        models: dict[int, OrderedDict[str, Tensor]] = {
+            silo: global_state for silo in range(self.num_clients)
+        }
+        for chain in self._chains:
+            if self._position < len(chain.members):
+                vector_to_model(chain.vector, self.model)
+                models[chain.members[self._position]] = copy.deepcopy(
+                    OrderedDict(self.model.state_dict())
+                )
+        vector_to_model(self.vector, self.model)
+        return models
+
+    def _finish_round(self) -> None:
+        plan = self.plans[self._round]
+
+        def outcomes(attempt: int) -> list[Outcome]:
+            return [chain.outcome(plan) for chain in self._chains]
+
+        attempt: Attempt = self.core.run(self._round, self.vector, plan, outcomes)
+        self.vector = attempt.vector
+        vector_to_model(self.vector, self.model)
+        accuracy, loss = self._evaluate()
+        record = self.core.record(
+            self._round,
+            plan,
+            attempt,
+            Evaluation(accuracy, loss, math.nan, math.nan),
+            payload_bytes=0,
+            bytes_so_far=self._bytes,
+            started=self._started,
+        )
+        self._bytes = record.cumulative_bytes
+        self.history.append(record)
+
+    @torch.no_grad()
+    def _evaluate(self) -> tuple[float, float]:
+        if self.test_data is None:
+            return math.nan, math.nan
+        self.model.eval()
+        correct, total, loss = 0, 0, 0.0
+        for inputs, labels in self.test_data:
+            logits = self.model(inputs)
+            loss += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == labels).sum())
+            total += len(labels)
+        self.model.train()
+        return correct / max(total, 1), loss / max(total, 1)
+
+
+class _Chain:
+    """One chain of a round: its model so far and the samples it trained on."""
+
+    def __init__(self, members: list[int], start: Tensor) -> None:
+        self.members = members
+        self.vector = start
+        self.samples = 0
+        self.failure: str | None = None
+
+    def take(self, reply: ClientReply, model: nn.Module) -> None:
+        samples, state = reply
+        if self.failure is not None:
+            return
+        try:
+            scratch = copy.deepcopy(model)
+            scratch.load_state_dict(state)
+        except (RuntimeError, TypeError, KeyError) as error:
+            self.failure = f"its reply is not the model's state dict ({error})"
+            return
+        self.vector = model_to_vector(scratch).detach().clone()
+        self.samples += int(samples)
+
+    def outcome(self, plan: RoundPlan) -> Outcome:
+        if self.failure is not None:
+            return ClientFailure(self.members, self.failure)
+        return chain_update(
+            self.members,
+            self.vector,
+            samples=self.samples,
+            steps=0,
+            extras={},
+            plan=plan,
+            seconds=0.0,
+        )

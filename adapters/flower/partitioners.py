@@ -1,0 +1,258 @@
+"""fedplug's partitioners as Flower Datasets partitioners (``flwr_datasets.partitioner``).
+
+:class:`FedplugPartitioner` is a ``flwr_datasets.partitioner.Partitioner``: give it to
+``FederatedDataset(partitioners={"train": ...})`` or assign a Hugging Face ``Dataset``
+to it, and ``load_partition(k)`` returns client k's rows of any registered fedplug
+partitioner (``iid``, ``dirichlet_class``, ``dirichlet_client``, ``shards``, ``llt``,
+``feature_noise``, ``natural``, and any plugin's)::
+
+    from fedplug.adapters.flower.partitioners import FedplugPartitioner
+
+    partitioner = FedplugPartitioner(
+        num_partitions=10, partition={"name": "dirichlet_class", "alpha": 0.5}, seed=0
+    )
+    partitioner.dataset = hf_train_split          # or FederatedDataset does it
+    client_3 = partitioner.load_partition(3)      # a datasets.Dataset
+
+The split is the one ``fedplug run`` makes with ``data.num_clients = num_partitions``,
+``data.seed = seed`` and the same ``data.partition``: the labels go through the same
+:func:`fedplug.data.build.make_partition` (same random generator), and client k's rows
+come back in the order fedplug lists them. (``fedplug run`` then cuts a local test split
+off each client; a Flower app does that itself, e.g. ``train_test_split``.)
+
+``feature_noise`` (and any partitioner that sets ``Partition.noise_std``) changes inputs,
+not only which rows a client holds: pass ``noise_column`` and ``load_partition(k)``
+returns client k's rows with ``clip(x + N(0, noise_std[k]^2), 0, 1)`` applied to that
+column. Float values are taken to be scaled to [0, 1]; integer values and images
+(uint8, 0..255) are scaled by 1/255, noised, clipped and written back as uint8, so the
+column keeps its type (the rounding quantises the noise to steps of 1/255). The noise of
+partition k is drawn from ``numpy.random.default_rng([seed, k, 0x7E57])`` over the whole
+partition: the same distribution as ``fedplug run``, not the same draws, since
+``fedplug run`` draws it after cutting the local test split. Without ``noise_column`` a
+noisy partition raises a ``DataError`` instead of silently returning clean inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import datasets
+import numpy as np
+from flwr_datasets.partitioner import Partitioner
+from pydantic import ValidationError
+
+from fedplug.components import ComponentConfig
+from fedplug.config import format_validation_error
+from fedplug.data.build import make_partition
+from fedplug.data.partitions import Partition, add_feature_noise
+from fedplug.errors import ConfigError, DataError
+from fedplug.registry import Registry
+
+NOISE_SEED_TAG = 0x7E57
+"""Same tag as the per-client generator of :func:`fedplug.data.build.build_federation`."""
+
+
+def partition_config(
+    partition: Mapping[str, Any] | ComponentConfig | str, registry: Registry
+) -> ComponentConfig:
+    """Validate ``partition`` (``"iid"``, ``{"name": "llt", "alpha_l": 0.9}``, or a config
+    object) against the registered partitioners; :class:`ConfigError` in one line per
+    problem otherwise."""
+    if isinstance(partition, ComponentConfig):
+        return partition
+    data = {"name": partition} if isinstance(partition, str) else dict(partition)
+    name = data.get("name")
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"partition needs a 'name'; registered partitioners: {', '.join(registry.names('partitioners'))}"
+        )
+    config_class = registry.get("partitioners", name).config_class
+    try:
+        return config_class.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(
+            "invalid partition: " + format_validation_error(error, data).replace("\n", "; ")
+        ) from None
+
+
+class FedplugPartitioner(Partitioner):
+    """A fedplug partitioner as a Flower Datasets ``Partitioner``.
+
+    Parameters
+    ----------
+    num_partitions : int
+        K, the number of clients (fedplug's ``data.num_clients``).
+    partition : mapping, str or ComponentConfig
+        fedplug's ``data.partition``: a registered partitioner's name and parameters,
+        e.g. ``{"name": "dirichlet_class", "alpha": 0.5, "min_size": 10}``. Validated
+        strictly when the partitioner is made (a typo is a ``ConfigError``).
+    partition_by : str (default ``"label"``)
+        The column of integer class ids 0..C-1 (a ``ClassLabel`` column works as is).
+    seed : int (default 0)
+        fedplug's ``data.seed``: the same seed gives the same split as ``fedplug run``.
+    num_classes : int, optional (default: the ``ClassLabel``'s count, else max label + 1)
+        C; it matters to ``llt`` (K must be a multiple of C) and to the class counts.
+    users_column : str, optional (default none)
+        The column naming each sample's writer, for the ``natural`` partitioner.
+    noise_column : str, optional (default none)
+        The input column that receives a noisy partitioner's Gaussian noise (see the
+        module docstring); required when the partition has noise.
+    registry : Registry, optional (default: the installed plugins')
+        Where partitioner names are looked up.
+    """
+
+    def __init__(
+        self,
+        num_partitions: int,
+        partition: Mapping[str, Any] | ComponentConfig | str,
+        *,
+        partition_by: str = "label",
+        seed: int = 0,
+        num_classes: int | None = None,
+        users_column: str | None = None,
+        noise_column: str | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
+            raise ValueError(f"num_partitions must be a positive int, got {num_partitions!r}")
+        if registry is None:
+            from fedplug.plugins import default_registry
+
+            registry = default_registry()
+        self._num_partitions = num_partitions
+        self._config = partition_config(partition, registry)
+        self._registry = registry
+        self._partition_by = partition_by
+        self._seed = seed
+        self._num_classes = num_classes
+        self._users_column = users_column
+        self._noise_column = noise_column
+        self._partition: Partition | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        """K, the number of partitions."""
+        return self._num_partitions
+
+    @property
+    def partition_config(self) -> ComponentConfig:
+        """The validated fedplug partition config."""
+        return self._config
+
+    @property
+    def partition(self) -> Partition:
+        """fedplug's :class:`Partition` of the assigned dataset (computed once):
+        ``client_indices[k]`` are the dataset rows of partition k, ``class_counts`` the
+        K x C class counts, ``noise_std`` the per-client input noise or ``None``."""
+        if self._partition is None:
+            self._partition = self._make_partition()
+        return self._partition
+
+    def load_partition(self, partition_id: int) -> datasets.Dataset:
+        """Client ``partition_id``'s rows, in fedplug's order, with its input noise
+        applied to ``noise_column`` when the partition has noise."""
+        if not isinstance(partition_id, (int, np.integer)) or not 0 <= partition_id < self._num_partitions:
+            raise ValueError(
+                f"partition_id must be an int in 0..{self._num_partitions - 1}, got {partition_id!r}"
+            )
+        partition = self.partition
+        rows = self.dataset.select(partition.client_indices[partition_id])
+        if partition.noise_std is None:
+            return rows
+        noise_std = float(partition.noise_std[partition_id])
+        rng = np.random.default_rng([self._seed, int(partition_id), NOISE_SEED_TAG])
+        return _with_noise(rows, self._noise_column or "", noise_std, rng)
+
+    # ---------------------------------------------------------------------- internals
+
+    def _make_partition(self) -> Partition:
+        dataset = self.dataset
+        if self._partition_by not in dataset.column_names:
+            raise ValueError(
+                f"partition_by={self._partition_by!r} is not a column of the dataset; its columns: "
+                f"{', '.join(dataset.column_names)}"
+            )
+        labels = _column(dataset, self._partition_by)
+        if labels.ndim != 1 or (labels.size and not np.issubdtype(labels.dtype, np.integer)):
+            raise ValueError(
+                f"column {self._partition_by!r} must hold integer class ids; convert it with "
+                f"dataset.class_encode_column({self._partition_by!r})"
+            )
+        users = None
+        if self._users_column is not None:
+            if self._users_column not in dataset.column_names:
+                raise ValueError(
+                    f"users_column={self._users_column!r} is not a column of the dataset; its "
+                    f"columns: {', '.join(dataset.column_names)}"
+                )
+            # fedplug's writers are indices into the sorted writer ids.
+            _, users = np.unique(_column(dataset, self._users_column), return_inverse=True)
+            users = users.reshape(-1).astype(np.int64)
+        fedplug_dataset = SimpleNamespace(
+            name="flwr-datasets dataset",
+            train_y=labels.astype(np.int64, copy=False),
+            num_classes=self._class_count(labels),
+            train_users=users,
+        )
+        data_config = SimpleNamespace(
+            num_clients=self._num_partitions, seed=self._seed, partition=self._config
+        )
+        partition: Partition = make_partition(fedplug_dataset, data_config, self._registry)
+        if partition.num_clients != self._num_partitions:
+            raise DataError(
+                f"partitioner {self._config.name!r} made {partition.num_clients} partitions, "
+                f"not num_partitions={self._num_partitions}"
+            )
+        if partition.noise_std is not None and np.any(partition.noise_std > 0):
+            if self._noise_column is None:
+                raise DataError(
+                    f"partition {self._config.name!r} adds Gaussian noise to each client's inputs; "
+                    "pass noise_column='<input column>' so load_partition applies it"
+                )
+            if self._noise_column not in dataset.column_names:
+                raise ValueError(
+                    f"noise_column={self._noise_column!r} is not a column of the dataset; its "
+                    f"columns: {', '.join(dataset.column_names)}"
+                )
+        return partition
+
+    def _class_count(self, labels: np.ndarray) -> int:
+        if self._num_classes is not None:
+            return int(self._num_classes)
+        feature = self.dataset.features.get(self._partition_by)
+        if isinstance(feature, datasets.ClassLabel):
+            return int(feature.num_classes)
+        return int(labels.max()) + 1 if labels.size else 1
+
+
+def _column(dataset: datasets.Dataset, column: str) -> np.ndarray:
+    """One column as a numpy array, without decoding the other columns (images)."""
+    return np.asarray(dataset.select_columns([column]).with_format("numpy")[:][column])
+
+
+def _with_noise(
+    rows: datasets.Dataset, column: str, noise_std: float, rng: np.random.Generator
+) -> datasets.Dataset:
+    """``rows`` with ``clip(x + N(0, noise_std^2), 0, 1)`` in ``column`` (uint8 and
+    images through a 1/255 scale and back); the column keeps its feature type."""
+    values = _column(rows, column)
+    if values.dtype == object:
+        raise ValueError(
+            f"noise_column {column!r} holds values of different shapes; feature_noise needs "
+            "inputs of one shape (resize the images first)"
+        )
+    if np.issubdtype(values.dtype, np.integer):
+        noisy = add_feature_noise(values.astype(np.float32) / 255.0, noise_std, rng)
+        values = np.rint(noisy * 255.0).astype(np.uint8)
+    else:
+        values = add_feature_noise(values, noise_std, rng)
+    feature = rows.features[column]
+    encoded = rows.features.encode_column(list(values), column)
+    return (
+        rows.remove_columns(column)
+        .add_column(column, encoded, feature=feature)
+        .select_columns(list(rows.column_names))
+    )

@@ -1,0 +1,492 @@
+"""Flower's server strategies as a fedplug aggregator: ``aggregator: {name: flower, ...}``.
+
+Flower (``pip install fedplug[flower]``) ships robust and private aggregation as
+Message-API strategies (``flwr.serverapp.strategy``). This aggregator hands each round's
+client updates to one of them, so ``fedplug run`` composes it with any sampler, loss
+transform and grouper (IWDS, FedShift, FedGSP), under fedplug's screening, failure
+policy and checkpoints::
+
+    aggregator: {name: flower, strategy: FedMedian}
+    aggregator: {name: flower, strategy: FedTrimmedAvg, beta: 0.2}
+    aggregator: {name: flower, strategy: MultiKrum, num_malicious_nodes: 1, num_nodes_to_select: 3}
+    aggregator: {name: flower, strategy: QFedAvg, q: 0.1, client_learning_rate: 0.1}
+    aggregator: {name: flower, strategy: DifferentialPrivacyServerSideFixedClipping,
+                 noise_multiplier: 1.0, clipping_norm: 5.0, wrapped: Krum, num_malicious_nodes: 1}
+
+The strategies and their papers (the maths is Flower's; see each class in
+``flwr/serverapp/strategy/``):
+
+- ``FedAvg``: McMahan et al., "Communication-Efficient Learning of Deep Networks from
+  Decentralized Data", AISTATS 2017, arXiv:1602.05629.
+- ``FedMedian`` (coordinate-wise median) and ``FedTrimmedAvg`` (coordinate-wise mean
+  without the ``beta`` fraction at each tail): Yin, Chen, Ramchandran, Bartlett,
+  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates", ICML 2018,
+  arXiv:1803.01498.
+- ``Krum`` and ``MultiKrum``: Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning
+  with Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017, arXiv:1703.02757.
+- ``Bulyan``: El Mhamdi, Guerraoui, Rouault, "The Hidden Vulnerability of Distributed
+  Learning in Byzantium", ICML 2018, arXiv:1802.07927.
+- ``QFedAvg`` (q-FedAvg: clients with a higher training loss weigh more, ``q = 0`` is
+  FedAvg's direction with a step size from the Lipschitz estimate ``L = 1 /
+  client_learning_rate``): Li, Sanjabi, Beirami, Smith, "Fair Resource Allocation in
+  Federated Learning", ICLR 2020, arXiv:1905.10497. It reads each client's mean
+  training loss (:data:`fedplug.components.TRAIN_LOSS`), which this aggregator asks the
+  clients for (``ClientNeeds.reply_metrics``): every runtime's clients then report it.
+- ``DifferentialPrivacyServerSideFixedClipping`` (wrapping any of the above): McMahan,
+  Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent Language Models",
+  ICLR 2018, arXiv:1710.06963.
+
+How a round reaches Flower:
+
+- Every round builds the Flower strategy afresh from the config, so no strategy state
+  outlives a round; the aggregator's own state is the count of rounds aggregated, which
+  :meth:`FlowerStrategyAggregator.state_dict` checkpoints.
+- Each :class:`~fedplug.components.ClientUpdate` becomes a Flower reply ``Message``: an
+  ``ArrayRecord`` with the flat model vector under ``"vector"`` and a ``MetricRecord``
+  whose ``num-examples`` is the update's weight (n_k, or 1 for a uniformly weighted
+  FedGSP group), plus the reply metrics the strategy reads (QFedAvg's ``train_loss``).
+  One flat array instead of one per layer gives the same result for every strategy
+  offered: they work coordinate by coordinate or on the norm and distances of the whole
+  model. Updates of weight 0 (a client with no training samples) are left out.
+- The strategy's ``configure_train`` runs first, on a stand-in grid whose nodes are the
+  round's replies: the DP wrapper records the current global model there (it clips each
+  update's distance to it), and each reply is built as Flower builds one, with
+  ``Message(content, reply_to=instruction)``. Then ``aggregate_train`` returns the new
+  model. Flower 1.38+ builds messages only in a process with a task identity; outside a
+  Flower run the process gets the one the in-process test grid uses
+  (:func:`fedplug.adapters.flower.internals.ensure_task_identity`, Flower's only
+  internal involved; a real Flower run sets its own).
+- Flower draws the DP noise from numpy's legacy global generator (``np.random.normal``)
+  and samples nodes with Python's ``random``. Around every call into Flower both are
+  seeded from ``[noise_seed, round, digest of the global model]`` and restored afterwards,
+  so a round's noise is a function of the run's state: a resumed run adds exactly the
+  noise an uninterrupted one adds, a replayed round the same noise again, and runs with
+  another ``train.seed`` (hence another model) draw other noise. Nothing else in the
+  process sees those generators move.
+- Flower's per-round INFO lines (about the stand-in grid) are silenced; its warnings pass.
+
+Memory: Flower needs all of a round's replies at once, so unlike fedplug's streaming
+aggregators this one holds every accepted update of the round, serialised (one copy of
+each, 4 bytes per parameter), plus the strategy's working copies (the median and trimmed
+mean stack all of them once more). A round of n updates of P parameters takes about
+``3 * n * P * 4`` bytes at its peak.
+
+Not offered, with the reason the config error gives: the client-side DP wrappers need
+clients that clip (Flower's ``fixedclipping_mod``); the server optimisers (``FedAvgM``,
+``FedAdam``, ...) keep state across rounds: fedplug has its own.
+
+This module registers ``flower`` only when Flower is installed, and imports it only when
+the aggregator is built, so fedplug starts as fast without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+
+from fedplug.components import TRAIN_LOSS, Aggregator, ClientNeeds, ClientUpdate, ComponentConfig
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.hookspecs import Register, hookimpl
+
+VECTOR_KEY = "vector"
+"""The one array of every ArrayRecord handed to Flower: the flat model vector."""
+WEIGHT_KEY = "num-examples"
+"""Flower's weighting key (``weighted_by_key``); it carries :attr:`ClientUpdate.weight`."""
+FLOWER_LOGGER = "flwr"
+
+STRATEGIES: dict[str, tuple[str, ...]] = {
+    "FedAvg": (),
+    "FedMedian": (),
+    "FedTrimmedAvg": ("beta",),
+    "Krum": ("num_malicious_nodes",),
+    "MultiKrum": ("num_malicious_nodes", "num_nodes_to_select"),
+    "Bulyan": ("num_malicious_nodes",),
+    "QFedAvg": ("q", "client_learning_rate"),
+}
+"""The Flower strategies that aggregate on their own, with the parameters each takes."""
+REPLY_METRICS: dict[str, tuple[str, ...]] = {
+    "QFedAvg": (TRAIN_LOSS,),  # Flower's default train_loss_key is fedplug's TRAIN_LOSS
+}
+"""The client reply metrics a strategy reads (none unless listed)."""
+DP_WRAPPER = "DifferentialPrivacyServerSideFixedClipping"
+WRAPPER_PARAMETERS = (
+    "noise_multiplier",
+    "clipping_norm",
+    "num_sampled_clients",
+    "noise_seed",
+    "wrapped",
+)
+"""The DP wrapper's parameters; the wrapped strategy's own parameters sit beside them."""
+NOT_OFFERED: dict[str, str] = {
+    "DifferentialPrivacyClientSideFixedClipping": (
+        "it expects the clients to clip their updates (Flower's fixedclipping_mod), which "
+        f"fedplug's clients do not; use {DP_WRAPPER}"
+    ),
+    "DifferentialPrivacyClientSideAdaptiveClipping": (
+        "it expects the clients to clip their updates (Flower's adaptiveclipping_mod); "
+        f"use {DP_WRAPPER}"
+    ),
+    "DifferentialPrivacyServerSideAdaptiveClipping": (
+        "its clipping norm changes every round, state this bridge does not checkpoint; "
+        f"use {DP_WRAPPER}"
+    ),
+    "FedAvgM": "it keeps a server momentum across rounds; use fedplug's aggregator 'fedavgm'",
+    "FedAdam": "it keeps server moments across rounds; use fedplug's aggregator 'fedadam'",
+    "FedAdagrad": "it keeps server moments across rounds; use fedplug's aggregator 'fedadagrad'",
+    "FedYogi": "it keeps server moments across rounds; use fedplug's aggregator 'fedyogi'",
+    "FedProx": "its proximal term runs on the clients; use fedplug's loss_transform 'fedprox'",
+    "FedXgbBagging": "it aggregates XGBoost trees, not a model vector",
+    "FedXgbCyclic": "it aggregates XGBoost trees, not a model vector",
+}
+"""Flower strategies this aggregator refuses, and why."""
+PARAMETERS = (
+    tuple(dict.fromkeys(p for params in STRATEGIES.values() for p in params)) + WRAPPER_PARAMETERS
+)
+
+
+def flower_installed() -> bool:
+    """Whether ``flwr`` can be imported (without importing it)."""
+    return importlib.util.find_spec("flwr") is not None
+
+
+def accepted_parameters(strategy: str, wrapped: str | None) -> tuple[str, ...]:
+    """The parameters ``strategy`` (wrapping ``wrapped``, for the DP wrapper) takes."""
+    if strategy == DP_WRAPPER:
+        return WRAPPER_PARAMETERS + STRATEGIES.get(wrapped or "FedAvg", ())
+    return STRATEGIES[strategy]
+
+
+def _strategy_problem(strategy: Any, role: str) -> str | None:
+    """Why ``strategy`` cannot be used in ``role`` (``strategy`` or ``wrapped``)."""
+    offered = sorted(STRATEGIES) + ([DP_WRAPPER] if role == "strategy" else [])
+    if not isinstance(strategy, str):
+        return f"{role} must be the name of a Flower strategy, one of: {', '.join(offered)}"
+    if strategy in NOT_OFFERED:
+        return f"Flower's {strategy} cannot be a fedplug aggregator: {NOT_OFFERED[strategy]}"
+    if strategy == DP_WRAPPER and role == "wrapped":
+        return f"wrapped: {DP_WRAPPER} cannot wrap itself; wrap one of: {', '.join(offered)}"
+    if strategy not in offered:
+        return f"unknown Flower strategy {strategy!r} in {role}; offered: {', '.join(offered)}"
+    return None
+
+
+class FlowerStrategyConfig(ComponentConfig):
+    """Flower's FedMedian, FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg, FedAvg or DP clipping.
+
+    ``strategy`` names the Flower class; the parameters below are the Flower
+    constructor's keyword arguments of the same name, and each strategy accepts only its
+    own (a parameter it does not take is an error that lists those it does). Flower's
+    node-sampling arguments (``fraction_train``, ``min_train_nodes``, ...) are not
+    offered: fedplug's ``train.client_fraction`` and grouper pick the clients.
+    """
+
+    name: Literal["flower"] = "flower"
+    strategy: str
+    """The Flower strategy: ``FedAvg``, ``FedMedian``, ``FedTrimmedAvg``, ``Krum``,
+    ``MultiKrum``, ``Bulyan``, ``QFedAvg`` or ``DifferentialPrivacyServerSideFixedClipping``
+    (required)."""
+    beta: float | None = Field(None, ge=0.0, lt=0.5)
+    """FedTrimmedAvg: fraction cut off at each tail of every coordinate (Flower's default
+    0.2)."""
+    num_malicious_nodes: int | None = Field(None, ge=0)
+    """Krum, MultiKrum, Bulyan: the number f of Byzantine clients tolerated (Flower's
+    default 0). Bulyan needs at least 4f + 3 updates in a round."""
+    num_nodes_to_select: int | None = Field(None, ge=1)
+    """MultiKrum: how many of the lowest-scoring updates are averaged (Flower's default 1,
+    which is Krum)."""
+    q: float | None = Field(None, ge=0.0)
+    """QFedAvg: the fairness exponent (Flower's default 0.1); 0 weighs every client
+    alike, larger values weigh clients with a higher training loss more."""
+    client_learning_rate: float | None = Field(None, gt=0.0)
+    """QFedAvg: the clients' learning rate, from which Flower estimates the Lipschitz
+    constant ``L = 1 / client_learning_rate`` (required for QFedAvg: an aggregator does
+    not see ``train.optimizer``; normally set it to ``train.optimizer.lr``)."""
+    noise_multiplier: float | None = Field(None, ge=0.0)
+    """DP: Gaussian noise standard deviation as a multiple of ``clipping_norm /
+    num_sampled_clients`` (required for the DP wrapper; 0 adds no noise)."""
+    clipping_norm: float | None = Field(None, gt=0.0)
+    """DP: each update's L2 distance to the global model is clipped to this (required for
+    the DP wrapper)."""
+    num_sampled_clients: int | None = Field(None, ge=1)
+    """DP: the number of updates per round the noise is scaled for (default: the number
+    that reached the aggregator that round)."""
+    noise_seed: int | None = Field(None, ge=0, lt=2**32)
+    """DP: mixed into the seed of each round's noise (default None, which is 0); see the
+    module docstring."""
+    wrapped: str | None = None
+    """DP: the strategy the DP wrapper aggregates with (default ``FedAvg``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_and_its_parameters(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        strategy = data.get("strategy")
+        if strategy is None:
+            offered = sorted(STRATEGIES) + [DP_WRAPPER]
+            raise ValueError(f"strategy is required: one of {', '.join(offered)}")
+        problem = _strategy_problem(strategy, "strategy")
+        wrapped = data.get("wrapped")
+        if problem is None and wrapped is not None:
+            if strategy != DP_WRAPPER:
+                problem = f"wrapped is a parameter of {DP_WRAPPER}, not of {strategy}"
+            else:
+                problem = _strategy_problem(wrapped, "wrapped")
+        if problem is not None:
+            raise ValueError(problem)
+        accepted = accepted_parameters(strategy, wrapped)
+        # None is "not set": a dumped config (model_dump, as the Flower runtime sends it)
+        # holds every field.
+        given = [
+            key
+            for key, value in data.items()
+            if key not in ("name", "strategy") and value is not None
+        ]
+        unknown = [key for key in given if key not in accepted]
+        if unknown:
+            takes = ", ".join(accepted) if accepted else "no parameters"
+            described = strategy if wrapped is None else f"{strategy} wrapping {wrapped}"
+            raise ValueError(f"{described} takes {takes}, not {', '.join(map(str, unknown))}")
+        missing = [
+            key
+            for key in ("noise_multiplier", "clipping_norm")
+            if strategy == DP_WRAPPER and data.get(key) is None
+        ]
+        if missing:
+            raise ValueError(f"{DP_WRAPPER} needs {' and '.join(missing)}")
+        return data
+
+    def strategy_keywords(self) -> dict[str, Any]:
+        """The keyword arguments of the aggregating Flower strategy (the wrapped one for
+        the DP wrapper), leaving Flower's defaults where the config sets nothing."""
+        values = self.model_dump()
+        return {
+            key: values[key]
+            for key in STRATEGIES[self.aggregating_strategy]
+            if values[key] is not None
+        }
+
+    def incompatibilities(self, train: Any) -> list[str]:
+        """QFedAvg without ``client_learning_rate``: the reason names the run's
+        ``train.optimizer.lr``, the value to set."""
+        if self.aggregating_strategy == "QFedAvg" and self.client_learning_rate is None:
+            return [missing_learning_rate(train.optimizer.lr)]
+        return []
+
+    @property
+    def aggregating_strategy(self) -> str:
+        """The strategy that combines the models: ``strategy``, or the one the DP wrapper
+        wraps."""
+        return (self.wrapped or "FedAvg") if self.strategy == DP_WRAPPER else self.strategy
+
+
+def missing_learning_rate(learning_rate: float | None = None) -> str:
+    """The error for QFedAvg without ``client_learning_rate``."""
+    value = f" ({learning_rate})" if learning_rate is not None else ""
+    return (
+        "Flower's QFedAvg needs client_learning_rate (it estimates the Lipschitz constant as "
+        f"1 / client_learning_rate): set it to the clients' train.optimizer.lr{value}"
+    )
+
+
+class _ReplyGrid:
+    """The grid a strategy's ``configure_train`` samples from: one node per reply.
+
+    Flower's strategies only ask a grid for its node ids there; the messages they
+    configure are never sent, they only give each reply its ``reply_to``.
+    """
+
+    def __init__(self, num_nodes: int) -> None:
+        self.node_ids = list(range(1, num_nodes + 1))
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+
+@contextlib.contextmanager
+def seeded_global_generators(seed_words: list[int]) -> Iterator[None]:
+    """Seed numpy's legacy global generator and Python's ``random`` from ``seed_words``
+    (each below 2**32) for the block, then put both back as they were."""
+    numpy_state = np.random.get_state()
+    python_state = random.getstate()
+    np.random.seed(np.array(seed_words, dtype=np.uint32))
+    random.seed(int.from_bytes(np.array(seed_words, dtype=">u4").tobytes(), "big"))
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+@contextlib.contextmanager
+def flower_warnings_only() -> Iterator[None]:
+    """Flower's logger at WARNING for the block (its INFO lines describe the stand-in
+    grid, not the run)."""
+    logger = logging.getLogger(FLOWER_LOGGER)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def model_digest(vector: Tensor) -> list[int]:
+    """Two 32-bit words identifying the exact bits of ``vector``."""
+    data = vector.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return [int.from_bytes(digest[:4], "big"), int.from_bytes(digest[4:], "big")]
+
+
+class FlowerStrategyAggregator(Aggregator):
+    """Aggregates each round with the Flower strategy its config names.
+
+    Args:
+        config: the validated :class:`FlowerStrategyConfig`.
+        num_clients: K, the number of clients in the federation.
+    """
+
+    def __init__(self, config: FlowerStrategyConfig, num_clients: int) -> None:
+        super().__init__(num_clients)
+        if config.aggregating_strategy == "QFedAvg" and config.client_learning_rate is None:
+            raise ConfigError(f"train.aggregator: {missing_learning_rate()}")
+        self.config = config
+        self.rounds_aggregated = 0
+        """Rounds aggregated so far; round t is Flower's ``server_round`` t."""
+
+    def client_needs(self) -> ClientNeeds:
+        """The reply metrics the strategy reads (QFedAvg: ``train_loss``); the others need
+        nothing beyond the model and ``num-examples``."""
+        return ClientNeeds(reply_metrics=REPLY_METRICS.get(self.config.aggregating_strategy, ()))
+
+    def initialize(self, global_vector: Tensor) -> None:
+        self.rounds_aggregated = 0
+
+    def build_strategy(self, num_replies: int) -> Any:
+        """The Flower strategy of one round of ``num_replies`` replies."""
+        from flwr.serverapp import strategy as flower
+
+        sampling = {"min_train_nodes": 1, "min_available_nodes": 1}
+        aggregating = getattr(flower, self.config.aggregating_strategy)(
+            **sampling, **self.config.strategy_keywords()
+        )
+        if self.config.strategy != DP_WRAPPER:
+            return aggregating
+        assert self.config.noise_multiplier is not None and self.config.clipping_norm is not None
+        return flower.DifferentialPrivacyServerSideFixedClipping(
+            aggregating,
+            noise_multiplier=self.config.noise_multiplier,
+            clipping_norm=self.config.clipping_norm,
+            num_sampled_clients=self.config.num_sampled_clients or num_replies,
+        )
+
+    def aggregate(self, global_vector: Tensor, updates: Iterable[ClientUpdate]) -> Tensor:
+        """The Flower strategy's model from this round's updates (held all at once).
+
+        Raises:
+            ValueError: an update's weight is negative or not finite.
+            TrainingError: no update with positive weight arrived, or the strategy
+                returned no model (Bulyan with fewer than 4f + 3 updates).
+        """
+        from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+        from fedplug.adapters.flower.internals import ensure_task_identity
+
+        wanted = self.client_needs().reply_metrics
+        replies: list[tuple[int, Any, dict[str, float]]] = []
+        for update in updates:
+            if not (np.isfinite(update.weight) and update.weight >= 0):
+                raise ValueError(
+                    f"client {update.client_id} sent aggregation weight {update.weight!r}; "
+                    "weights must be finite and non-negative"
+                )
+            missing = [name for name in wanted if name not in update.metrics]
+            if missing:
+                raise ValueError(
+                    f"client {update.client_id}'s update carries no {missing} in its metrics, "
+                    f"which Flower's {self.config.aggregating_strategy} reads"
+                )
+            if update.weight > 0:  # copied now: a streaming runtime may reuse the tensor
+                vector = update.vector.detach().to("cpu", torch.float32).numpy()
+                metrics = {WEIGHT_KEY: float(update.weight)}
+                metrics.update({name: float(update.metrics[name]) for name in wanted})
+                replies.append(
+                    (update.client_id, ArrayRecord({VECTOR_KEY: Array(vector)}), metrics)
+                )
+        if not replies:
+            raise TrainingError(
+                f"no client update reached the 'flower' aggregator ({self.config.strategy}) this "
+                "round (every sampled client failed or held no training samples); check the "
+                "partition and the fraction of clients sampled per round"
+            )
+        server_round = self.rounds_aggregated + 1
+        current = global_vector.detach().to("cpu", torch.float32).numpy()
+        seed_words = [self.config.noise_seed or 0, server_round, *model_digest(global_vector)]
+        strategy = self.build_strategy(len(replies))
+        ensure_task_identity()  # Flower >= 1.38 builds messages only in a process that has one
+        with seeded_global_generators(seed_words), flower_warnings_only():
+            grid = _ReplyGrid(len(replies))
+            instructions = {
+                message.metadata.dst_node_id: message
+                for message in strategy.configure_train(
+                    server_round, ArrayRecord({VECTOR_KEY: Array(current)}), ConfigRecord(), grid
+                )
+            }
+            messages = [
+                Message(
+                    RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}),
+                    reply_to=instructions[node_id],
+                )
+                for node_id, (_, arrays, metrics) in zip(grid.node_ids, replies)
+            ]
+            try:
+                aggregated, _ = strategy.aggregate_train(server_round, messages)
+            except ZeroDivisionError:  # Flower's clipping scales by clipping_norm / norm(change)
+                raise TrainingError(self._unchanged_models(current, replies)) from None
+        if aggregated is None:
+            raise TrainingError(
+                f"Flower's {self.config.strategy} returned no model from {len(replies)} updates in "
+                f"round {server_round} (see Flower's warning above; Bulyan needs at least "
+                "4 * num_malicious_nodes + 3 updates): sample more clients per round or lower "
+                "num_malicious_nodes"
+            )
+        self.rounds_aggregated = server_round
+        result = np.asarray(aggregated[VECTOR_KEY].numpy(), dtype=np.float32)
+        return torch.from_numpy(result.copy()).to(global_vector.device)
+
+    def _unchanged_models(
+        self, current: np.ndarray, replies: list[tuple[int, Any, dict[str, float]]]
+    ) -> str:
+        unchanged = [
+            k for k, arrays, _ in replies if np.array_equal(arrays[VECTOR_KEY].numpy(), current)
+        ]
+        return (
+            f"client {unchanged[0] if unchanged else '?'} in round {self.rounds_aggregated + 1} "
+            f"sent back the global model unchanged, and Flower's {DP_WRAPPER} divides by the "
+            "norm of each change; check that every client trains (train.optimizer.lr > 0, "
+            "non-empty partitions)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The round count: everything else is rebuilt each round from the config, and
+        the noise is seeded from the round and the global model."""
+        return {"rounds_aggregated": self.rounds_aggregated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds_aggregated = int(state["rounds_aggregated"])
+
+
+@hookimpl
+def fedplug_register_aggregators(register: Register) -> None:
+    if flower_installed():
+        register("flower", FlowerStrategyConfig, FlowerStrategyAggregator)

@@ -1,0 +1,79 @@
+"""Tracking: every fedplug run logged to MLflow (and, optionally, TensorBoard or a
+plugin's tracker) through one observer.
+
+- :mod:`fedplug.tracking.observer`: :func:`open_tracker` and :class:`Tracker`, what every
+  runtime calls; the backend protocol plugins implement (:class:`TrackerBackend`).
+- :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend, URI resolution and the
+  server check.
+- :mod:`fedplug.tracking.tensorboard_tracker`: the TensorBoard backend.
+
+Built-in backends are registered by the hook ``fedplug_register_trackers`` below, exactly
+as a third-party plugin registers its own.
+"""
+
+from __future__ import annotations
+
+from fedplug.hookspecs import hookimpl
+from fedplug.tracking.mlflow_tracker import (
+    HEALTH_TIMEOUT_SECONDS,
+    LOCAL_STORE_NAME,
+    MlflowTracker,
+    TrackingTarget,
+    check_server,
+    choose_tracking_uri,
+    is_remote,
+    local_artifact_location,
+    local_tracking_uri,
+    params_payload,
+    resolve_tracking_uri,
+    round_metrics,
+    run_tags,
+    start_run_tags,
+    summary_metrics,
+)
+from fedplug.tracking.observer import (
+    MLFLOW_STATE_NAME,
+    TENSORBOARD_FOLDER,
+    BackendFactory,
+    Tracker,
+    TrackerBackend,
+    TrackerContext,
+    config_fingerprint,
+    open_mlflow,
+    open_tensorboard,
+    open_tracker,
+    standard_tags,
+)
+
+__all__ = [
+    "HEALTH_TIMEOUT_SECONDS",
+    "LOCAL_STORE_NAME",
+    "MLFLOW_STATE_NAME",
+    "TENSORBOARD_FOLDER",
+    "BackendFactory",
+    "MlflowTracker",
+    "Tracker",
+    "TrackerBackend",
+    "TrackerContext",
+    "TrackingTarget",
+    "check_server",
+    "choose_tracking_uri",
+    "config_fingerprint",
+    "is_remote",
+    "local_artifact_location",
+    "local_tracking_uri",
+    "open_tracker",
+    "params_payload",
+    "resolve_tracking_uri",
+    "round_metrics",
+    "run_tags",
+    "standard_tags",
+    "start_run_tags",
+    "summary_metrics",
+]
+
+
+@hookimpl
+def fedplug_register_trackers(register):  # type: ignore[no-untyped-def]
+    register("mlflow", open_mlflow)
+    register("tensorboard", open_tensorboard)
