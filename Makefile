@@ -53,7 +53,8 @@ clean:
 # ------------------------------------------------------------ FedML (its own venv)
 # FedML 0.9.6 pins numpy<2 and protobuf<4, which break Flower, so it lives in
 # .venv-fedml. `make test-fedml` builds it once (stamp file) and runs tests/test_fedml.py,
-# whose slow tests start real FedML runs with mpirun (Open MPI: installed when missing).
+# whose slow tests start real FedML runs with mpirun (Open MPI: installed when missing),
+# and tests/test_conformance_fedml.py (FedML's round against the simulator's, in process).
 FEDML_VENV := .venv-fedml
 FEDML_BIN := $(FEDML_VENV)/bin
 FEDML_STAMP := $(FEDML_VENV)/.installed
