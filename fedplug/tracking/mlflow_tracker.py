@@ -462,7 +462,12 @@ class MlflowTracker:
             for package in ("torch", "numpy", "fedplug")
             if (version := _package_version(package))
         ]
-        previous_uri = mlflow.get_tracking_uri()
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        # set_tracking_uri pins a process-wide URI and sets $MLFLOW_TRACKING_URI: put both
+        # back exactly as they were, so later runs in this process still follow the env.
+        previous_global_uri = tracking_utils._tracking_uri
+        previous_env_uri = os.environ.get("MLFLOW_TRACKING_URI")
         previous_experiment = os.environ.get("MLFLOW_EXPERIMENT_ID")
         # mlflow.pytorch.log_model writes through the fluent API, which reads the global URI
         # and, without an active run, puts the LoggedModel in the *active* experiment (the
@@ -484,7 +489,11 @@ class MlflowTracker:
                 f"MLflow could not log the model for run {self.run_id}: {error.message}"
             ) from None
         finally:
-            mlflow.set_tracking_uri(previous_uri)
+            tracking_utils._tracking_uri = previous_global_uri
+            if previous_env_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = previous_env_uri
             if previous_experiment is None:
                 os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
             else:
