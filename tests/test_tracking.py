@@ -7,15 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,15 +29,9 @@ from fedplug.tracking import (
     resolve_tracking_uri,
     round_metrics,
 )
+from mlflow_server import QUIET_ENV, free_port, mlflow_server  # noqa: F401  (mlflow_server: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-QUIET_ENV = {
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DVC_NO_ANALYTICS": "1",
-    "DO_NOT_TRACK": "1",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "no_proxy": "127.0.0.1,localhost",
-}
 
 
 @pytest.fixture(autouse=True)
@@ -50,12 +39,6 @@ def _quiet_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in QUIET_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def record(round_number: int, accuracy: float) -> RoundRecord:
@@ -363,54 +346,6 @@ def test_missing_density_weights_stop_a_feddisk_run(
 
 
 # ------------------------------------------------------------------ real server
-
-
-@pytest.fixture()
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, **QUIET_ENV}
-    command = [
-        str(Path(sys.executable).parent / "mlflow"),
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--backend-store-uri",
-        f"sqlite:///{tmp_path}/m.db",
-        "--artifacts-destination",
-        str(tmp_path / "artifacts"),
-        "--workers",
-        "1",
-    ]
-    # Its own process group: `mlflow server` starts uvicorn/gunicorn workers, and stopping
-    # the group by our child's PID stops exactly what this test started.
-    with open(tmp_path / "server.log", "wb") as log:
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                check_server(base, timeout=1)
-                break
-            except TrackingError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        "mlflow server did not start:\n"
-                        + (tmp_path / "server.log").read_text()[-3000:]
-                    ) from None
-                time.sleep(0.5)
-        yield base
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=10)
 
 
 @pytest.mark.slow
