@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Any, Sequence
 
 from fedplug.errors import ConfigError, FedplugError
@@ -78,19 +80,14 @@ def run_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_output_dir(config)
     check_output_folder(out)
     resume = not args.no_resume
-    progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)
-
-    def show(record: Any) -> None:
-        progress.n = record.round
-        progress.set_postfix(accuracy=f"{record.accuracy:.4f}", loss=f"{record.loss:.4f}", refresh=False)
-        progress.refresh()
-
-    # Everything that can refuse the run (data, model, checkpoint) before anything is written.
-    simulator = _closing_on_error(progress, prepare_experiment)(config, out, observers=[show], resume=resume)
+    # Everything that can refuse the run (data, partition, model, checkpoint, tracking)
+    # runs before anything is printed: a refused run shows its one error line only, never
+    # a progress bar that started.
+    simulator = prepare_experiment(config, out, resume=resume)
     # The config file's folder is the project: its local store is <project>/mlflow.db.
     project_root = Path(args.config).resolve().parent
     label = args.algorithm or config.train.aggregator.name
-    tracker = _closing_on_error(progress, open_tracker)(
+    tracker = open_tracker(
         config,
         out,
         run_name=f"{config.data.dataset.name}-{label}-seed{config.train.seed}",
@@ -101,9 +98,19 @@ def run_command(args: argparse.Namespace) -> int:
     )
     if tracker.run_id is not None:
         print(f"MLflow run {tracker.run_id} in {tracker.uri}" + (" (resumed)" if tracker.resumed else ""), file=sys.stderr)
-    simulator.observers.append(tracker.log_round)
+    progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)
 
-    with tracker:  # FINISHED on success; FAILED (kept for resuming) on an error or Ctrl-C
+    def show(record: Any) -> None:
+        progress.n = record.round
+        progress.set_postfix(accuracy=f"{record.accuracy:.4f}", loss=f"{record.loss:.4f}", refresh=False)
+        progress.refresh()
+
+    ctrl_c = CtrlC()
+    simulator.observers.append(show)
+    simulator.observers.append(tracker.log_round)
+    simulator.observers.append(ctrl_c.after_round)
+
+    with ctrl_c, tracker:  # FINISHED on success; FAILED (kept for resuming) on an error or Ctrl-C
         if tracker.resumed:
             tracker.log_history(checkpointed_rounds(out))  # rounds done before the interruption
         try:
@@ -125,17 +132,50 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _closing_on_error(progress: Any, function: Any) -> Any:
-    """``function``, closing the progress bar first when it raises."""
+class CtrlC:
+    """Ctrl-C during training that is never lost.
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except BaseException:
-            progress.close()
-            raise
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when SIGINT
+    arrives. Inside a weakref callback, a finalizer or an at-fork hook (the parallel engine
+    forks its workers every round, and fork() is where Ctrl-C most often lands) the
+    exception cannot propagate: Python prints it as "Exception ignored in ..." and the run
+    goes on. While this is installed, every SIGINT is remembered, such a dropped
+    ``KeyboardInterrupt`` is kept off stderr, and :meth:`after_round` (a round observer,
+    called once the round's checkpoint is written) raises it again.
+    """
 
-    return call
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous_handler: Any = None
+        self._previous_hook: Any = None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+        sys.unraisablehook = self._previous_hook
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if self.pressed and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            return  # dropped where it landed; after_round raises it again
+        self._previous_hook(unraisable)
+
+    def after_round(self, record: Any) -> None:
+        """Raise the ``KeyboardInterrupt`` of a Ctrl-C that Python dropped mid-round."""
+        if self.pressed:
+            raise KeyboardInterrupt
 
 
 def ui_hint(uri: str | None, project_root: Any) -> str:

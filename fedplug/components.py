@@ -234,6 +234,14 @@ class LossTransform:
         is none. Every runtime runs it the same way, after :meth:`prepare`."""
         return None
 
+    def setup_report(self) -> dict[str, Any]:
+        """What :meth:`prepare` and the setup phase produced that a reader wants to see
+        (FedDisk's per-client sample-weight quantiles and their histogram), as JSON-ready
+        values; the simulator writes them to metrics.json as ``setup_report``
+        (:attr:`fedplug.simulation.results.RunResult.setup_report`). Empty by default, and
+        before :meth:`prepare` has run."""
+        return {}
+
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         """Per-client constant tensors for :meth:`per_sample_loss` and :meth:`penalty`."""
         return {}

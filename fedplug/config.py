@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, model_vali
 
 from fedplug.components import ComponentConfig, StrictConfig
 from fedplug.errors import ConfigError
+from fedplug.faults import FaultsConfig
 from fedplug.registry import Registry
 
 # Config field -> registry kind, for every field that selects a component by name.
@@ -153,6 +154,9 @@ class TrainConfigBase(StrictModel):
     eval_batch_size: int = Field(1000, ge=1)
     """Batch size for evaluation."""
     failures: FailurePolicy = Field(default_factory=FailurePolicy)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """Faults injected on purpose (dropout, stragglers, corrupted updates; default none):
+    see :mod:`fedplug.faults`."""
 
     @model_validator(mode="after")
     def _components_fit_together(self) -> "TrainConfigBase":

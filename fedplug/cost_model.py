@@ -19,6 +19,10 @@ the members of a chain train one after another:
   share the server's link one after another, as the paper's eq. 16 assumes:
   ``seconds = 8 bytes_down / downlink + 8 bytes_up / uplink``.
 
+Stragglers (``train.faults.stragglers``, :mod:`fedplug.faults`) train slower than the
+device by their speed factor: a client's time is multiplied by it, and the round counts a
+chain with a straggler for at most the deadline after which the server stops waiting.
+
 Defaults are the paper's: a Qualcomm Snapdragon 835 with an Adreno 540 GPU
 (567 GFLOP/s) and 567 Mbit/s links each way (AWS EC2 r4.large). A plan of chains of
 length one (the default grouper) gives plain FedAvg's cost in the same model, so the
@@ -90,6 +94,8 @@ def training_seconds(
     local_epochs: int,
     train_flops_per_sample: int,
     link: LinkAndDevice,
+    speed_factors: np.ndarray | None = None,
+    timeout_seconds: float | None = None,
 ) -> float:
     """Local training time of the round: the slowest chain, its members in sequence.
 
@@ -99,12 +105,40 @@ def training_seconds(
         local_epochs: epochs each client trains (the paper's e).
         train_flops_per_sample: forward + backward FLOPs of one sample.
         link: device throughput.
+        speed_factors: how many times slower than ``link.device_flops`` each client
+            trains, indexed by client id (default: all 1; ``train.faults.stragglers``).
+        timeout_seconds: the server stops waiting for a chain with a straggler (a
+            member whose speed factor exceeds 1) after this long, so such a chain counts
+            for no more (default None: it waits for every chain).
     """
     if not chains:
         return 0.0
-    samples = np.asarray(samples_per_client, dtype=np.float64)
-    slowest = max(float(samples[list(chain)].sum()) for chain in chains)
-    return slowest * local_epochs * train_flops_per_sample / link.device_flops
+
+    def seconds(chain: Sequence[int]) -> float:
+        time = chain_training_seconds(chain, samples_per_client, local_epochs, train_flops_per_sample, link, speed_factors)
+        if timeout_seconds is not None and speed_factors is not None and (np.asarray(speed_factors)[list(chain)] > 1).any():
+            return min(time, timeout_seconds)
+        return time
+
+    return max(seconds(chain) for chain in chains)
+
+
+def chain_training_seconds(
+    chain: Sequence[int],
+    samples_per_client: np.ndarray,
+    local_epochs: int,
+    train_flops_per_sample: int,
+    link: LinkAndDevice,
+    speed_factors: np.ndarray | None = None,
+) -> float:
+    """Training time of one chain: its members one after another, each
+    ``samples x local_epochs x train_flops_per_sample / device_flops``, times its speed
+    factor (default 1)."""
+    members = list(chain)
+    samples = np.asarray(samples_per_client, dtype=np.float64)[members]
+    if speed_factors is not None:
+        samples = samples * np.asarray(speed_factors, dtype=np.float64)[members]
+    return float(samples.sum()) * local_epochs * train_flops_per_sample / link.device_flops
 
 
 def aggregation_seconds(num_models: int, num_parameters: int, link: LinkAndDevice) -> float:
@@ -120,6 +154,8 @@ def round_cost(
     model_bytes: int,
     link: LinkAndDevice = LinkAndDevice(),
     num_parameters: int | None = None,
+    speed_factors: np.ndarray | None = None,
+    timeout_seconds: float | None = None,
 ) -> RoundCost:
     """Time and traffic of one round of ``chains`` (paper eq. 15-17).
 
@@ -134,13 +170,15 @@ def round_cost(
         link: throughputs and rates (default: the paper's, see :class:`LinkAndDevice`).
         num_parameters: parameters summed per model in aggregation (default
             ``model_bytes // 4``, float32 parameters).
+        speed_factors, timeout_seconds: see :func:`training_seconds` (default: every
+            client at the device's speed, no timeout).
     """
     if num_parameters is None:
         num_parameters = model_bytes // FLOAT32_BYTES
     participants = sum(len(chain) for chain in chains)
     bytes_each_way = participants * model_bytes
     compute = training_seconds(
-        chains, samples_per_client, local_epochs, train_flops_per_sample, link
+        chains, samples_per_client, local_epochs, train_flops_per_sample, link, speed_factors, timeout_seconds
     ) + aggregation_seconds(len(chains), num_parameters, link)
     communication = 8 * bytes_each_way / link.downlink_bps + 8 * bytes_each_way / link.uplink_bps
     return RoundCost(

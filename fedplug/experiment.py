@@ -18,7 +18,7 @@ import yaml
 from fedplug.data.build import build_federation
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
-from fedplug.simulation.checkpoint import load_checkpoint
+from fedplug.simulation.checkpoint import read_checkpoint
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
 
@@ -79,10 +79,10 @@ def prepare_experiment(
         checkpoint_path=checkpoint,
         observers=observers,
     )
-    if checkpoint is not None and resume:
-        # Refuse a corrupt checkpoint, or one of another config, before writing anything:
-        # out_dir keeps the config.yaml that belongs to its checkpoint.
-        load_checkpoint(checkpoint, simulator.fingerprint)
+    # Refuse a corrupt checkpoint, or one of another config, and data the loss transform's
+    # setup phase cannot use, before anything is printed or written: out_dir keeps the
+    # config.yaml that belongs to its checkpoint.
+    simulator.prepare(resume=resume)
     return simulator
 
 
@@ -111,9 +111,9 @@ def checkpointed_rounds(out_dir: str | os.PathLike[str]) -> list[RoundRecord]:
     if not path.is_file():
         return []
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(path)  # weights only: a crafted file is refused, not run
         return [RoundRecord.from_dict(record) for record in state["history"]]
-    except Exception:  # unreadable or foreign: run_experiment reports it
+    except Exception:  # unreadable, refused or foreign: prepare_experiment reports it
         return []
 
 

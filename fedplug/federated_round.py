@@ -4,20 +4,29 @@ The simulator's engines, the Flower strategy and the FedML coordinator differ on
 they move models and messages. Everything else about a round lives here, once:
 
 1. **the plan** (:func:`plan_round`): sample ``client_fraction`` of the K clients (stream
-   ``[seed, round, 0xC11E]``) and let the grouper form the chains (stream
-   ``[seed, round, 0x6E0]``);
+   ``[seed, round, 0xC11E]``; with a ``train.faults.dropout.trace``, among the clients it
+   lists as available), remove the sampled clients that ``train.faults.dropout`` drops
+   (they neither train nor reply, and are not failures) and let the grouper form the
+   chains of the rest (stream ``[seed, round, 0x6E0]``); a round that nobody is left to
+   train keeps the global model, with a warning;
 2. **the weight rule** (:func:`chain_update`): a chain's model weighs the samples its
    members trained on, or 1 when the plan weighs groups uniformly;
-3. **screening** (:func:`screen`): a failed chain, a model of the wrong shape, non-finite
-   parameters or extras, or a chain over ``train.failures.client_timeout_seconds`` is
-   dropped with a logged reason; the rest stream on, in plan order;
+3. **faults, then screening** (:func:`screen`): ``train.faults`` turns a chain with a
+   straggler whose modelled time exceeds its deadline (``stragglers.deadline_seconds``,
+   default ``train.failures.client_timeout_seconds``) into a timeout and corrupts the
+   updates its corruption draw picks (:mod:`fedplug.faults`);
+   then a failed chain, a model of the wrong shape, non-finite parameters or extras, or a
+   chain over ``train.failures.client_timeout_seconds`` is dropped with a logged reason;
+   the rest stream on, in plan order;
 4. **aggregate or retry** (:meth:`RoundCore.run`): an attempt fails when no usable update
    reached the aggregator or more than ``max_failed_fraction`` of the chains failed; the
    aggregator's state is restored and the round replayed up to ``max_round_retries``
    times (a runtime that cannot replay a round stops instead, saying why); a non-finite
    global model stops the run;
 5. **the record** (:meth:`RoundCore.record`): evaluation, traffic, failures, the
-   grouper's own metrics and the cost model's times, as one :class:`RoundRecord`;
+   grouper's own metrics, the cost model's times (stragglers slowed by their factors)
+   and the injected faults (``faults_*`` counts, and ``dropped``: which clients were
+   dropped and why), as one :class:`RoundRecord`;
 6. **derived params** (:meth:`RoundCore.derived_params`): what the components' configs
    report about themselves, plus the runtime's own entries.
 
@@ -38,9 +47,10 @@ from typing import Any, Protocol
 import numpy as np
 from torch import Tensor
 
-from fedplug.cost_model import LinkAndDevice, round_cost
+from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.components import Aggregator, ClientNeeds, ClientUpdate, Grouper, RoundPlan
-from fedplug.errors import TrainingError
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.faults import Faults, RoundDropout, corrupt
 from fedplug.simulation.results import RoundRecord
 from fedplug.simulation.vectors import all_finite, tensors_num_bytes
 
@@ -88,6 +98,8 @@ def sample_clients(num_clients: int, fraction: float, seed: int, round_index: in
 def sample_among(candidates: np.ndarray, count: int, seed: int, round_index: int) -> np.ndarray:
     """``count`` of the sorted ``candidates`` (client ids), drawn with the round's sampling
     stream, in ascending order."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
     rng = np.random.default_rng([seed, round_index, SAMPLING_STREAM])
     picked = np.sort(rng.choice(len(candidates), size=count, replace=False))
     return np.asarray(candidates, dtype=np.int64)[picked]
@@ -99,10 +111,58 @@ def group(train_config: Any, grouper: Grouper, clients: np.ndarray, round_index:
     return grouper.plan(round_index + 1, clients, rng)
 
 
-def plan_round(train_config: Any, grouper: Grouper, num_clients: int, round_index: int) -> RoundPlan:
-    """Round ``round_index`` (0-based): the sampled clients, in the grouper's chains."""
-    clients = sample_clients(num_clients, train_config.client_fraction, train_config.seed, round_index)
-    return group(train_config, grouper, clients, round_index)
+def plan_round(
+    train_config: Any, grouper: Grouper, num_clients: int, round_index: int, faults: Faults | None = None
+) -> RoundPlan:
+    """Round ``round_index`` (0-based): the sampled clients, in the grouper's chains,
+    without those ``train.faults.dropout`` drops (``faults``: the run's, default built
+    from ``train_config``)."""
+    return planned_round(train_config, grouper, num_clients, round_index, faults)[0]
+
+
+def planned_round(
+    train_config: Any,
+    grouper: Grouper,
+    num_clients: int,
+    round_index: int,
+    faults: Faults | None = None,
+    *,
+    candidates: np.ndarray | None = None,
+    count: int | None = None,
+) -> tuple[RoundPlan, RoundDropout]:
+    """:func:`plan_round`'s plan, and who dropped out of it and why.
+
+    Sampling draws ``count`` clients (default ``client_fraction`` x K, at least one) from
+    ``candidates`` (default all K; Flower: the connected nodes' clients) less those the
+    dropout trace lists as unavailable (all of them when fewer are left); then the
+    sampled clients that drop out are removed, and the grouper forms its chains of the
+    rest. A round that nobody is left to train has no chains.
+    """
+    if faults is None:
+        faults = Faults.for_run(train_config, num_clients)
+    taking_part, dropout = sampled_round(train_config, faults, num_clients, round_index, candidates, count)
+    if len(taking_part) == 0:
+        return RoundPlan(chains=[]), dropout
+    return group(train_config, grouper, taking_part, round_index), dropout
+
+
+def sampled_round(
+    train_config: Any,
+    faults: Faults,
+    num_clients: int,
+    round_index: int,
+    candidates: np.ndarray | None = None,
+    count: int | None = None,
+) -> tuple[np.ndarray, RoundDropout]:
+    """The sorted clients that take part in round ``round_index`` (before grouping), and
+    who dropped out; see :func:`planned_round`."""
+    pool = np.arange(num_clients, dtype=np.int64) if candidates is None else np.asarray(candidates, dtype=np.int64)
+    if count is None:
+        count = max(1, int(round(train_config.client_fraction * num_clients)))
+    available = faults.candidates(pool, round_index)
+    sampled = sample_among(available, min(count, len(available)), train_config.seed, round_index)
+    unavailable = np.setdiff1d(pool, available) if len(available) < len(pool) else ()
+    return faults.drop_out(sampled, unavailable, round_index)
 
 
 def participants(plan: RoundPlan) -> list[int]:
@@ -151,6 +211,10 @@ class Tally:
     failures: int = 0
     bytes_up: int = 0
     dropped: list[tuple[list[int], str]] = field(default_factory=list)
+    corrupted: int = 0
+    """Updates ``train.faults.corruption`` corrupted (whether screening dropped them or not)."""
+    straggler_timeouts: int = 0
+    """Chains ``train.faults.stragglers`` made time out (also in ``failures``)."""
 
 
 def unusable(
@@ -282,12 +346,43 @@ class RoundCore:
         self.checkpoint = checkpoint
         self.required_metrics = client_needs(aggregator, grouper).reply_metrics
         """The reply metrics the server-side components read; screening requires them."""
+        self.faults = Faults.for_run(train_config, num_clients)
+        """The run's ``train.faults`` (the trace read, the stragglers drawn)."""
+        self._dropouts: dict[int, RoundDropout] = {}
+        if self.faults.straggler_deadline is not None and (client_sizes is None or not self.train_flops):
+            raise ConfigError(
+                f"train.faults.stragglers with {self.faults.deadline_source} needs the cost model's times "
+                f"(the clients' training-set sizes and the model's FLOPs per sample), which {runtime} does "
+                "not have here; on Flower pass query_nodes=True, num_classes= and input_shape= to "
+                "FedplugStrategy"
+            )
 
     # ------------------------------------------------------------------- plan
 
-    def plan(self, round_index: int) -> RoundPlan:
-        """The plan of round ``round_index`` (0-based); a replayed round trains the same."""
-        return plan_round(self.config, self.grouper, self.num_clients, round_index)
+    def plan(self, round_index: int, *, candidates: np.ndarray | None = None, count: int | None = None) -> RoundPlan:
+        """The plan of round ``round_index`` (0-based); a replayed round trains the same.
+        ``candidates`` and ``count``: see :func:`planned_round` (default: ``count`` =
+        ``client_fraction`` x K of all K clients)."""
+        plan, dropout = planned_round(
+            self.config, self.grouper, self.num_clients, round_index, self.faults, candidates=candidates, count=count
+        )
+        self._dropouts[round_index] = dropout
+        return plan
+
+    def dropout(self, round_index: int) -> RoundDropout:
+        """Who ``train.faults.dropout`` dropped from round ``round_index`` and why: as
+        :meth:`plan` found (or, for a round planned elsewhere with the default sampling,
+        drawn again)."""
+        if round_index not in self._dropouts:
+            self._dropouts[round_index] = sampled_round(self.config, self.faults, self.num_clients, round_index)[1]
+        return self._dropouts[round_index]
+
+    def chain_seconds(self, chain: Iterable[int]) -> float:
+        """The cost model's training time of ``chain``, stragglers slowed by their factors."""
+        sizes = self.client_sizes if self.client_sizes is not None else np.zeros(self.num_clients, dtype=np.int64)
+        return chain_training_seconds(
+            list(chain), sizes, self.config.local_epochs, self.train_flops, self.link, self.faults.speed_factors
+        )
 
     # -------------------------------------------------------- aggregate or retry
 
@@ -306,6 +401,12 @@ class RoundCore:
                 cannot replay), or the new global model is not finite.
         """
         policy = self.config.failures
+        if not plan.chains:
+            logger.warning(
+                "round %d: no client is left to train (every sampled client dropped out, "
+                "train.faults.dropout); the global model stays as it was", round_index + 1,
+            )
+            return Attempt(global_vector, Tally(), 1)
         attempts = policy.max_round_retries + 1 if self.can_replay else 1
         members = participants(plan)
         for attempt in range(attempts):
@@ -314,7 +415,7 @@ class RoundCore:
             tally = Tally()
             outcomes = train(attempt)
             updates = screen(
-                outcomes,
+                self._inject(outcomes, round_index, global_vector, tally),
                 tuple(global_vector.shape),
                 timeout=policy.client_timeout_seconds,
                 model_bytes=self.model_bytes,
@@ -349,6 +450,32 @@ class RoundCore:
             f"(train.failures.max_failed_fraction = {policy.max_failed_fraction}); see the log for each "
             "client's reason"
         )
+
+    def _inject(
+        self, outcomes: Iterable[Outcome], round_index: int, global_vector: Tensor, tally: Tally
+    ) -> Iterable[Outcome]:
+        """``outcomes`` with ``train.faults``' straggler timeouts and corrupted updates
+        applied (``outcomes`` itself when the run injects neither)."""
+        faults = self.faults
+        corrupting = faults.config.corruption.probability > 0
+        if not corrupting and faults.straggler_deadline is None:
+            return outcomes
+        corrupted = faults.corrupted(round_index)
+
+        def injected() -> Iterator[Outcome]:
+            for outcome in outcomes:
+                if isinstance(outcome, ClientUpdate):
+                    chain = outcome.chain or [outcome.client_id]
+                    reason = faults.straggler_timeout(chain, self.chain_seconds(chain))
+                    if reason is not None:
+                        tally.straggler_timeouts += 1
+                        outcome = ClientFailure(list(chain), reason)
+                    elif corrupted[outcome.client_id]:
+                        tally.corrupted += 1
+                        outcome = corrupt(outcome, global_vector, faults.config.corruption)
+                yield outcome
+
+        return injected()
 
     def _aggregate(self, global_vector: Tensor, updates: Iterator[ClientUpdate], tally: Tally) -> Tensor | None:
         """The aggregator's new model, or ``None`` when no usable update reached it (one
@@ -392,8 +519,22 @@ class RoundCore:
         members = participants(plan)
         bytes_down = (self.model_bytes + payload_bytes) * len(members)
         sizes = self.client_sizes if self.client_sizes is not None else np.zeros(self.num_clients, dtype=np.int64)
-        cost = round_cost(plan.chains, sizes, self.config.local_epochs, self.train_flops, self.model_bytes, self.link)
+        straggling = self.faults.has_stragglers
+        cost = round_cost(
+            plan.chains,
+            sizes,
+            self.config.local_epochs,
+            self.train_flops,
+            self.model_bytes,
+            self.link,
+            speed_factors=self.faults.speed_factors if straggling else None,
+            timeout_seconds=self.faults.straggler_deadline,
+        )
         tally = attempt.tally
+        dropout = self.dropout(round_index)
+        dropped = dropout.entries(round_index + 1) + [
+            {"clients": list(chain), "reason": reason} for chain, reason in tally.dropped
+        ]
         return RoundRecord(
             round=round_index + 1,
             accuracy=evaluation.accuracy,
@@ -408,7 +549,12 @@ class RoundCore:
             failures=tally.failures,
             compute_seconds_model=float(cost.compute_seconds),
             communication_seconds_model=float(cost.communication_seconds),
-            metrics=self.round_metrics(plan),
+            faults_dropout=dropout.count,
+            faults_stragglers=self.faults.stragglers_in(plan.chains),
+            faults_straggler_timeouts=tally.straggler_timeouts,
+            faults_corrupted=tally.corrupted,
+            dropped=dropped,
+            metrics=self.round_metrics(plan) if plan.chains else {},
         )
 
     # ---------------------------------------------------------------- derived

@@ -4,6 +4,12 @@ Built-in components are plugins, loaded exactly like third-party ones (datasette
 ``DEFAULT_PLUGINS``). Third-party plugins are found through the entry-point group
 ``fedplug``; set ``FEDPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` to skip them (as pytest's
 ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does), e.g. in tests.
+
+Every error an installed plugin causes while it loads (its module fails to import, a hook
+does not match its spec, a hook raises, returns a value or registers something invalid)
+is one :class:`~fedplug.errors.PluginError` line that names the distribution and the
+entry point (``name = value``) it came from, so the user knows which package to fix or
+uninstall.
 """
 
 from __future__ import annotations
@@ -42,39 +48,117 @@ BUILTIN_PLUGINS = (
 )
 
 
-def new_plugin_manager(*, autoload: bool | None = None) -> pluggy.PluginManager:
+class PluginManager(pluggy.PluginManager):
+    """pluggy's plugin manager, remembering where each installed plugin came from."""
+
+    def __init__(self, project_name: str) -> None:
+        super().__init__(project_name)
+        self.sources: dict[str, str] = {}
+        """Plugin name -> ``plugin 'name' (entry point 'name = value' of distribution
+        'dist' 1.0)``, for each plugin loaded from an entry point."""
+        self.entry_point_values: dict[str, str] = {}
+        """Plugin name -> its entry point's value (``module:attribute``)."""
+
+
+def describe_plugin(manager: pluggy.PluginManager, plugin_name: str) -> str:
+    """How errors name a plugin: ``plugin 'name'``, with its entry point and
+    distribution when it was installed."""
+    return getattr(manager, "sources", {}).get(plugin_name, f"plugin {plugin_name!r}")
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (pluggy's validation messages span several)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def new_plugin_manager(*, autoload: bool | None = None) -> PluginManager:
     """A plugin manager with the built-ins and, unless switched off, installed plugins."""
-    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager = PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     for module_name in BUILTIN_PLUGINS:
         manager.register(importlib.import_module(module_name), name=module_name)
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_SWITCH)
     if autoload:
-        try:
-            manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
-        except Exception as error:  # an installed package that cannot be imported
-            raise PluginError(
-                f"an installed fedplug plugin failed to load ({type(error).__name__}: {error}); fix or "
-                f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
-            ) from error
+        load_entry_points(manager)
     try:
         manager.check_pending()
-    except pluggy.PluginValidationError as error:
-        raise PluginError(f"plugin {error.plugin!r}: {error}") from None
+    except pluggy.PluginValidationError as error:  # a hook that no spec declares (a typo)
+        name = manager.get_name(error.plugin) or repr(error.plugin)
+        raise PluginError(
+            f"{describe_plugin(manager, name)}: {one_line(error)}; {_fix(manager, name)}"
+        ) from None
     return manager
+
+
+def load_entry_points(manager: PluginManager) -> None:
+    """Import and register every entry point of the group ``fedplug``, as pluggy's
+    ``load_setuptools_entrypoints`` does, but naming the distribution and the entry point
+    in every error: a module that fails to import (any exception), a hook whose
+    signature does not match its spec, or a plugin name that two distributions claim."""
+    import importlib.metadata
+
+    for distribution in list(importlib.metadata.distributions()):
+        for entry_point in distribution.entry_points:
+            if entry_point.group != hookspecs.PROJECT_NAME:
+                continue
+            name = entry_point.name
+            source = _entry_point_source(distribution, entry_point)
+            if manager.has_plugin(name) or manager.is_blocked(name):
+                if manager.entry_point_values.get(name) == entry_point.value:
+                    continue  # the same distribution, found twice on sys.path
+                raise PluginError(
+                    f"{source}: the plugin name {name!r} is already taken by "
+                    f"{describe_plugin(manager, name)}; uninstall one of them"
+                )
+            try:
+                plugin = entry_point.load()
+            except (Exception, SystemExit) as error:  # a broken or incompatible package
+                raise PluginError(
+                    f"{source} failed to import: {type(error).__name__}: {one_line(error)}; "
+                    f"fix or uninstall {_distribution_name(distribution)}, or set "
+                    f"{AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+                ) from error
+            manager.sources[name] = source
+            manager.entry_point_values[name] = entry_point.value
+            try:
+                manager.register(plugin, name=name)
+            except (pluggy.PluginValidationError, ValueError) as error:
+                raise PluginError(f"{source}: {one_line(error)}; {_fix(manager, name)}") from None
+
+
+def _distribution_name(distribution: Any) -> str:
+    name = getattr(distribution, "name", None)
+    if not name:
+        metadata = getattr(distribution, "metadata", None) or {}
+        name = metadata.get("Name") or metadata.get("name")
+    return str(name or "?")
+
+
+def _entry_point_source(distribution: Any, entry_point: Any) -> str:
+    version = getattr(distribution, "version", None)
+    where = f"distribution {_distribution_name(distribution)!r}" + (f" {version}" if version else "")
+    return f"plugin {entry_point.name!r} (entry point '{entry_point.name} = {entry_point.value}' of {where})"
+
+
+def _fix(manager: pluggy.PluginManager, plugin_name: str) -> str:
+    """What to do about a broken plugin: an installed one can be fixed, uninstalled or
+    switched off; one registered in code must be fixed where it is registered."""
+    if plugin_name in getattr(manager, "sources", {}):
+        return f"fix or uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+    return "fix the plugin"
 
 
 def collect_registry(manager: pluggy.PluginManager) -> Registry:
     """Call every plugin's register hooks and gather what they register."""
-    registry = Registry()
+    registry = Registry(sources=getattr(manager, "sources", {}))
     for kind in KINDS:
         for implementation, plugin_name in _implementations(manager, f"fedplug_register_{kind}"):
 
             def register(name: Any, config_class: Any, factory: Any, *, _kind=kind, _plugin=plugin_name) -> None:
                 registry.register(_kind, _plugin, name, config_class, factory)
 
-            _call_hook(implementation, plugin_name, f"fedplug_register_{kind}", register)
+            _call_hook(manager, implementation, plugin_name, f"fedplug_register_{kind}", register)
     collect_trackers(manager, registry)
     return registry
 
@@ -86,7 +170,7 @@ def collect_trackers(manager: pluggy.PluginManager, registry: Registry) -> None:
         def register(name: Any, factory: Any, *, _plugin: str = plugin_name) -> None:
             registry.register_tracker(_plugin, name, factory)
 
-        _call_hook(implementation, plugin_name, "fedplug_register_trackers", register)
+        _call_hook(manager, implementation, plugin_name, "fedplug_register_trackers", register)
 
 
 def _implementations(manager: pluggy.PluginManager, hook_name: str) -> list[tuple[Any, str]]:
@@ -97,20 +181,24 @@ def _implementations(manager: pluggy.PluginManager, hook_name: str) -> list[tupl
     ]
 
 
-def _call_hook(implementation: Any, plugin_name: str, hook_name: str, register: Any) -> None:
-    """Call one register hook; a plugin that raises or returns a value is named in the error."""
+def _call_hook(
+    manager: pluggy.PluginManager, implementation: Any, plugin_name: str, hook_name: str, register: Any
+) -> None:
+    """Call one register hook; a plugin that raises or returns a value is named in the
+    error (with its distribution and entry point when it was installed)."""
+    source = describe_plugin(manager, plugin_name)
     try:
         result = implementation.function(register=register)
-    except FedplugError:
-        raise
     except Exception as error:  # a bug or a missing resource in the plugin
+        if isinstance(error, FedplugError) and source in str(error):
+            raise  # the registry's refusal of what the plugin registered: it names the plugin
         raise PluginError(
-            f"plugin {plugin_name!r}: {hook_name} raised {type(error).__name__}: {error}; fix or "
-            f"uninstall it, or set {AUTOLOAD_SWITCH}=1 to run with the built-in components only"
+            f"{source}: {hook_name} raised {type(error).__name__}: {one_line(error)}; "
+            f"{_fix(manager, plugin_name)}"
         ) from error
     if result is not None:
         raise PluginError(
-            f"plugin {plugin_name!r}: {hook_name} must call register(...) and return "
+            f"{source}: {hook_name} must call register(...) and return "
             f"None, but it returned {type(result).__name__}"
         )
 

@@ -47,21 +47,32 @@ class TrackerRegistration:
 
 
 class Registry:
-    """Components by kind and name, and tracker backends by name."""
+    """Components by kind and name, and tracker backends by name.
 
-    def __init__(self) -> None:
+    Args:
+        sources: plugin name -> how errors name that plugin, for the plugins installed
+            from entry points (``plugin 'name' (entry point 'name = value' of
+            distribution 'dist' 1.0)``); any other plugin is ``plugin 'name'``.
+    """
+
+    def __init__(self, sources: dict[str, str] | None = None) -> None:
         self._entries: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
         self._trackers: dict[str, TrackerRegistration] = {}
+        self._sources: dict[str, str] = dict(sources or {})
+
+    def describe(self, plugin: str) -> str:
+        """How errors name ``plugin``: with its distribution and entry point when known."""
+        return self._sources.get(plugin, f"plugin {plugin!r}")
 
     def register_tracker(self, plugin: str, name: str, factory: Callable[..., Any]) -> None:
         """Add one tracker backend (``fedplug_register_trackers``)."""
-        where = f"plugin {plugin!r} registering tracker {name!r}"
+        where = f"{self.describe(plugin)} registering tracker {name!r}"
         if not isinstance(name, str) or not name:
             raise PluginError(f"{where}: the name must be a non-empty string")
         existing = self._trackers.get(name)
         if existing is not None:
             raise PluginError(
-                f"{where}: the name is already registered by plugin {existing.plugin!r}; "
+                f"{where}: the name is already registered by {self.describe(existing.plugin)}; "
                 "rename one of them"
             )
         if not callable(factory):
@@ -90,13 +101,13 @@ class Registry:
         factory: Callable[..., Any],
     ) -> None:
         """Add one component; reject what would make the registry ambiguous or unusable."""
-        where = f"plugin {plugin!r} registering {kind[:-1]} {name!r}"
+        where = f"{self.describe(plugin)} registering {kind[:-1]} {name!r}"
         if not isinstance(name, str) or not name:
             raise PluginError(f"{where}: the name must be a non-empty string")
         existing = self._entries[kind].get(name)
         if existing is not None:
             raise PluginError(
-                f"{where}: the name is already registered by plugin {existing.plugin!r}; "
+                f"{where}: the name is already registered by {self.describe(existing.plugin)}; "
                 "rename one of them"
             )
         if not (isinstance(config_class, type) and issubclass(config_class, ComponentConfig)):

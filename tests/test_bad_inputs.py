@@ -172,13 +172,33 @@ def _checkpoint_not_a_dict(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     torch.save([1, 2, 3], folder / "out" / "checkpoint.pt")
 
 
+class _OpensFile:
+    """Unpickled without restrictions, this runs ``open(path, "w")``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def _checkpoint_crafted(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose pickle creates ``out/payload-ran`` if loaded unsafely (the row
+    then fails: --out changed)."""
+    (folder / "out").mkdir()
+    payload = _OpensFile(folder / "out" / "payload-ran")
+    state = {"version": 2, "fingerprint": "0" * 16, "history": [payload]}
+    torch.save(state, folder / "out" / "checkpoint.pt")
+
+
 class _FakeEntryPoint:
     """An installed package's ``fedplug`` entry point whose ``load()`` calls ``loader``."""
 
     group = "fedplug"
 
     def __init__(self, name: str, loader: Callable[[], types.ModuleType]) -> None:
-        self.name = self.value = name
+        self.name = name
+        self.value = f"{name.replace('-', '_')}:plugin"
         self._loader = loader
 
     def load(self) -> types.ModuleType:
@@ -240,6 +260,15 @@ def _register_fedavg_again(register: Callable[..., None]) -> None:
 
 def _hook_that_raises(register: Callable[..., None]) -> None:
     raise RuntimeError("licence server unreachable")
+
+
+def _trace_file(text: str) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    """A setup that writes ``text`` as ``trace.csv`` (a ``train.faults.dropout.trace``)."""
+
+    def setup(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        (folder / "trace.csv").write_text(text)
+
+    return setup
 
 
 def _checkpoint_of_base(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,6 +433,13 @@ CASES: tuple[BadInput, ...] = (
         "train.aggregator: missing 'name:'",
         edits=(("train.aggregator", {"momentum": 0.5}),),
     ),
+    BadInput(
+        "removed-key",
+        "a parameter fedplug removed (FedDisk's `classifier_tolerance`)",
+        "classifier_tolerance: was removed: D now trains until its validation loss stops "
+        "improving; set classifier_patience",
+        edits=(("train.loss_transform", {"name": "feddisk_ab", "classifier_tolerance": 0.01}),),
+    ),
     # --- values and types
     BadInput(
         "out-of-range",
@@ -474,6 +510,12 @@ CASES: tuple[BadInput, ...] = (
         "more clients than samples",
         "has only 200 training samples; use fewer clients",
         edits=(("data.num_clients", 201),),
+    ),
+    BadInput(
+        "feddisk-client-too-small",
+        "FedDisk on clients of one training sample (its setup phase refuses the data)",
+        "FedDisk needs at least 2 training samples per client",
+        edits=(("data.num_clients", 200), ("train.loss_transform", {"name": "feddisk"})),
     ),
     BadInput(
         "llt-clients-not-multiple",
@@ -678,6 +720,14 @@ CASES: tuple[BadInput, ...] = (
         setup_doc="`torch.save([1, 2, 3], 'out/checkpoint.pt')`",
     ),
     BadInput(
+        "checkpoint-crafted",
+        "checkpoint.pt whose pickle would run code (create a file) when loaded",
+        "could run code: delete it to start over",
+        setup=_checkpoint_crafted,
+        setup_doc="`torch.save` of an object whose `__reduce__` is "
+        "`open('out/payload-ran', 'w')` as `out/checkpoint.pt`",
+    ),
+    BadInput(
         "checkpoint-other-config",
         "--out holds the checkpoint of another config",
         "belongs to a different config",
@@ -689,7 +739,8 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "plugin-import-fails",
         "an installed plugin whose import fails",
-        "installed fedplug plugin failed to load",
+        "plugin 'fedplug-gnn' (entry point 'fedplug-gnn = fedplug_gnn:plugin' of distribution "
+        "'fedplug-gnn' 1.0) failed to import: ModuleNotFoundError",
         setup=_installed_plugin("fedplug-gnn", _missing_dependency),
         setup_doc="an installed package `fedplug-gnn` whose module imports a missing "
         "`torch_scatter`",
@@ -697,7 +748,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "plugin-hook-raises",
         "an installed plugin whose register hook raises",
-        "fedplug_register_aggregators raised RuntimeError",
+        "of distribution 'fedplug-licensed' 1.0): fedplug_register_aggregators raised RuntimeError",
         setup=_installed_plugin(
             "fedplug-licensed", _plugin_module("fedplug_register_aggregators", _hook_that_raises)
         ),
@@ -707,6 +758,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "plugin-name-taken",
         "an installed plugin registering a built-in's name",
+        "of distribution 'fedplug-fedavg2' 1.0) registering aggregator 'fedavg': the name is "
         "already registered by plugin 'fedplug.algorithms.fedavg'",
         setup=_installed_plugin(
             "fedplug-fedavg2",
@@ -728,6 +780,47 @@ CASES: tuple[BadInput, ...] = (
         "which does not exist",
         edits=(("tracking.uri", "sqlite:///no-such-folder/mlflow.db"),),
         via="preflight",
+    ),
+    # --- train.faults (faults injected on purpose)
+    BadInput(
+        "faults-dropout-certain",
+        "dropout probability 1 (nobody would ever train)",
+        "train.faults.dropout.probability: Input should be less than 1",
+        edits=(("train.faults", {"dropout": {"probability": 1.0}}),),
+    ),
+    BadInput(
+        "faults-scale-without-factor",
+        "corruption `kind: scale` without its factor",
+        "train.faults.corruption: kind 'scale' needs factor",
+        edits=(("train.faults", {"corruption": {"probability": 0.1, "kind": "scale"}}),),
+    ),
+    BadInput(
+        "faults-straggler-unknown-client",
+        "a straggler factor for a client the run does not have",
+        "client 7 is out of range; the run has 4 clients",
+        edits=(("train.faults", {"stragglers": {"factors": {7: 3.0}}}),),
+    ),
+    BadInput(
+        "faults-trace-missing",
+        "dropout trace file absent",
+        "train.faults.dropout.trace: file 'trace.csv' does not exist",
+        edits=(("train.faults", {"dropout": {"trace": "trace.csv"}}),),
+    ),
+    BadInput(
+        "faults-trace-unknown-client",
+        "dropout trace naming a client the run does not have",
+        "trace.csv line 2: client 4 is out of range",
+        edits=(("train.faults", {"dropout": {"trace": "trace.csv"}}),),
+        setup=_trace_file("round,clients\n1,0 4\n"),
+        setup_doc="`printf 'round,clients\\n1,0 4\\n' > trace.csv`",
+    ),
+    BadInput(
+        "faults-trace-round-missing",
+        "dropout trace without a line for every round",
+        "trace.csv: no line for round 2",
+        edits=(("train.rounds", 2), ("train.faults", {"dropout": {"trace": "trace.csv"}})),
+        setup=_trace_file("round,clients\n1,0 1 2\n"),
+        setup_doc="`printf 'round,clients\\n1,0 1 2\\n' > trace.csv`",
     ),
 )
 
@@ -914,6 +1007,38 @@ def test_every_case_is_in_the_table() -> None:
 
 def test_the_table_has_enough_rows() -> None:
     assert len(CASES) >= 25 and len({case.id for case in CASES}) == len(CASES)
+
+
+DATA_ERRORS = (
+    "llt-clients-not-multiple",
+    "more-clients-than-samples",
+    "feddisk-client-too-small",
+    "dirichlet-min-size-unreachable",
+    "natural-without-writers",
+    "femnist-json-truncated",
+)
+"""Rows whose error comes from the data: the dataset, or a partition impossible for it."""
+
+
+@pytest.mark.parametrize("case_id", DATA_ERRORS)
+def test_a_data_error_is_the_only_output_no_progress_bar_before_it(
+    case_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``--quiet`` (the progress bar on), a data error is raised before anything
+    is printed: stderr holds exactly its one line, stdout nothing."""
+    case = next(case for case in CASES if case.id == case_id)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(params_for(case, _closed_port()))
+    case.setup(tmp_path, monkeypatch)
+    stderr, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        code = main(["run", "params.yaml", "--out", case.out])
+    assert code == 2
+    assert stdout.getvalue() == ""
+    lines = stderr.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedplug: error: "), stderr.getvalue()
+    assert case.phrase in lines[0]
+    assert not (tmp_path / case.out).exists()
 
 
 # --------------------------------------------------------------------- the table

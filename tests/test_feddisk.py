@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import numpy as np
 import pluggy
 import pytest
 import torch
+from conftest import SMALL_EXPERIMENT
 from pydantic import ValidationError
+from torch import Tensor
 from torch.nn import functional as F
 
 from fedplug import hookspecs
@@ -32,10 +36,14 @@ from fedplug.algorithms.feddisk import (
     train_classifiers,
     train_global_made,
     unit_interval_inputs,
+    weight_summary,
 )
+from fedplug.algorithms.feddisk.weights import ClassifierHistory, classifier_split
 from fedplug.components import PhaseCost
+from fedplug.config import validate_experiment
 from fedplug.data.federation import ClientData, Federation
 from fedplug.errors import DataError, TrainingError
+from fedplug.experiment import run_experiment
 from fedplug.models.made import MADE, PaddedSets
 from fedplug.plugins import collect_registry
 from fedplug.setup_phase import prepare_loss_transform
@@ -49,7 +57,6 @@ STRONG = {
     "made_batch_size": 50,
     "classifier_lr": 0.1,
     "classifier_epochs": 30,
-    "classifier_tolerance": 0.0,
 }
 
 
@@ -126,7 +133,7 @@ def test_locally_rare_mode_is_up_weighted(
             federation, FedDiskConfig(**STRONG), np.random.default_rng(2)
         )
     else:
-        config = FedDiskAbConfig(classifier_lr=0.1, classifier_epochs=30, classifier_tolerance=0.0)
+        config = FedDiskAbConfig(classifier_lr=0.1, classifier_epochs=30)
         result = compute_feddisk_ab_weights(federation, config, np.random.default_rng(2))
     w0, w1 = result.weights
 
@@ -141,7 +148,7 @@ def test_classifier_probability_is_that_of_the_global_class() -> None:
     generator = torch.Generator().manual_seed(0)
     global_like = torch.randn(300, 4, generator=generator) + 2.0
     local_like = torch.randn(300, 4, generator=generator) - 2.0
-    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=20, classifier_tolerance=0.0)
+    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=20)
 
     [classifier] = train_classifiers([global_like], [local_like], config, [generator])
 
@@ -154,7 +161,7 @@ def test_classifier_probability_is_that_of_the_global_class() -> None:
 
 def test_identical_global_and_local_outputs_give_unit_weights() -> None:
     features = torch.rand(400, 8, generator=torch.Generator().manual_seed(1))
-    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=30, classifier_tolerance=0.0)
+    config = FedDiskConfig(classifier_lr=0.1, classifier_epochs=30)
 
     [classifier] = train_classifiers(
         [features], [features], config, [torch.Generator().manual_seed(2)]
@@ -166,6 +173,194 @@ def test_identical_global_and_local_outputs_give_unit_weights() -> None:
     assert np.all(np.abs(ratios - 1.0) < 0.2)
     assert ratios.mean() == pytest.approx(1.0, abs=0.05)
     assert np.all(np.abs(normalise_weights(ratios, "mean") - 1.0) < 0.2)
+
+
+# ------------------------------------------------------------------ training D
+
+
+def gaussian_pair(num_samples: int, shift: float, seed: int) -> tuple[Tensor, Tensor, np.ndarray]:
+    """Global-like rows ~ N(shift e_1, I), local-like rows ~ N(0, I) in 8 dimensions, and
+    the true log density ratio log p_g(x) / p_l(x) = shift x_1 - shift^2 / 2 at every
+    local-like row x."""
+    generator = torch.Generator().manual_seed(seed)
+    local_like = torch.randn(num_samples, 8, generator=generator)
+    global_like = torch.randn(num_samples, 8, generator=generator)
+    global_like[:, 0] += shift
+    truth = (shift * local_like[:, 0] - shift**2 / 2).double().numpy()
+    return global_like, local_like, truth
+
+
+KNOWN_RATIO_ERROR = 0.3
+"""Bound on the mean |log w - log(p_g / p_l)| over the local-like rows of
+:func:`gaussian_pair` (800 rows, shift 1): measured 0.16 at the defaults (D stopped at
+epoch 66, kept 61), 0.81 after 2 epochs; a D that says 1/2 everywhere scores
+E|x_1 - 1/2| = 0.90."""
+
+
+def spearman(first: np.ndarray, second: np.ndarray) -> float:
+    """Rank correlation (no ties in continuous data)."""
+    ranks = [np.argsort(np.argsort(values)).astype(np.float64) for values in (first, second)]
+    return float(np.corrcoef(*ranks)[0, 1])
+
+
+def test_d_recovers_a_known_density_ratio_at_the_defaults() -> None:
+    # Where p_g / p_l is known in closed form, D's weights exp(z_1 - z_0) must track it.
+    global_like, local_like, truth = gaussian_pair(800, 1.0, 0)
+    histories: list[ClassifierHistory] = []
+
+    [classifier] = train_classifiers(
+        [global_like], [local_like], FedDiskConfig(), [torch.Generator().manual_seed(1)], histories
+    )
+
+    estimate = np.log(density_ratios(classifier, local_like))
+    error = float(np.mean(np.abs(estimate - truth)))
+    assert spearman(estimate, truth) > 0.95
+    assert error < KNOWN_RATIO_ERROR
+    # The weights move away from 1: the true log-ratios have std 1.
+    assert estimate.std() > 0.6
+    [history] = histories
+    assert history.best_epoch > 0
+    assert history.validation_loss[history.best_epoch] == min(history.validation_loss)
+
+
+def test_a_d_stopped_after_its_first_epochs_does_not_recover_the_ratio() -> None:
+    # What fedplug's old rule (stop once an epoch lowers the training loss by < 1%) gave:
+    # one or two epochs from D = 1/2, weights near 1 whatever the data.
+    global_like, local_like, truth = gaussian_pair(800, 1.0, 0)
+
+    [classifier] = train_classifiers(
+        [global_like],
+        [local_like],
+        FedDiskConfig(classifier_epochs=2),
+        [torch.Generator().manual_seed(1)],
+    )
+
+    estimate = np.log(density_ratios(classifier, local_like))
+    assert float(np.mean(np.abs(estimate - truth))) > KNOWN_RATIO_ERROR
+    assert estimate.std() < 0.3
+
+
+def test_d_keeps_its_untrained_state_when_nothing_can_be_learned() -> None:
+    # Identical global-like and local-like rows: every held-out pair has both labels, so
+    # any D != 1/2 has a held-out loss above ln 2, the untrained D's. D stops after
+    # `patience` epochs and keeps the untrained state: every weight is exactly 1.
+    features = torch.rand(300, 8, generator=torch.Generator().manual_seed(1))
+    histories: list[ClassifierHistory] = []
+    config = FedDiskConfig(classifier_lr=0.5, classifier_patience=3)
+
+    [classifier] = train_classifiers(
+        [features], [features], config, [torch.Generator().manual_seed(2)], histories
+    )
+
+    [history] = histories
+    assert history.best_epoch == 0 and history.epochs == 3
+    assert history.validation_loss[0] == pytest.approx(np.log(2.0), abs=1e-6)
+    assert min(history.validation_loss[1:]) > history.validation_loss[0]
+    assert np.array_equal(density_ratios(classifier, features), np.ones(300))
+
+
+def test_d_stops_patience_epochs_after_its_best_and_keeps_the_best() -> None:
+    global_like, local_like, _ = gaussian_pair(200, 0.5, 3)
+    histories: list[ClassifierHistory] = []
+    # A large learning rate on a small set: the held-out loss turns up early (measured:
+    # 0.693, 0.658, 0.662, 0.639, 0.714, 0.645: best at epoch 3, stop after epoch 5; the
+    # worse epoch 2 did not stop it, since patience counts from the best epoch).
+    config = FedDiskConfig(classifier_lr=0.3, classifier_patience=2, classifier_epochs=200)
+
+    [classifier] = train_classifiers(
+        [global_like], [local_like], config, [torch.Generator().manual_seed(4)], histories
+    )
+
+    [history] = histories
+    losses = history.validation_loss
+    assert 0 < history.best_epoch < history.epochs < 200
+    assert history.epochs == history.best_epoch + 2
+    assert losses[history.best_epoch] == min(losses)
+    assert all(loss >= losses[history.best_epoch] for loss in losses[history.best_epoch + 1 :])
+    # The kept state is the best one: its held-out loss, recomputed, is the minimum.
+    train_ids, held_out = classifier_split(200, 0.2, _split_generator(config, 4))
+    assert len(train_ids) == 160 and len(held_out) == 40
+    rows = torch.cat([global_like[held_out], local_like[held_out]])
+    labels = torch.cat([torch.ones(40, dtype=torch.long), torch.zeros(40, dtype=torch.long)])
+    with torch.no_grad():
+        kept = F.cross_entropy(classifier(rows), labels).item()
+    assert kept == pytest.approx(min(losses), rel=1e-5)
+
+
+def _split_generator(config: FedDiskConfig, seed: int) -> torch.Generator:
+    """The generator state train_classifiers splits with: after D's initialisation."""
+    generator = torch.Generator().manual_seed(seed)
+    feddisk.make_classifier(8, config.classifier_hidden, generator)
+    return generator
+
+
+def test_classifier_split_by_hand() -> None:
+    train_ids, held_out = classifier_split(10, 0.2, torch.Generator().manual_seed(0))
+    assert len(held_out) == 2 and len(train_ids) == 8
+    assert sorted(torch.cat([train_ids, held_out]).tolist()) == list(range(10))
+    # At least one held out and one kept.
+    assert [len(part) for part in classifier_split(2, 0.01, torch.Generator())] == [1, 1]
+    assert [len(part) for part in classifier_split(2, 0.99, torch.Generator())] == [1, 1]
+
+
+def test_the_removed_tolerance_key_says_what_replaced_it() -> None:
+    with pytest.raises(ValidationError) as caught:
+        FedDiskConfig(classifier_tolerance=0.01)
+    [error] = caught.value.errors()
+    assert error["loc"] == ("classifier_tolerance",)
+    assert "classifier_patience" in error["msg"] and "\n" not in error["msg"]
+    with pytest.raises(ValidationError, match="classifier_patience"):
+        FedDiskAbConfig(classifier_tolerance=0.0)
+    with pytest.raises(ValidationError):
+        FedDiskConfig(classifier_patience=0)
+    with pytest.raises(ValidationError):
+        FedDiskConfig(classifier_validation_fraction=1.0)
+
+
+# ------------------------------------------------------------------ weight report
+
+
+def test_weight_summary_by_hand() -> None:
+    summary = weight_summary([np.array([0.5, 1.0, 1.5], np.float32), np.array([2.0], np.float32)])
+
+    assert summary["sample_weight.min"] == [0.5, 2.0]
+    assert summary["sample_weight.median"] == [1.0, 2.0]
+    # numpy's linear quantiles: q05 of (0.5, 1, 1.5) = 0.5 + 0.1 * 0.5 = 0.55.
+    assert summary["sample_weight.q05"] == [0.55, 2.0]
+    assert summary["sample_weight.q25"] == [0.75, 2.0]
+    assert summary["sample_weight.q75"] == [1.25, 2.0]
+    assert summary["sample_weight.q95"] == [1.45, 2.0]
+    assert summary["sample_weight.max"] == [1.5, 2.0]
+    assert summary["sample_weight.mean"] == [1.0, 2.0]
+    # Population std of (0.5, 1, 1.5): sqrt(1/6) = 0.408248.
+    assert summary["sample_weight.std"] == [0.408248, 0.0]
+    histogram = summary["sample_weight.histogram"]
+    assert isinstance(histogram, dict)
+    # 40 bins of width 0.05 over [0, 2]: 0.5 -> bin 10, 1.0 -> 20, 1.5 -> 30, 2.0 -> 39.
+    assert len(histogram["edges"]) == 41 and histogram["edges"][-1] == 2.0
+    assert sum(histogram["counts"]) == 4
+    assert [i for i, count in enumerate(histogram["counts"]) if count] == [10, 20, 30, 39]
+
+
+def test_the_run_reports_each_clients_weight_spread(tmp_path: Path) -> None:
+    data = copy.deepcopy(SMALL_EXPERIMENT)
+    data["train"].update(
+        {"rounds": 1, "loss_transform": {"name": "feddisk_ab", "classifier_lr": 0.1}}
+    )
+    config = validate_experiment(data)
+
+    result, simulator = run_experiment(config, tmp_path)
+
+    report = json.loads((tmp_path / "metrics.json").read_text())["setup_report"]
+    weights = [w.numpy() for w in simulator.algorithm.loss_transform.weights]
+    assert len(weights) == 6
+    assert report["sample_weight.std"] == pytest.approx([float(w.std()) for w in weights], rel=1e-5)
+    assert report["sample_weight.max"] == pytest.approx([float(w.max()) for w in weights], rel=1e-5)
+    assert sum(report["sample_weight.histogram"]["counts"]) == sum(len(w) for w in weights)
+    assert result.setup_report == report
+    # The weights moved: D learned something about these clients (6 clients of a
+    # Dirichlet label split, so their inputs differ).
+    assert max(report["sample_weight.std"]) > 0.01
 
 
 def test_phase_one_is_a_function_of_its_rng_and_leaves_the_global_generator_alone() -> None:

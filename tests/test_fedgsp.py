@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from types import SimpleNamespace
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pluggy
 import pytest
+from conftest import SMALL_EXPERIMENT
 from pydantic import ValidationError
 
 from fedplug import hookspecs
@@ -30,8 +32,11 @@ from fedplug.algorithms.fedgsp import (
     num_groups,
     random_groups,
 )
+from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
+from fedplug.experiment import run_experiment
 from fedplug.plugins import collect_registry
+from fedplug.simulation import local_training
 
 
 def skewed_counts(
@@ -387,3 +392,53 @@ def test_round_cost_matches_paper_equations_for_fedavg_like_plans() -> None:
 def test_link_rejects_non_positive_rates() -> None:
     with pytest.raises(ConfigError, match="uplink_bps"):
         LinkAndDevice(uplink_bps=0.0)
+
+
+# ------------------------------------------------------------- matched local budgets
+
+
+def _run_counting_steps(train: dict, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+    """One run of SMALL_EXPERIMENT with ``train`` changes on 8 clients of 64 training
+    samples each; returns its history and the number of SGD steps taken in all."""
+    data = copy.deepcopy(SMALL_EXPERIMENT)
+    data["data"].update({"partition": {"name": "iid"}, "num_clients": 8})
+    data["data"]["dataset"].update({"num_train": 640})
+    data["train"].update({"rounds": 2, "batch_size": 16, "engine": "sequential", **train})
+    steps = 0
+    original = local_training.FusedSGD.step
+
+    def counting(self: local_training.FusedSGD) -> None:
+        nonlocal steps
+        steps += 1
+        original(self)
+
+    monkeypatch.setattr(local_training.FusedSGD, "step", counting)
+    result, simulator = run_experiment(validate_experiment(data), None)
+    sizes = {client.num_samples for client in simulator.federation.clients}
+    assert sizes == {64}, "the budgets match only for equal client sizes"
+    return result.history, steps
+
+
+def test_fedavg_can_match_a_group_chains_local_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NaiveGSP with 2 fixed groups of 4 clients and kappa = 0.5: one chain of 4 clients
+    # trains per round, each client 1 epoch of 64 / 16 = 4 steps: 16 SGD steps per round,
+    # all on the one model the server gets. FedAvg with client_fraction 1/8 (one client)
+    # and local_epochs 4 takes the same 16 steps on the one model it aggregates, and the
+    # cost model charges both rounds the same compute time (4 x 64 samples in sequence).
+    grouped, grouped_steps = _run_counting_steps(
+        {
+            "client_fraction": 1.0,
+            "grouper": {"name": "fedgsp", "mode": "naive", "fixed_groups": 2, "group_fraction": 0.5},
+        },
+        monkeypatch,
+    )
+    matched, matched_steps = _run_counting_steps(
+        {"client_fraction": 0.125, "local_epochs": 4}, monkeypatch
+    )
+
+    assert grouped_steps == matched_steps == 2 * 16
+    assert [record.participants for record in grouped] == [4, 4]
+    assert [record.participants for record in matched] == [1, 1]
+    for ours, theirs in zip(grouped, matched, strict=True):
+        assert ours.compute_seconds_model > 0
+        assert ours.compute_seconds_model == pytest.approx(theirs.compute_seconds_model)

@@ -114,6 +114,46 @@ def test_beta_schedule() -> None:
     assert sampler.beta(10_000) == pytest.approx(0.8)
 
 
+def test_rho_one_is_the_fixed_beta_ablation_by_hand() -> None:
+    # rho = 1 keeps beta_t = beta_0 = 0.9 in every round: rounds 0 and 1 both sample with
+    # p = (0.2946037, 0.1550546, 0.0564696) for classes of 1, 2 and 7 samples (as in
+    # test_weights_by_hand_for_a_three_class_client).
+    fixed = IWDSSampler(IWDSConfig(beta_0=0.9, beta_m=0.5, rho=1.0))
+    # The decaying schedule from the same start: beta_1 = 0.5 + 0.4 * 0.5 = 0.7, so
+    #   w = (1, 0.3 / 0.51, 0.3 / (1 - 0.7^7)) = (1, 0.5882353, 0.3 / 0.9176457)
+    #     = (1, 0.5882353, 0.3269236),
+    #   sum_i w_i = 1 + 2 * 0.5882353 + 7 * 0.3269236 = 4.4649355,
+    #   p = (0.2239674, 0.1317455, 0.0732202).
+    decaying = IWDSSampler(IWDSConfig(beta_0=0.9, beta_m=0.5, rho=0.5))
+    round_0 = [0.2946037, 0.1550546, 0.0564696]
+
+    assert [fixed.beta(t) for t in (0, 1, 50)] == [fixed.beta(0)] * 3
+    assert fixed.beta(0) == pytest.approx(0.9, abs=1e-15)
+    for t in (0, 1):
+        np.testing.assert_allclose(
+            iwds_weights(LABELS, COUNTS, fixed.beta(t))[[0, 1, 3]], round_0, rtol=1e-6
+        )
+    np.testing.assert_allclose(
+        iwds_weights(LABELS, COUNTS, decaying.beta(0))[[0, 1, 3]], round_0, rtol=1e-6
+    )
+    assert decaying.beta(1) == pytest.approx(0.7)
+    np.testing.assert_allclose(
+        iwds_weights(LABELS, COUNTS, decaying.beta(1))[[0, 1, 3]],
+        [0.2239674, 0.1317455, 0.0732202],
+        rtol=1e-6,
+    )
+    # The draws follow: with one generator seed, the fixed sampler draws the same indices
+    # in rounds 0 and 1, the decaying one does not.
+    draws = {
+        (name, t): sampler.epoch_indices(LABELS, COUNTS, t, np.random.default_rng(11))
+        for name, sampler in (("fixed", fixed), ("decaying", decaying))
+        for t in (0, 1)
+    }
+    np.testing.assert_array_equal(draws["fixed", 0], draws["fixed", 1])
+    np.testing.assert_array_equal(draws["fixed", 0], draws["decaying", 0])
+    assert not np.array_equal(draws["decaying", 0], draws["decaying", 1])
+
+
 @pytest.mark.parametrize(
     "params, field",
     [

@@ -24,13 +24,16 @@ from fedplug.data.partitions import (
     Partition,
     ShardsConfig,
     add_feature_noise,
+    balanced_counts_from_shares,
     class_counts_of,
     counts_from_shares,
     dirichlet_class,
+    dirichlet_class_counts,
     dirichlet_client,
     dirichlet_client_counts,
     draw_without_replacement,
     feature_noise,
+    feature_noise_std,
     iid,
     llt,
     llt_shares,
@@ -113,16 +116,21 @@ def test_iid_places_every_sample_in_equal_parts(problem: tuple[np.ndarray, int, 
 
 
 @PROPERTY
-@given(label_problems(), st.sampled_from([0.01, 0.5, 100.0]))
+@given(label_problems(), st.sampled_from([0.01, 0.5, 100.0]), st.booleans())
 def test_dirichlet_class_places_every_sample(
-    problem: tuple[np.ndarray, int, int, int], alpha: float
+    problem: tuple[np.ndarray, int, int, int], alpha: float, balance: bool
 ) -> None:
     labels, num_classes, num_clients, seed = problem
-    config = DirichletClassConfig(alpha=alpha, min_size=0)
+    config = DirichletClassConfig(alpha=alpha, min_size=0, balance=balance)
 
     partition = dirichlet_class(labels, num_classes, num_clients, config, rng(seed))
 
     assert_valid(partition, labels, num_classes, num_clients)
+    if balance:
+        # A client stops receiving once it holds N/K, so it can exceed N/K by at most
+        # the one class that pushed it over: n_k < N/K + max class size.
+        largest_class = np.bincount(labels, minlength=num_classes).max()
+        assert partition.sizes.max() < len(labels) / num_clients + largest_class
 
 
 @PROPERTY
@@ -379,6 +387,123 @@ def test_dirichlet_class_small_alpha_skews_and_large_alpha_evens_out() -> None:
     assert np.all(np.abs(even.class_counts - 100) <= 10)
 
 
+# MNIST's training-set class sizes (digits 0..9).
+MNIST_CLASS_SIZES = np.array([5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949])
+PLAIN_CV_RANGE = (0.5, 0.75)
+BALANCED_CV_RANGE = (0.35, 0.52)
+"""Mean coefficient of variation of the client sizes over 40 draws, measured 0.61 without
+the balance rule and 0.44 with it (over 200 draws: 0.63 and 0.44; the issue measured 0.66
+and 0.45 on one MNIST split)."""
+
+
+def test_balance_rule_by_hand_stops_feeding_a_full_client() -> None:
+    # N = 12 over K = 3 clients: N/K = 4. Class 0 goes wholly to client 0, which is then
+    # full (4 >= 4, the reference code's `<` test), so class 1's shares (1/2, 1/2, 0)
+    # become (0, 1, 0) and client 1 fills up too; class 2 can only go to client 2.
+    shares = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.25, 0.25, 0.5]])
+    sizes = np.array([4, 4, 4])
+
+    balanced = balanced_counts_from_shares(shares, sizes)
+    plain = counts_from_shares(shares, sizes)
+
+    assert balanced.tolist() == [[4, 0, 0], [0, 4, 0], [0, 0, 4]]
+    # Without the rule: class 1 cut at 2, 4 -> (2, 2, 0); class 2 at 1, 2, 4 -> (1, 1, 2).
+    assert plain.tolist() == [[4, 2, 1], [0, 2, 1], [0, 0, 2]]
+
+
+def test_balance_rule_by_hand_renormalises_over_the_open_clients() -> None:
+    # N = 13, K = 3: N/K = 4.33. After class 0 (4 samples, all to client 0) client 0 holds
+    # 4 < 4.33 and stays open; class 1 (1/2, 1/2, 0) -> (2, 2, 0), so client 0 holds 6 and
+    # is full. Class 2 (5 samples, shares 0.2, 0.3, 0.5) -> (0, 0.3, 0.5) / 0.8 =
+    # (0, 0.375, 0.625); cumulative 0, 1.875, 5 -> cuts 0, 1, 5 -> (0, 1, 4).
+    shares = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    sizes = np.array([4, 4, 5])
+
+    balanced = balanced_counts_from_shares(shares, sizes)
+    plain = counts_from_shares(shares, sizes)
+
+    assert balanced.T.tolist() == [[4, 0, 0], [2, 2, 0], [0, 1, 4]]
+    assert balanced.sum(axis=1).tolist() == [6, 3, 4]
+    # Without the rule class 2 is cut at 1, 2.5, 5 -> (1, 1, 3): client 0 ends with 7.
+    assert plain.T.tolist() == [[4, 0, 0], [2, 2, 0], [1, 1, 3]]
+
+
+def test_balance_rule_spreads_a_class_evenly_when_every_open_share_is_zero() -> None:
+    # Client 0 is full after class 0 and class 1's draw puts all its mass on client 0:
+    # the reference code would divide 0 by 0; we spread class 1 over clients 1 and 2.
+    shares = np.array([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+
+    counts = balanced_counts_from_shares(shares, np.array([6, 6]))
+
+    assert counts.T.tolist() == [[6, 0, 0], [0, 3, 3]]
+
+
+def niid_bench_labeldir(
+    labels: np.ndarray, shares: np.ndarray, num_clients: int
+) -> np.ndarray:
+    """NIID-Bench's `noniid-labeldir` loop (utils.py, partition_data), transcribed with
+    its index lists, on given Dirichlet draws ``shares`` (C x K); K x C counts."""
+    total = labels.shape[0]
+    idx_batch: list[list[int]] = [[] for _ in range(num_clients)]
+    for k in range(shares.shape[0]):
+        idx_k = np.where(labels == k)[0]
+        proportions = shares[k]
+        proportions = np.array(
+            [p * (len(idx_j) < total / num_clients) for p, idx_j in zip(proportions, idx_batch)]
+        )
+        proportions = proportions / proportions.sum()
+        cuts = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+        idx_batch = [
+            idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, cuts))
+        ]
+    return np.array([np.bincount(labels[idx], minlength=shares.shape[0]) for idx in idx_batch])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_balanced_dirichlet_class_equals_niid_bench_on_the_same_draws(seed: int) -> None:
+    labels = np.repeat(np.arange(10), MNIST_CLASS_SIZES // 20)
+    config = DirichletClassConfig(alpha=0.1, min_size=0, balance=True)
+
+    partition = dirichlet_class(labels, 10, 10, config, rng(seed))
+
+    # dirichlet_class's first draws from its generator are the C x K shares.
+    shares = rng(seed).dirichlet(np.full(10, 0.1), size=10)
+    assert np.array_equal(partition.class_counts, niid_bench_labeldir(labels, shares, 10))
+    assert_valid(partition, labels, 10, 10)
+
+
+def test_dirichlet_class_without_balance_is_the_plain_cut_of_the_same_draws() -> None:
+    # The default (balance off) must keep giving the splits it gave before the option.
+    labels = np.repeat(np.arange(10), MNIST_CLASS_SIZES // 20)
+
+    partition = dirichlet_class(labels, 10, 10, DirichletClassConfig(alpha=0.1, min_size=0), rng(3))
+
+    shares = rng(3).dirichlet(np.full(10, 0.1), size=10)
+    class_sizes = np.bincount(labels, minlength=10)
+    assert np.array_equal(partition.class_counts, counts_from_shares(shares, class_sizes))
+    assert DirichletClassConfig().balance is False
+
+
+def test_balance_rule_evens_out_client_sizes_on_mnist_class_sizes() -> None:
+    # The issue's measurement: MNIST, K = 10, alpha = 0.1, min_size 10. Coefficient of
+    # variation of the client sizes, averaged over 40 draws of each.
+    def mean_cv(balance: bool) -> float:
+        cvs = []
+        for seed in range(40):
+            counts = dirichlet_class_counts(
+                MNIST_CLASS_SIZES, 10, 0.1, 10, 1000, rng(seed), balance=balance
+            )
+            sizes = counts.sum(axis=1)
+            cvs.append(sizes.std() / sizes.mean())
+        return float(np.mean(cvs))
+
+    plain, balanced = mean_cv(False), mean_cv(True)
+
+    assert PLAIN_CV_RANGE[0] < plain < PLAIN_CV_RANGE[1]
+    assert BALANCED_CV_RANGE[0] < balanced < BALANCED_CV_RANGE[1]
+    assert balanced < plain - 0.1
+
+
 def test_dirichlet_client_sizes_are_equal() -> None:
     labels = np.random.default_rng(1).integers(0, 10, size=1000)
 
@@ -479,6 +604,44 @@ def test_feature_noise_ramp_by_hand() -> None:
     assert same_split(partition, plain), "feature_noise's labels are split exactly as iid"
 
 
+def test_feature_noise_conventions_by_hand() -> None:
+    # fedplug: sigma k / K, k = 1..4 -> 0.075, 0.15, 0.225, 0.3.
+    # NIID-Bench: sigma k / (K - 1), k = 0..3 -> 0, 0.1, 0.2, 0.3 (client 0 clean).
+    assert np.allclose(feature_noise_std(4, 0.3), [0.075, 0.15, 0.225, 0.3])
+    assert np.allclose(feature_noise_std(4, 0.3, "niid_bench"), [0.0, 0.1, 0.2, 0.3])
+    assert feature_noise_std(4, 0.3, "niid_bench")[0] == 0.0
+    # K = 2: NIID-Bench's (0, sigma), fedplug's (sigma / 2, sigma).
+    assert np.allclose(feature_noise_std(2, 0.5, "niid_bench"), [0.0, 0.5])
+    assert np.allclose(feature_noise_std(2, 0.5), [0.25, 0.5])
+
+
+def test_feature_noise_with_one_client() -> None:
+    # NIID-Bench divides by K - 1 = 0 here; its one client is client 0, which is clean.
+    assert feature_noise_std(1, 0.5, "niid_bench").tolist() == [0.0]
+    assert feature_noise_std(1, 0.5).tolist() == [0.5]
+    labels = balanced_labels(2, 3)
+    partition = feature_noise(
+        labels, 2, 1, FeatureNoiseConfig(sigma=0.5, convention="niid_bench"), rng(0)
+    )
+    assert partition.noise_std is not None and partition.noise_std.tolist() == [0.0]
+
+
+def test_feature_noise_conventions_split_the_labels_alike() -> None:
+    labels = balanced_labels(2, 10)
+
+    ours = feature_noise(labels, 2, 4, FeatureNoiseConfig(sigma=0.2), rng(0))
+    theirs = feature_noise(
+        labels, 2, 4, FeatureNoiseConfig(sigma=0.2, convention="niid_bench"), rng(0)
+    )
+
+    assert same_split(ours, theirs)
+    assert theirs.noise_std is not None
+    assert np.allclose(theirs.noise_std, [0.0, 0.2 / 3, 0.4 / 3, 0.2])
+    assert FeatureNoiseConfig().convention == "fedplug"
+    with pytest.raises(ValidationError):
+        FeatureNoiseConfig(convention="niid-bench")
+
+
 def test_add_feature_noise_clips_to_unit_range_and_has_the_requested_std() -> None:
     inputs = np.full((20_000,), 0.5, dtype=np.float32)
 
@@ -571,6 +734,8 @@ def test_bad_labels_raise_data_error() -> None:
         (LltConfig, {"alpha_l": 1.0}),
         (LltConfig, {"alpha_l": 0.0}),
         (FeatureNoiseConfig, {"sigma": -0.1}),
+        (FeatureNoiseConfig, {"convention": "other"}),
+        (DirichletClassConfig, {"balance": "sometimes"}),
         (IidConfig, {"alpha": 0.5}),
     ],
 )

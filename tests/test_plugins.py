@@ -220,3 +220,181 @@ def test_every_hook_is_implemented_and_exercised_by_a_run(small_experiment, tmp_
     config = validate_experiment(small_experiment, registry)
     run_experiment(config, None, registry=registry)
     assert used == set(KINDS)
+
+
+# -------------------------------------------------------------- load errors name their source
+
+
+class FakeEntryPoint:
+    """An installed distribution's ``fedplug`` entry point ``name = value``."""
+
+    group = "fedplug"
+
+    def __init__(self, name: str, value: str, load) -> None:
+        self.name, self.value, self._load = name, value, load
+
+    def load(self):
+        return self._load()
+
+
+class FakeDistribution:
+    def __init__(self, name: str, version: str, *entry_points: FakeEntryPoint) -> None:
+        self.name, self.version = name, version
+        self.metadata = {"Name": name, "Version": version}
+        self.entry_points = list(entry_points)
+
+
+ACME = "plugin 'acme' (entry point 'acme = fedplug_acme.hooks:plugin' of distribution 'fedplug-acme' 2.1)"
+"""How every load error names the fake distribution's plugin."""
+
+
+def _module_with(**hooks) -> types.ModuleType:
+    module = types.ModuleType("fedplug_acme.hooks")
+    for name, function in hooks.items():
+        setattr(module, name, hookimpl(specname=name)(function) if name.startswith("fedplug_register_") else function)
+    return module
+
+
+def _raise(error: BaseException):
+    def load():
+        raise error
+
+    return load
+
+
+def _register_fedavg(register):
+    from fedplug.algorithms.fedavg import FedAvg, FedAvgConfig
+
+    register("fedavg", FedAvgConfig, FedAvg)
+
+
+def _hook_with_extra_argument(register, verbose):
+    """Declares an argument the hookspec does not have."""
+
+
+def _hook_that_raises(register):
+    raise KeyError("ACME_LICENSE")
+
+
+LOAD_ERRORS = {
+    # id: (what the entry point loads, a phrase of the error)
+    "import-raises": (_raise(RuntimeError("CUDA driver too old")), "failed to import: RuntimeError: CUDA driver too old"),
+    "import-exits": (_raise(SystemExit("unsupported platform")), "failed to import: SystemExit: unsupported platform"),
+    "hook-signature": (
+        lambda: _module_with(fedplug_register_aggregators=_hook_with_extra_argument),
+        "Argument(s) {'verbose'} are declared in the hookimpl but can not be found in the hookspec",
+    ),
+    "hook-misspelt": (
+        lambda: _module_with(fedplug_register_agregators=lambda register: None),
+        "unknown hook 'fedplug_register_agregators'",
+    ),
+    "hook-raises": (
+        lambda: _module_with(fedplug_register_aggregators=_hook_that_raises),
+        "fedplug_register_aggregators raised KeyError: 'ACME_LICENSE'",
+    ),
+    "hook-returns": (
+        lambda: _module_with(fedplug_register_samplers=lambda register: ["a", "list"]),
+        "must call register(...) and return None, but it returned list",
+    ),
+    "registers-a-non-config": (
+        lambda: _module_with(fedplug_register_samplers=lambda register: register("acme", dict, print)),
+        "must subclass fedplug.components.ComponentConfig",
+    ),
+    "registers-a-taken-name": (
+        lambda: _module_with(fedplug_register_aggregators=_register_fedavg),
+        "the name is already registered by plugin 'fedplug.algorithms.fedavg'",
+    ),
+    "registers-a-bad-tracker": (
+        lambda: _module_with(fedplug_register_trackers=lambda register: register("acme", 42)),
+        "registering tracker 'acme': the factory must be callable",
+    ),
+}
+
+
+def _cli_with_installed(monkeypatch, capsys, *distributions: FakeDistribution) -> tuple[int, str, str]:
+    """``fedplug list`` in-process with only ``distributions`` installed (autoload on)."""
+    import functools
+
+    import fedplug.plugins
+    from fedplug.cli import main
+
+    fedplug.plugins.default_registry()  # let the built-ins import what they import, first
+    monkeypatch.delenv("FEDPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: list(distributions))
+    fresh = functools.cache(lambda: collect_registry(new_plugin_manager()))
+    monkeypatch.setattr(fedplug.plugins, "default_registry", fresh)
+    capsys.readouterr()
+    code = main(["list"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("load, phrase", list(LOAD_ERRORS.values()), ids=list(LOAD_ERRORS))
+def test_every_plugin_load_error_is_one_line_naming_distribution_and_entry_point(
+    monkeypatch, capsys, load, phrase
+):
+    acme = FakeDistribution("fedplug-acme", "2.1", FakeEntryPoint("acme", "fedplug_acme.hooks:plugin", load))
+    code, out, err = _cli_with_installed(monkeypatch, capsys, acme)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"fedplug: error: {ACME}"), err
+    assert phrase in err, err
+    assert "Traceback" not in err
+
+
+def test_two_distributions_claiming_one_entry_point_name_are_both_named(monkeypatch, capsys):
+    first = FakeDistribution(
+        "fedplug-acme", "2.1", FakeEntryPoint("acme", "fedplug_acme.hooks:plugin", lambda: _module_with())
+    )
+    second = FakeDistribution(
+        "acme-fork", "0.1", FakeEntryPoint("acme", "acme_fork:plugin", lambda: _module_with())
+    )
+    code, out, err = _cli_with_installed(monkeypatch, capsys, first, second)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "plugin 'acme' (entry point 'acme = acme_fork:plugin' of distribution 'acme-fork' 0.1)" in err
+    assert f"already taken by {ACME}" in err
+
+
+def test_the_same_distribution_found_twice_loads_once(monkeypatch, capsys):
+    """A package on two ``sys.path`` entries (an editable install beside a wheel) lists its
+    entry point twice; pluggy loads it once, and so must fedplug."""
+    entry = FakeEntryPoint("trimmed-mean", "fedplug_trimmed_mean:plugin", make_plugin_module)
+    twice = [FakeDistribution("fedplug-trimmed-mean", "1.0", entry) for _ in range(2)]
+    code, out, err = _cli_with_installed(monkeypatch, capsys, *twice)
+    assert code == 0, err
+    assert "trimmed_mean" in out and "[trimmed-mean]" in out
+
+
+@pytest.mark.slow
+def test_a_plugin_that_fails_to_import_stops_the_cli_with_one_line_naming_it(tmp_path, small_experiment):
+    """A real installed distribution (a ``.dist-info`` on ``PYTHONPATH``) whose module
+    imports a package that is not there: ``fedplug run`` exits 2 with one line naming the
+    distribution, the entry point and the error."""
+    import subprocess
+
+    import yaml
+
+    site = tmp_path / "site"
+    info = site / "fedplug_gnn-0.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fedplug-gnn\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[fedplug]\ngnn = fedplug_gnn.hooks:plugin\n")
+    (site / "fedplug_gnn").mkdir()
+    (site / "fedplug_gnn" / "__init__.py").write_text("")
+    (site / "fedplug_gnn" / "hooks.py").write_text("import torch_scatter_not_installed\n")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(small_experiment))
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    env.pop("FEDPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
+    completed = subprocess.run(
+        [sys.executable, "-m", "fedplug.cli", "run", "params.yaml", "--out", "out"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    assert completed.stderr.splitlines() == [
+        "fedplug: error: plugin 'gnn' (entry point 'gnn = fedplug_gnn.hooks:plugin' of "
+        "distribution 'fedplug-gnn' 0.3) failed to import: ModuleNotFoundError: No module named "
+        "'torch_scatter_not_installed'; fix or uninstall fedplug-gnn, or set "
+        "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD=1 to run with the built-in components only"
+    ]
+    assert not (tmp_path / "out").exists()

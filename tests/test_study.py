@@ -1,4 +1,5 @@
-"""Study grids: spec expansion, resumability, summaries, and a tiny study end to end."""
+"""Study grids: spec expansion (draws x seeds, headline cells), run-folder reuse that never
+mixes settings, run records, and a tiny study end to end."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ import yaml
 
 from fedplug.errors import ConfigError
 from fedplug.study import (
-    FinishedRun,
     cell_id,
+    comparable_config,
+    config_hash,
     expand_study,
     grid_cells,
     heatmap_matrix,
+    load_records,
     parse_study,
     pending_runs,
+    planned_runs,
+    run_folder_state,
+    run_record,
     run_row,
-    summary_markdown,
-    summary_rows,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,10 +93,10 @@ def test_expansion_gives_grid_times_algorithms_times_seeds_validated_runs() -> N
 
     runs = expand_study(spec)
 
-    # 2 alphas x 1 momentum x 2 algorithms x 2 seeds
+    # 2 alphas x 1 momentum x 2 algorithms x 2 seeds, one draw (the base's data.seed 0)
     assert len(runs) == 8
     assert [run.run_id for run in runs[:4]] == [
-        "0.1_0.5__fedavgm__s3", "0.1_0.5__fedavgm__s4", "0.1_0.5__fedprox__s3", "0.1_0.5__fedprox__s4",
+        "0.1_0.5__fedavgm__d0s3", "0.1_0.5__fedavgm__d0s4", "0.1_0.5__fedprox__d0s3", "0.1_0.5__fedprox__d0s4",
     ]
     assert len({run.run_id for run in runs}) == 8
     first, last = runs[0], runs[-1]
@@ -103,8 +107,37 @@ def test_expansion_gives_grid_times_algorithms_times_seeds_validated_runs() -> N
     assert first.config.train.aggregator.momentum == 0.5
     assert last.config.train.loss_transform.name == "fedprox" and last.config.train.loss_transform.mu == 0.1
     assert [run.config.train.seed for run in runs[:2]] == [3, 4]
+    assert {run.config.data.seed for run in runs} == {0} and {run.draw for run in runs} == {0}
     assert first.config.study.name == "tiny" and first.config.study.seeds == [3]
-    assert first.cell == {"alpha": "0.1", "momentum": "0.5"}
+    assert first.cell == {"alpha": "0.1", "momentum": "0.5"} and all(run.headline for run in runs)
+
+
+def test_headline_cells_get_every_draw_and_seed_the_others_the_diagonal() -> None:
+    spec = parse_study(spec_dict(draws=[7, 8], headline={"cells": ["0.1_0.5"]}, other_pairs="diagonal"))
+
+    runs = expand_study(spec)
+
+    headline = [run for run in runs if run.cell_id == "0.1_0.5"]
+    other = [run for run in runs if run.cell_id == "1_0.5"]
+    # 2 draws x 2 algorithms x 2 seeds in the headline cell; (7, 3) and (8, 4) elsewhere.
+    assert len(headline) == 8 and all(run.headline for run in headline)
+    assert sorted((run.algorithm, run.draw, run.seed) for run in other) == [
+        ("fedavgm", 7, 3), ("fedavgm", 8, 4), ("fedprox", 7, 3), ("fedprox", 8, 4)]
+    assert not any(run.headline for run in other)
+    # Cells outermost, then draws (runs sharing a federation are neighbours), algorithms, seeds.
+    assert [run.run_id for run in headline[:5]] == [
+        "0.1_0.5__fedavgm__d7s3", "0.1_0.5__fedavgm__d7s4", "0.1_0.5__fedprox__d7s3", "0.1_0.5__fedprox__d7s4",
+        "0.1_0.5__fedavgm__d8s3"]
+    assert all(run.config.data.seed == run.draw and run.config.train.seed == run.seed for run in runs)
+
+
+def test_headline_algorithms_and_explicit_pairs() -> None:
+    spec = parse_study(spec_dict(draws=[0, 1], headline={"algorithms": ["fedprox"]}, other_pairs=[[1, 4]]))
+
+    runs = planned_runs(spec)
+
+    assert {(run.algorithm, run.draw, run.seed) for run in runs if run.algorithm == "fedavgm"} == {("fedavgm", 1, 4)}
+    assert len([run for run in runs if run.algorithm == "fedprox"]) == 2 * 2 * 2  # 2 cells x 2 draws x 2 seeds
 
 
 def test_command_line_overrides_apply_to_the_base_before_the_grid() -> None:
@@ -119,7 +152,7 @@ def test_command_line_overrides_apply_to_the_base_before_the_grid() -> None:
 def test_a_run_that_does_not_validate_is_named() -> None:
     spec = parse_study(spec_dict(algorithms={"bad": {"aggregator": {"name": "fedavgm"}, "optimizer": {"lr": -1.0}}}))
 
-    with pytest.raises(ConfigError, match=r"(?s)run 0\.1_0\.5__bad__s3.*optimizer.lr"):
+    with pytest.raises(ConfigError, match=r"(?s)run 0\.1_0\.5__bad__d0s3.*optimizer.lr"):
         expand_study(spec)
 
 
@@ -132,6 +165,18 @@ def test_a_run_that_does_not_validate_is_named() -> None:
         ({"plots": [{"kind": "heatmap", "rows": "alpha", "columns": "nope"}]}, "'nope' is not a grid axis"),
         ({"seed": [1]}, "seed: unknown key"),
         ({"base": {**BASE, "algorithms": {"x": {}}}}, "base.algorithms"),
+        ({"baseline": "fedavg"}, "baseline 'fedavg' is not one of the algorithms"),
+        ({"labels": {"fedav": "FedAvg"}}, "labels: 'fedav' is not one of the algorithms"),
+        ({"headline": {"cells": ["0.2_0.5"]}}, r"headline.cells: '0.2_0.5' is not a grid cell; cells: 0.1_0.5, 1_0.5"),
+        ({"headline": {"algorithms": ["x"]}}, "headline.algorithms: 'x'"),
+        ({"other_pairs": "all"}, "other_pairs applies to the runs outside `headline:`"),
+        ({"headline": {}, "draws": [0]}, "diagonal pairs draws and seeds one to one, but there are 1 draws and 2 seeds"),
+        ({"headline": {}, "draws": [0, 1], "other_pairs": [[2, 3]]}, r"\[2, 3\] is not a \[draw, seed\] pair"),
+        ({"seeds": [1, 1]}, r"seeds: \[1, 1\] repeats a value"),
+        ({"draws": []}, "draws: List should have at least 1 item"),
+        ({"headline_metric": "best_accuracy"}, "headline_metric"),
+        ({"grid": {"s": {"1": {"train.seed": 1}}}}, "grid.s.1: sets train.seed"),
+        ({"draws": [0], "grid": {"s": {"1": {"data": {"seed": 1}}}}}, "grid.s.1: sets data.seed"),
     ],
 )
 def test_bad_specs_say_what_to_fix(changes: dict[str, Any], message: str) -> None:
@@ -139,64 +184,127 @@ def test_bad_specs_say_what_to_fix(changes: dict[str, Any], message: str) -> Non
         parse_study(spec_dict(**changes))
 
 
-def test_pending_runs_skip_runs_with_metrics(tmp_path: Path) -> None:
-    runs = expand_study(parse_study(spec_dict()))
-    (tmp_path / runs[1].run_id).mkdir()
-    (tmp_path / runs[1].run_id / "metrics.json").write_text("{}")
-    (tmp_path / runs[2].run_id).mkdir()  # started, no metrics yet: still pending
-    (tmp_path / runs[2].run_id / "checkpoint.pt").write_text("")
-
-    pending = pending_runs(runs, tmp_path)
-
-    assert [run.run_id for run in pending] == [run.run_id for run in runs if run is not runs[1]]
+def test_overrides_may_not_set_the_seeds_the_study_sets() -> None:
+    with pytest.raises(ConfigError, match="sets train.seed from its `seeds:`"):
+        expand_study(parse_study(spec_dict()), overrides=["train.seed=5"])
+    with pytest.raises(ConfigError, match="sets data.seed from its `draws:`"):
+        expand_study(parse_study(spec_dict(draws=[0])), overrides=["data.seed=5"])
+    # Without draws, --set data.seed picks the (single) draw.
+    runs = expand_study(parse_study(spec_dict()), overrides=["data.seed=5"])
+    assert {(run.draw, run.config.data.seed) for run in runs} == {(5, 5)} and runs[0].run_id.endswith("__d5s3")
 
 
-# ------------------------------------------------------------------------ summaries
+# ------------------------------------------------------------- run folders and reuse
+
+
+def write_run_folder(folder: Path, config: dict[str, Any], *, metrics: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    if metrics:
+        (folder / "metrics.json").write_text("{}")
+
+
+def test_run_folder_state_reuses_only_runs_of_the_same_resolved_config(tmp_path: Path) -> None:
+    run = expand_study(parse_study(spec_dict()))[0]
+    config = run.config.model_dump(mode="json")
+
+    assert run_folder_state(run, tmp_path / "none").status == "new"
+    write_run_folder(tmp_path / "same", config)
+    assert run_folder_state(run, tmp_path / "same").status == "done"
+    write_run_folder(tmp_path / "started", config, metrics=False)
+    (tmp_path / "started" / "checkpoint.pt").write_text("")
+    assert run_folder_state(run, tmp_path / "started").status == "partial"
+
+    one_round = copy.deepcopy(config)
+    one_round["train"]["rounds"] = 1
+    write_run_folder(tmp_path / "rounds", one_round)
+    state = run_folder_state(run, tmp_path / "rounds")
+    assert state == ("mismatched", "it was trained with train.rounds=1 but the study asks 2")
+
+    two = copy.deepcopy(one_round)
+    two["data"]["partition"]["alpha"] = 0.3
+    write_run_folder(tmp_path / "two", two)
+    assert run_folder_state(run, tmp_path / "two").reason == (
+        "it was trained with data.partition.alpha=0.3 but the study asks 0.1 (and 1 more differences)")
+
+    new_field = copy.deepcopy(config)
+    del new_field["train"]["optimizer"]["weight_decay"]  # a run from before a field existed
+    write_run_folder(tmp_path / "old", new_field)
+    assert run_folder_state(run, tmp_path / "old").reason == (
+        "it was trained with train.optimizer.weight_decay (absent) but the study asks 0.0")
+
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "metrics.json").write_text("{}")
+    assert run_folder_state(run, tmp_path / "bare").status == "mismatched"
+    assert pending_runs([run], tmp_path / "x") == [run]
+
+
+def test_fields_that_cannot_change_results_are_ignored() -> None:
+    run = expand_study(parse_study(spec_dict()))[0]
+    config = run.config.model_dump(mode="json")
+    neutral = copy.deepcopy(config)
+    neutral["tracking"]["uri"] = "http://127.0.0.1:1"
+    neutral["study"]["target_accuracy"] = 0.99
+    neutral["data"]["root"] = "/elsewhere"
+    neutral["train"]["engine"] = "parallel"
+    neutral["train"]["workers"] = 2
+    changed = copy.deepcopy(config)
+    changed["train"]["engine"] = "vectorized"  # not bit-identical to sequential
+
+    assert comparable_config(neutral) == comparable_config(config)
+    assert config_hash(neutral) == config_hash(config) and len(config_hash(config)) == 12
+    assert config_hash(changed) != config_hash(config)
+    assert "tracking" not in comparable_config(config) and "study" not in comparable_config(config)
+
+
+# ------------------------------------------------------------------------ records
 
 
 def history(accuracies: list[float], cpd: list[float | None] | None = None) -> list[dict[str, Any]]:
     cpd = cpd or [None] * len(accuracies)
     return [
         {"round": index + 1, "accuracy": accuracy, "loss": 1.0 - accuracy, "cumulative_bytes": 100 * (index + 1),
-         "cpd_median": cpd[index], "client_accuracy_mean": accuracy / 2}
+         "cpd_median": cpd[index], "client_accuracy_mean": accuracy / 2, "compute_seconds_model": 0.5 * (index + 1),
+         "communication_seconds_model": 0.25}
         for index, accuracy in enumerate(accuracies)
     ]
 
 
 def test_run_row_counts_setup_rounds_and_bytes_to_target() -> None:
-    summary = {"history": history([0.3, 0.6, 0.55], cpd=[0.4, 0.1, 0.2]), "setup_rounds": 5,
+    summary = {"history": history([0.3, 0.6, 0.55, 0.5], cpd=[0.4, 0.1, 0.2, 0.3]), "setup_rounds": 5,
                "total_bytes": 900, "total_seconds": 2.5}
 
     row = run_row(summary, target=0.5)
 
-    assert row["final_accuracy"] == 0.55 and row["best_accuracy"] == 0.6
-    assert row["final_loss"] == pytest.approx(0.45)
-    assert row["final_client_accuracy"] == pytest.approx(0.275)
+    assert row["final_accuracy"] == 0.5 and row["best_accuracy"] == 0.6
+    assert row["last3_accuracy"] == pytest.approx((0.6 + 0.55 + 0.5) / 3)
+    assert row["final_loss"] == pytest.approx(0.5)
+    assert row["final_client_accuracy"] == pytest.approx(0.25)
     assert row["rounds_to_target"] == 2 and row["effective_rounds_to_target"] == 7
     assert row["bytes_to_target"] == 200 and row["total_bytes"] == 900
-    assert row["cpd_median"] == pytest.approx(0.2)  # median of 0.4, 0.1, 0.2
+    assert row["cpd_median"] == pytest.approx(0.25)  # median of 0.4, 0.1, 0.2, 0.3
+    assert row["compute_seconds_model"] == pytest.approx(0.5 + 1.0 + 1.5 + 2.0)
+    assert row["communication_seconds_model"] == pytest.approx(1.0)
     assert run_row(summary, target=0.9)["rounds_to_target"] is None
 
 
-def test_summary_rows_average_seeds() -> None:
-    runs = expand_study(parse_study(spec_dict()))
-    finished = [
-        FinishedRun(runs[0], {"history": history([0.2, 0.6]), "total_bytes": 200}),
-        FinishedRun(runs[1], {"history": history([0.3, 0.4]), "total_bytes": 400}),
-    ]
+def test_run_record_is_one_compact_line_with_provenance() -> None:
+    run = expand_study(parse_study(spec_dict(draws=[2])))[1]
+    metrics = {"history": history([0.2, 0.6, 0.4], cpd=[0.3, None, 0.1]), "total_bytes": 300, "total_seconds": 1.234}
 
-    rows = summary_rows(finished, target=0.5)
+    record = run_record(run, metrics, 0.5, info={"git_commit": "abc1234def", "packages": {"fedplug": "0.1.0"}},
+                        provenance={"git_dirty": False}, overrides=["data.root=x"])
 
-    assert len(rows) == 1
-    row = rows[0]
-    assert (row["alpha"], row["momentum"], row["algorithm"], row["seeds"], row["reached"]) == ("0.1", "0.5", "fedavgm", 2, 1)
-    assert row["final_accuracy"] == pytest.approx(0.5)
-    assert row["final_accuracy_std"] == pytest.approx(0.1)
-    assert row["rounds_to_target"] == 2  # only the seed that reached it
-    assert row["total_bytes"] == 300
-    table = summary_markdown(rows, ["alpha", "momentum"], 0.5)
-    assert "| 0.1 | 0.5 | fedavgm | 2 | 0.5000 ± 0.1000 |" in table
-    assert "2 (1/2 seeds)" in table
+    assert (record["run"], record["draw"], record["seed"], record["algorithm"]) == ("0.1_0.5__fedavgm__d2s4", 2, 4, "fedavgm")
+    assert record["cell"] == {"alpha": "0.1", "momentum": "0.5"} and record["headline"] is True
+    assert record["accuracy"] == [0.2, 0.6, 0.4] and record["cpd"] == [0.3, None, 0.1]
+    assert record["final_accuracy"] == 0.4 and record["best_accuracy"] == 0.6
+    assert record["last3_accuracy"] == pytest.approx(0.4)
+    assert record["rounds_to_target"] == 2 and record["bytes_to_target"] == 200 and record["total_bytes"] == 300
+    assert record["compute_seconds_model"] == 3.0 and record["train_seconds"] == 1.23
+    assert (record["commit"], record["dirty"], record["fedplug"]) == ("abc1234def", False, "0.1.0")
+    assert record["config_hash"] == config_hash(run.config.model_dump(mode="json"))
+    assert json.loads(json.dumps(record)) == record
 
 
 def test_heatmap_matrix_places_means_and_nan_for_missing() -> None:
@@ -222,57 +330,155 @@ def load_runner() -> Any:
     return module
 
 
-def test_tiny_study_end_to_end_and_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def tiny_spec_file(tmp_path: Path, **changes: Any) -> Path:
     spec = {
         "name": "tiny",
         "base": copy.deepcopy(BASE),
         "grid": {"alpha": {"0.5": {"data.partition.alpha": 0.5}}},
         "algorithms": {"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}},
         "seeds": [0],
-        "plots": [{"kind": "curves"}, {"kind": "bars", "metric": "final_accuracy"},
-                  {"kind": "vs_axis", "axis": "alpha", "metric": "final_accuracy"}],
+        "plots": [],
     }
-    spec_path = tmp_path / "tiny.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    out = tmp_path / "out"
+    spec.update(changes)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_results_file_and_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path = tiny_spec_file(
+        tmp_path, labels={"fedavgm": "FedAvgM (beta 0.5)"}, baseline="fedavg",
+        plots=[{"kind": "curves"}, {"kind": "dots", "metric": "final_accuracy"},
+               {"kind": "vs_axis", "axis": "alpha", "metric": "final_accuracy"}])
+    out, results = tmp_path / "out", tmp_path / "results" / "tiny.jsonl"
     runner = load_runner()
+    command = [str(spec_path), "--no-mlflow", "--out", str(out), "--results", str(results)]
 
-    assert runner.main([str(spec_path), "--no-mlflow", "--out", str(out)]) == 0
+    assert runner.main(command) == 0
 
-    run_ids = ["0.5__fedavg__s0", "0.5__fedavgm__s0"]
+    run_ids = ["0.5__fedavg__d0s0", "0.5__fedavgm__d0s0"]
     for run_id in run_ids:
         metrics = json.loads((out / run_id / "metrics.json").read_text())
         assert metrics["rounds"] == 2 and len(metrics["history"]) == 2
         assert not (out / run_id / "checkpoint.pt").exists()
+    records = load_records(results)
+    assert [record["run"] for record in records] == run_ids
+    first = json.loads((out / run_ids[0] / "metrics.json").read_text())
+    assert records[0]["final_accuracy"] == first["final_accuracy"]
+    assert records[0]["accuracy"] == [round(item["accuracy"], 6) for item in first["history"]]
+    assert records[0]["commit"] == json.loads((out / run_ids[0] / "run_info.json").read_text())["git_commit"]
+    assert isinstance(records[0]["dirty"], (bool, type(None))) and records[0]["overrides"] == []
     summary = json.loads((out / "summary.json").read_text())
     assert [row["algorithm"] for row in summary] == ["fedavg", "fedavgm"]
-    first = json.loads((out / run_ids[0] / "metrics.json").read_text())
-    assert summary[0]["final_accuracy"] == first["final_accuracy"]
+    assert summary[0]["final_accuracy"] == first["final_accuracy"] and summary[0]["runs"] == 1
     report = (out / "summary.md").read_text()
-    assert "| 0.5 | fedavgm | 1 |" in report
-    for name in ("curves_0.5.png", "final_accuracy_bars.png", "final_accuracy_vs_alpha.png"):
+    assert "| 0.5 | FedAvgM (beta 0.5) | 1 (1×1) |" in report and "(baseline)" in report
+    for name in ("curves_0.5.png", "final_accuracy_dots.png", "final_accuracy_vs_alpha.png"):
         assert (out / name).stat().st_size > 1000 and f"]({name})" in report
 
-    # Resume: finished runs are skipped, untouched.
+    # Resume: finished runs are reused, untouched; the results file is written again, identical.
     stamps = {run_id: (out / run_id / "metrics.json").stat().st_mtime_ns for run_id in run_ids}
+    text = results.read_text()
     capsys.readouterr()
-    assert runner.main([str(spec_path), "--no-mlflow", "--out", str(out)]) == 0
+    assert runner.main(command) == 0
     assert "2 runs, 2 done, 0 to train" in capsys.readouterr().out
     assert {run_id: (out / run_id / "metrics.json").stat().st_mtime_ns for run_id in run_ids} == stamps
+    assert results.read_text() == text
+
+    # Another machine: no run folders, only the committed results file; nothing trains.
+    fresh = tmp_path / "fresh"
+    assert runner.main([str(spec_path), "--no-mlflow", "--out", str(fresh), "--results", str(results)]) == 0
+    assert "2 runs, 2 done (2 from" in capsys.readouterr().out
+    assert not (fresh / run_ids[0]).exists() and results.read_text() == text
 
 
-@pytest.mark.parametrize("name", ["fedshift", "iwds", "fedavgm", "fedgsp", "fedgsp_growth", "feddisk"])
-def test_shipped_study_specs_expand(name: str) -> None:
+def test_runs_of_other_settings_are_not_reused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue #17: after `--set train.rounds=1`, the plain command must not count those runs as done."""
+    from fedplug.errors import ConfigError as Error
+
+    spec_path = tiny_spec_file(tmp_path)
+    out = tmp_path / "out"
+    runner = load_runner()
+    plain = [str(spec_path), "--no-mlflow", "--out", str(out)]
+
+    assert runner.main([*plain, "--set", "train.rounds=1"]) == 0
+    assert json.loads((out / "0.5__fedavg__d0s0" / "metrics.json").read_text())["rounds"] == 1
+
+    capsys.readouterr()
+    with pytest.raises(Error) as stopped:
+        runner.main(plain)
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert message.startswith(f"2 run folders in {out} hold other settings than the study, e.g. run 0.5__fedavg__d0s0: "
+                              "it was trained with train.rounds=1 but the study asks 2;")
+    assert message.endswith("pass --redo-mismatched to train them again")
+    assert "2 runs, 0 done, 2 of other settings, 0 to train" in capsys.readouterr().out
+
+    # The report leaves them out instead of describing 1-round runs as the study.
+    assert runner.main([*plain, "--report-only"]) == 0
+    captured = capsys.readouterr()
+    assert "no finished runs" in captured.out and "2 run folders of other settings are left out" in captured.err
+
+    assert runner.main([*plain, "--redo-mismatched"]) == 0
+    assert "deleted" in capsys.readouterr().out
+    for algorithm in ("fedavg", "fedavgm"):
+        assert json.loads((out / f"0.5__{algorithm}__d0s0" / "metrics.json").read_text())["rounds"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert [row["runs"] for row in summary] == [1, 1]
+
+
+def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_path: Path) -> None:
+    import torch
+
+    from fedplug.errors import ConfigError as Error
+
+    spec_path = tiny_spec_file(tmp_path, algorithms={"fedavg": {}})
+    out = tmp_path / "out"
+    runner = load_runner()
+    run = expand_study(parse_study(yaml.safe_load(spec_path.read_text())))[0]
+    folder = out / run.run_id
+    write_run_folder(folder, run.config.model_dump(mode="json"), metrics=False)  # same config.yaml ...
+    torch.save({"version": 1, "fingerprint": "0" * 16, "history": []}, folder / "checkpoint.pt")  # ... other federation
+
+    with pytest.raises(Error) as stopped:
+        runner.main([str(spec_path), "--no-mlflow", "--out", str(out), "--no-results"])
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith(f"run {run.run_id}: checkpoint ")
+    assert message.endswith(f"delete {folder} or pass --redo-mismatched to train it again")
+
+    assert runner.main([str(spec_path), "--no-mlflow", "--out", str(out), "--no-results", "--redo-mismatched"]) == 0
+    assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
+
+
+SHIPPED = ["fedshift", "iwds", "fedavgm", "fedgsp", "fedgsp_growth", "feddisk"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
     from fedplug.config import read_yaml
 
     spec = parse_study(read_yaml(ROOT / "pipelines" / "studies" / f"{name}.yaml"), name)
 
     runs = expand_study(spec)
 
-    expected = len(grid_cells(spec.grid)) * len(spec.algorithms) * len(spec.seeds)
-    assert len(runs) == expected and {run.config.study.name for run in runs} == {name}
+    assert [run.run_id for run in runs] == [run.run_id for run in planned_runs(spec)]
+    assert {run.config.study.name for run in runs} == {name}
+    # Issue #17: headline runs cover >= 3 partition draws x 3 training seeds, every other
+    # cell x algorithm at least 3 runs; labels and baseline name real algorithms.
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for run in runs:
+        groups.setdefault((run.cell_id, run.algorithm), []).append(run)
+    for members in groups.values():
+        if members[0].headline:
+            assert len({run.draw for run in members}) >= 3 and len({run.seed for run in members}) >= 3
+            assert len(members) == len({run.draw for run in members}) * len({run.seed for run in members})
+        assert len(members) >= 3
+    assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
+    assert set(spec.labels) == set(spec.algorithms)
 
 
+@pytest.mark.slow
 def test_a_study_is_one_parent_run_with_a_child_per_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -282,16 +488,7 @@ def test_a_study_is_one_parent_run_with_a_child_per_run(
     store.mkdir()
     uri = f"sqlite:///{store / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    spec = {
-        "name": "tiny",
-        "base": copy.deepcopy(BASE),
-        "grid": {"alpha": {"0.5": {"data.partition.alpha": 0.5}}},
-        "algorithms": {"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}},
-        "seeds": [0],
-        "plots": [{"kind": "bars", "metric": "final_accuracy"}],
-    }
-    spec_path = tmp_path / "tiny.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
+    spec_path = tiny_spec_file(tmp_path, plots=[{"kind": "dots", "metric": "final_accuracy"}])
     out = tmp_path / "out"
     runner = load_runner()
 
@@ -309,11 +506,12 @@ def test_a_study_is_one_parent_run_with_a_child_per_run(
     assert parent.data.tags["fedplug.parent"] == f"study:{out.resolve()}"
     assert parent.data.tags["mlflow.runName"] == "out" and parent.info.status == "FINISHED"
     assert {run.data.tags["mlflow.parentRunId"] for run in children} == {parent.info.run_id}
-    assert sorted(run.info.run_name for run in children) == ["0.5__fedavg__s0", "0.5__fedavgm__s0"]
+    assert sorted(run.info.run_name for run in children) == ["0.5__fedavg__d0s0", "0.5__fedavgm__d0s0"]
     for child in children:
         metrics = json.loads((out / child.info.run_name / "metrics.json").read_text())
         assert child.data.metrics["final_accuracy"] == pytest.approx(metrics["final_accuracy"])
         assert child.data.tags["study.alpha"] == "0.5" and child.info.status == "FINISHED"
+        assert child.data.tags["study.draw"] == "0"
         steps = [m.step for m in client.get_metric_history(child.info.run_id, "accuracy")]
         assert sorted(steps) == [1, 2]
     summary = json.loads((out / "summary.json").read_text())

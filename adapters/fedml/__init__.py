@@ -17,8 +17,10 @@ Modules: :mod:`.launcher` (``run_fedml``, the command line), :mod:`.rank` (each 
 rank), :mod:`.fedml_components` (the two FedML subclasses), :mod:`.coordinator` (server
 logic), :mod:`.worker` (client logic), :mod:`.protocol` (messages and schedule),
 :mod:`.runtime` (FedML's config and dataset), :mod:`.guard` (loopback only),
-:mod:`.drop_in` (:class:`~.drop_in.FedplugAggregator`: fedplug's server side next to a
-user's own FedML ``ClientTrainer``). Only :mod:`.fedml_components`, :mod:`.rank` and
+:mod:`.deadlines` and :mod:`.server` (the server's bounded wait for the workers,
+``train.failures.client_timeout_seconds``), :mod:`.drop_in`
+(:class:`~.drop_in.FedplugAggregator`: fedplug's server side next to a user's own FedML
+``ClientTrainer``). Only :mod:`.fedml_components`, :mod:`.server`, :mod:`.rank` and
 :mod:`.drop_in` import FedML.
 """
 

@@ -13,6 +13,10 @@ its round counter after every aggregation and has no message to undo one
 ``can_replay=False``: where the simulator retries a round with too many failed clients
 (``train.failures.max_round_retries``), the run stops with a
 :class:`~fedplug.errors.TrainingError` that says so.
+
+Timeouts: a worker that does not reply to a step in time (:mod:`.deadlines`) is
+answered for by :meth:`Coordinator.timeout_reply`: each of its tasks fails with the
+reason, and the round core drops those chains as any failed client's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model
 from fedplug.simulation.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 
-from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of
+from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of, reply
 
 logger = logging.getLogger("fedplug.adapters.fedml")
 
@@ -128,6 +132,8 @@ class Coordinator:
                 ENGINE_NAME, fedml_rounds=schedule.fedml_rounds, fedml_workers=workers
             ),
         )
+        self.timeout: float | None = train_config.failures.client_timeout_seconds
+        """``train.failures.client_timeout_seconds``: each task's deadline on the workers."""
         self.step = 0
         self._loss_transform_state: dict[str, Any] | None = self.loss_transform.state_dict()
         self._begin_round(0)
@@ -174,6 +180,24 @@ class Coordinator:
     @property
     def finished(self) -> bool:
         return self.round_index >= len(self.schedule.plans)
+
+    def most_tasks(self) -> int:
+        """The most tasks any worker trains in the current step (one after another)."""
+        return max((len(message.tasks) for message in self.message.values()), default=0)
+
+    def timeout_reply(self, slot: int, waited: float) -> dict[str, Any]:
+        """The reply that stands for worker ``slot``'s to the current step when none came
+        within ``waited`` seconds: every one of its tasks failed, saying so."""
+        tasks = self.message[slot].tasks
+        reason = (
+            f"worker {slot} (MPI rank {slot + 1}) sent no reply within {waited:g}s "
+            f"({len(tasks)} task(s) x train.failures.client_timeout_seconds={self.timeout:g} "
+            f"plus a margin)"
+        )
+        return reply(
+            self.step,
+            [TaskResult(task.client_id, task.chain_index, error=reason) for task in tasks],
+        )
 
     # ------------------------------------------------------------------------ rounds
 

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from fedplug.tracking import Tracker
 
 from . import guard
+from .rank import ABANDONED_FILE
 from .runtime import check_supported, fedml_config
 
 logger = logging.getLogger("fedplug.adapters.fedml")
@@ -66,6 +67,10 @@ class FedMLRun:
     this machine)."""
     seconds: float
     """Wall time of the ``mpirun`` command, process start-up included."""
+    abandoned_ranks: list[int] = field(default_factory=list)
+    """Worker ranks that missed a ``client_timeout_seconds`` deadline and had not finished
+    when the run was over; rank 0 saved the result and ended the job without them
+    (normally empty)."""
     mlflow_run_id: str | None = None
     """The MLflow run the launcher logged (None: tracking off)."""
     mlflow_uri: str | None = None
@@ -203,7 +208,13 @@ def _log_finished_run(tracker: Tracker, config: Any, run: FedMLRun) -> None:
         model = registry.build(
             "models", config.train.model, tuple(dataset.input_shape), dataset.num_classes
         )
-    model.load_state_dict(torch.load(run.out_dir / "model.pt", map_location="cpu"))
+    from fedplug.simulation.checkpoint import load_weights_only
+
+    # Weights only: a model.pt swapped in for a crafted pickle is refused, never run.
+    state = load_weights_only(
+        run.out_dir / "model.pt", "model file", "delete the run folder and run again"
+    )
+    model.load_state_dict(state)
     model.eval()
     tracker.log_model(model, torch.as_tensor(dataset.test_x[:5], dtype=torch.float32))
     for name in ("config.yaml", "run_info.json", "metrics.json", "fedml_config.yaml"):
@@ -234,6 +245,7 @@ def _run_mpi(
         *out.glob("network-rank*.json"),
         out / "metrics.json",
         out / "run_result.json",
+        out / ABANDONED_FILE,
     ]:
         stale.unlink(missing_ok=True)
     resolved = config.model_dump(mode="json")
@@ -275,8 +287,17 @@ def _run_mpi(
                 f"log {log_path}:\n{_tail(log_path)}"
             ) from None
     seconds = time.perf_counter() - started
-    if returncode != 0:
+    abandoned = _abandoned_ranks(out)
+    if returncode != 0 and abandoned is None:
         raise _rank_failure(out, returncode, log_path)
+    if abandoned:
+        logger.warning(
+            "the FedML run finished without worker rank(s) %s, which missed a "
+            "train.failures.client_timeout_seconds deadline and did not finish; their clients' "
+            "updates were dropped (see %s)",
+            abandoned,
+            log_path,
+        )
     summary_path = out / "run_result.json"
     if not summary_path.exists() or not (out / "model.pt").exists():
         raise TrainingError(
@@ -287,7 +308,17 @@ def _run_mpi(
         out_dir=out,
         blocked_network=_blocked_network(out),
         seconds=seconds,
+        abandoned_ranks=abandoned or [],
     )
+
+
+def _abandoned_ranks(out: Path) -> list[int] | None:
+    """The ranks of rank 0's ``abandoned-ranks.json`` (``None``: no such note, or an
+    unreadable one)."""
+    try:
+        return [int(rank) for rank in json.loads((out / ABANDONED_FILE).read_text())["ranks"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

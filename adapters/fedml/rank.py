@@ -7,7 +7,10 @@ Rank 0 is FedML's server (a :class:`~.fedml_components.FedplugServerAggregator`)
 Files written to ``--out``: ``metrics.json`` after every round and ``model.pt`` at the
 end (rank 0); ``network-rank<r>.json`` (every rank: the attempts the loopback guard
 refused, normally none); ``error-rank<r>.json`` when a rank fails, after which it aborts
-the whole MPI job so that no rank waits forever.
+the whole MPI job so that no rank waits forever; ``abandoned-ranks.json`` (rank 0) when
+the run finished but a worker that missed a deadline (``train.failures.
+client_timeout_seconds``, :mod:`.deadlines`) did not: rank 0 has saved the result and
+ends the MPI job itself instead of waiting for that rank.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
-        run_rank(rank, MPI.COMM_WORLD.Get_size(), options, out)
+        abandoned = run_rank(rank, MPI.COMM_WORLD.Get_size(), options, out)
     except BaseException as error:  # noqa: BLE001 - any failure must end every rank
         _write_json(
             out / f"error-rank{rank}.json",
@@ -58,10 +61,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             MPI.COMM_WORLD.Abort(1)
         return 1
     _write_json(out / f"network-rank{rank}.json", guard.blocked())
+    if abandoned:
+        # The result is saved; the ranks given up on would keep MPI.Finalize (and mpirun)
+        # waiting, so the job ends here. The launcher reads abandoned-ranks.json.
+        _write_json(out / ABANDONED_FILE, {"ranks": [slot + 1 for slot in abandoned]})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(0)
     return 0
 
 
-def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> None:
+ABANDONED_FILE = "abandoned-ranks.json"
+"""Rank 0's note that the run finished without the worker ranks it names."""
+
+
+def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> list[int]:
+    """Run this rank's part; return the worker slots rank 0 gave up on after the last
+    round (always empty on the workers)."""
     import torch
 
     from fedplug.config import validate_experiment
@@ -93,6 +109,7 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> No
     from fedml import FedMLRunner
 
     from .fedml_components import FedplugClientTrainer, FedplugServerAggregator
+    from .server import run_server
 
     if fedml.__version__ != TESTED_FEDML_VERSION:
         logger.warning(
@@ -121,17 +138,20 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> No
             on_round=save,
         )
         aggregator = FedplugServerAggregator(coordinator.model, args, coordinator)
-        FedMLRunner(args, device, dataset, coordinator.model, server_aggregator=aggregator).run()
+        # FedML's cross-silo server, with a deadline on its wait for the workers.
+        abandoned = run_server(args, device, dataset, aggregator, coordinator)
         if not coordinator.finished:
             raise RuntimeError(
                 f"FedML stopped after {len(coordinator.result.history)} of {config.train.rounds} rounds"
             )
         torch.save(coordinator.model.state_dict(), out / "model.pt")
+        return abandoned
     else:
         model = build_model(config.train, registry, federation, device)
         worker = Worker(config.train, federation, registry, model, rank - 1, workers)
         trainer = FedplugClientTrainer(model, args, worker)
         FedMLRunner(args, device, dataset, model, client_trainer=trainer).run()
+    return []
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -6,6 +6,12 @@ sampler, loss transform and aggregator client side, the same generator
 (:func:`~fedplug.simulation.local_training.local_rng`) and the same per-client state as
 the built-in simulator's sequential engine, so a client's update is the same number in
 both.
+
+Each task runs under :func:`fedplug.deadline.deadline` with
+``train.failures.client_timeout_seconds``: a client that hangs is interrupted there (a
+timer signal in the rank's main thread, where FedML's message loop calls the trainer)
+and its task fails with that reason, while the worker's other tasks train and the reply
+goes out in time. The server bounds its own wait as well (:mod:`.deadlines`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from fedplug.data.federation import Federation
+from fedplug.deadline import deadline
 from fedplug.errors import TrainingError
 from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
@@ -82,6 +89,7 @@ class Worker:
             client_states={},
             reply_metrics=reply_metrics,
         )
+        self.timeout: float | None = train_config.failures.client_timeout_seconds
         self.instructions: WorkerInstructions | None = None
         self.last_reply: dict[str, Any] | None = None
 
@@ -138,21 +146,22 @@ class Worker:
         client = context.federation.clients[task.client_id]
         started = time.perf_counter()
         try:
-            result = train_locally(
-                self.model,
-                start.to(context.federation.device),
-                client.train_x,
-                client.train_y,
-                client.class_counts,
-                algorithm=context.algorithm,
-                loss_context=context.loss_context(task.client_id),
-                payload=context.payload,
-                client_state=context.client_state(task.client_id),
-                schedule=context.schedule,
-                round_index=instructions.round_index,
-                rng=local_rng(context.seed, instructions.round_index, task.client_id),
-                reply_metrics=context.reply_metrics,
-            )
+            with deadline(self.timeout, f"client {task.client_id}"):
+                result = train_locally(
+                    self.model,
+                    start.to(context.federation.device),
+                    client.train_x,
+                    client.train_y,
+                    client.class_counts,
+                    algorithm=context.algorithm,
+                    loss_context=context.loss_context(task.client_id),
+                    payload=context.payload,
+                    client_state=context.client_state(task.client_id),
+                    schedule=context.schedule,
+                    round_index=instructions.round_index,
+                    rng=local_rng(context.seed, instructions.round_index, task.client_id),
+                    reply_metrics=context.reply_metrics,
+                )
         except Exception as error:  # noqa: BLE001 - a failing client must not stop the federation
             return TaskResult(
                 task.client_id, task.chain_index, error=f"{type(error).__name__}: {error}"

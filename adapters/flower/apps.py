@@ -241,7 +241,10 @@ def run_on_grid(
         registry: the component registry (default: the installed plugins).
         federated_evaluation: ask every node for its local test accuracy each round.
         node_wait_seconds: how long to wait for data.num_clients nodes.
-        timeout: bound of each message exchange, seconds.
+        timeout: bound of each message exchange, seconds (default 3600). With
+            ``train.failures.client_timeout_seconds`` (T) set, every node's training is
+            interrupted at T and an exchange ends once no reply has come for T plus a
+            margin; a node that hangs is dropped from its round (:mod:`.chains`).
         train_config: extra entries for every train message's ConfigRecord.
         observers: called with every round's record.
         resume: with ``out_dir``, continue after the last round of ``checkpoint.pt``

@@ -19,16 +19,28 @@ seconds to 0. A reply that lacks the client extras a component needs (SCAFFOLD's
 ``delta_c``) or a reply metric it reads (QFedAvg's ``train_loss``, which Flower's
 quickstart ClientApp reports) stops the run with the line saying what the ClientApp must
 add.
+
+Timeouts (``train.failures.client_timeout_seconds`` = T): every train message carries T
+(:data:`CLIENT_TIMEOUT`), and :class:`~.trainer.FedplugTrainer` interrupts its own
+training once T has passed (:func:`fedplug.deadline.deadline`) and replies with that
+failure. The server does not rely on it: :class:`ReplyDeadlineGrid` gives up on the
+replies still missing once none has arrived for T plus a margin (:func:`reply_wait`),
+and such a client is a :class:`~fedplug.federated_round.ClientFailure` ("sent no reply
+within ..."); the round goes on with the others. The bound counts from the last reply,
+not from the send: under the simulation runtime fewer Ray actors than clients train one
+batch after another, and a client still waiting for an actor has not started its T.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
@@ -52,6 +64,114 @@ from .records import (
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
 Layout = list[tuple[str, tuple[int, ...]]]
+
+CLIENT_TIMEOUT = "fedplug.client-timeout-seconds"
+"""Train-message config key: ``train.failures.client_timeout_seconds``, after which a
+:class:`~.trainer.FedplugTrainer` interrupts its training and replies with the failure."""
+REPLY_MARGIN_SECONDS = 2.0
+"""The least time the server waits for a reply beyond T: the client's failure reply
+(sent at T) must still reach it."""
+REPLY_MARGIN_FRACTION = 0.1
+"""... or this fraction of T, when larger."""
+DEFAULT_PULL_INTERVAL = 0.5
+"""Seconds between two pulls of a grid that sets no ``pull_interval`` of its own."""
+
+
+def reply_wait(client_timeout: float | None) -> float | None:
+    """How long the server waits without any reply before it gives up on the replies
+    still missing: T plus ``max(2 s, 10% of T)`` (``None``: no bound, T is unset)."""
+    if client_timeout is None:
+        return None
+    return client_timeout + max(REPLY_MARGIN_SECONDS, REPLY_MARGIN_FRACTION * client_timeout)
+
+
+def no_reply_reason(client_timeout: float | None) -> str:
+    """Why a chain whose member sent nothing failed (without the client's name)."""
+    wait = reply_wait(client_timeout)
+    if wait is None:
+        return "sent no reply within the exchange's timeout"
+    return (
+        f"sent no reply within {wait:g}s (train.failures.client_timeout_seconds={client_timeout:g} "
+        f"plus a {wait - client_timeout:g}s margin)"
+    )
+
+
+class ReplyDeadlineGrid(Grid):
+    """``grid`` with a bounded wait: :meth:`send_and_receive` returns the replies it has
+    once none has arrived for ``idle_seconds`` (or after ``timeout`` in all, Flower's
+    bound), instead of waiting ``timeout`` for a node that hangs. Everything else is
+    ``grid``'s own; replies are matched to this call's messages by id, so a late reply to
+    an earlier exchange is never taken for one of this exchange.
+
+    Args:
+        grid: the ServerApp's grid.
+        idle_seconds: :func:`reply_wait` of the run's T (``None``: Flower's own wait).
+    """
+
+    def __init__(self, grid: Grid, idle_seconds: float | None) -> None:
+        self.grid = grid
+        self.idle_seconds = idle_seconds
+
+    @classmethod
+    def around(cls, grid: Grid, idle_seconds: float | None) -> ReplyDeadlineGrid:
+        """``grid`` itself when it already is one with this bound, else a new wrapper."""
+        if isinstance(grid, cls) and grid.idle_seconds == idle_seconds:
+            return grid
+        return cls(grid.grid if isinstance(grid, cls) else grid, idle_seconds)
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        if self.idle_seconds is None:
+            return self.grid.send_and_receive(messages, timeout=timeout)
+        waiting = set(self.grid.push_messages(messages))
+        pull_interval = float(getattr(self.grid, "pull_interval", DEFAULT_PULL_INTERVAL))
+        interval = min(pull_interval, self.idle_seconds / 4)
+        started = last_reply = time.monotonic()
+        replies: list[Message] = []
+        while waiting:
+            arrived = [
+                reply
+                for reply in self.grid.pull_messages(list(waiting))
+                if reply.metadata.reply_to_message_id in waiting
+            ]
+            now = time.monotonic()
+            if arrived:
+                last_reply = now
+                replies.extend(arrived)
+                waiting.difference_update(reply.metadata.reply_to_message_id for reply in arrived)
+                continue
+            silent_too_long = now - last_reply >= self.idle_seconds
+            if silent_too_long or (timeout is not None and now - started >= timeout):
+                break
+            time.sleep(interval)
+        return replies
 
 
 @dataclass
@@ -144,7 +264,7 @@ class RoundInProgress:
                 self.replies.append(reply.content)
         for client_id, chain in waiting.items():
             if client_id not in answered:
-                chain.fail(f"client {client_id} sent no reply in time")
+                chain.fail(f"client {client_id} {no_reply_reason(self.timeout)}")
 
     def _advance(self, chain: ChainProgress, client_id: int, reply: Message) -> str | None:
         """Take one member's reply into the chain; return why it is unusable, or None."""

@@ -6,7 +6,10 @@ For unit tests and for debugging a strategy step by step. Each node has its own
 ``state`` that persists between messages, as on a real SuperNode); messages and
 replies are deep-copied on the way, as serialisation would, so neither side can see the
 other's objects. A ClientApp that raises gets an error reply, as under the Flower
-runtimes. Delivery is sequential, in message order.
+runtimes. Delivery is sequential, in message order, in the caller's thread (so a node's
+:func:`fedplug.deadline.deadline` interrupts with a timer signal, as in a Ray actor or a
+``flwr-clientapp`` process); each message gets an id, which its reply names in
+``reply_to_message_id``.
 
 The two Flower internals a grid needs (``Run``, ``TaskIdentity``) come from
 :mod:`.internals`, the one module of fedplug outside Flower's public API.
@@ -79,6 +82,7 @@ class LoopbackGrid(Grid):
         """Every message delivered, in order (what the server sent)."""
         self._run = empty_run(LOOPBACK_RUN_ID)
         self._pending: dict[str, Message] = {}
+        self._pushed = 0
 
     def set_run(self, run: Any) -> None:
         # A Run from Flower 1.35 on, a run id before: stored, never read here.
@@ -104,7 +108,11 @@ class LoopbackGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for message in messages:
-            message_id = f"loopback-{len(self.delivered) + len(self._pending)}"
+            message_id = f"loopback-{self._pushed}"
+            self._pushed += 1
+            # As Flower's grids do: the id goes into the message, so that its reply names
+            # it (``reply_to_message_id``) and a caller can match replies to messages.
+            message.metadata.__dict__["_message_id"] = message_id
             self._pending[message_id] = message
             ids.append(message_id)
         return ids

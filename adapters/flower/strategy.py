@@ -65,8 +65,6 @@ from fedplug.federated_round import (
     Outcome,
     RoundCore,
     client_needs,
-    group,
-    sample_among,
 )
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
@@ -75,7 +73,7 @@ from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model, resolve_device
 from fedplug.simulation.vectors import move_tensors, tensors_num_bytes, vector_to_model
 
-from .chains import RoundInProgress
+from .chains import CLIENT_TIMEOUT, ReplyDeadlineGrid, RoundInProgress, reply_wait
 from .messages import (
     MetricsAggregation,
     client_accuracy,
@@ -299,7 +297,9 @@ class FedplugStrategy(Strategy):
         self._round: RoundInProgress | None = None
         self._round_started = 0.0
         self._grid: Grid | None = None
-        self._exchange_timeout = train_config.failures.client_timeout_seconds or 3600.0
+        self._exchange_timeout = 3600.0
+        """Flower's bound of one exchange (``start``'s ``timeout``); the replies' own
+        bound is :func:`.chains.reply_wait` of ``client_timeout_seconds``."""
         self._exchange_config: dict[str, Any] = {}
         self._payload_record: ArrayRecord | None = None
         self._payload_bytes = 0
@@ -588,8 +588,8 @@ class FedplugStrategy(Strategy):
                 needed,
             )
             time.sleep(1.0)
-        clients = sample_among(np.asarray(candidates), size, self.config.seed, round_index)
-        return group(self.config, self.grouper, clients, round_index)
+        # The core samples (and injects train.faults' dropout) as on every runtime.
+        return self._require_core().plan(round_index, candidates=np.asarray(candidates), count=size)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -674,11 +674,13 @@ class FedplugStrategy(Strategy):
         return self._vector_record(attempt.vector), metrics
 
     def _exchange(self, messages: list[Message]) -> None:
-        """Send ``messages`` and every hand-off they lead to, until the round's chains are done."""
+        """Send ``messages`` and every hand-off they lead to, until the round's chains are
+        done; a member that sends nothing within the reply bound fails its chain."""
         grid = self._grid
         while messages:
             assert grid is not None  # set by configure_train
-            replies = grid.send_and_receive(messages, timeout=self._exchange_timeout)
+            bounded = ReplyDeadlineGrid.around(grid, self._reply_wait)
+            replies = bounded.send_and_receive(messages, timeout=self._exchange_timeout)
             messages = self.configure_hand_off(self._require_round().server_round, replies)
 
     def _require_round(self) -> RoundInProgress:
@@ -712,6 +714,7 @@ class FedplugStrategy(Strategy):
             config = {
                 **self._common_config(round_.server_round, client),
                 CHAIN_POSITION: chain.position,
+                **self._client_timeout,
                 **self._reply_metrics,
                 **self._exchange_config,
                 ROUND: round_.server_round,  # fedplug's round, also after a resume
@@ -729,6 +732,17 @@ class FedplugStrategy(Strategy):
             self._waiting[client] = chain
             self._node_of_reply[node] = client
         return messages
+
+    @property
+    def _reply_wait(self) -> float | None:
+        return reply_wait(self.config.failures.client_timeout_seconds)
+
+    @property
+    def _client_timeout(self) -> dict[str, Any]:
+        """``train.failures.client_timeout_seconds`` for the train message, when set: a
+        FedplugTrainer interrupts its training there (:mod:`.chains`)."""
+        timeout = self.config.failures.client_timeout_seconds
+        return {CLIENT_TIMEOUT: float(timeout)} if timeout is not None else {}
 
     @property
     def _reply_metrics(self) -> dict[str, Any]:
@@ -890,9 +904,12 @@ class FedplugStrategy(Strategy):
         when ``checkpoint_path`` holds this run (``num_rounds`` counts the resumed
         rounds; the Result's rounds are fedplug's).
 
-        ``timeout`` bounds each message exchange (``train.failures.client_timeout_seconds``
-        bounds it further when set). ``evaluate_fn(round, arrays)`` evaluates centrally;
-        its ``accuracy`` and ``loss`` become the round's test metrics. After the run,
+        ``timeout`` bounds each message exchange; with
+        ``train.failures.client_timeout_seconds`` (T) set, an exchange also ends once no
+        reply has come for T plus a margin (:func:`.chains.reply_wait`), and the nodes
+        still silent fail their chains, so a hung node cannot stall the run.
+        ``evaluate_fn(round, arrays)`` evaluates centrally; its ``accuracy`` and ``loss``
+        become the round's test metrics. After the run,
         :attr:`run_result` holds fedplug's :class:`RunResult` (the simulator's
         ``metrics.json`` content) and :attr:`final_vector` the final model.
 
@@ -902,8 +919,7 @@ class FedplugStrategy(Strategy):
         """
         num_rounds = self.config.rounds if num_rounds is None else num_rounds
         evaluate_fn = evaluate_fn if evaluate_fn is not None else self.evaluate_fn
-        client_timeout = self.config.failures.client_timeout_seconds
-        self._exchange_timeout = timeout if client_timeout is None else min(timeout, client_timeout)
+        self._exchange_timeout = timeout
         arrays = initial_arrays if initial_arrays is not None else model_record(self.model)
         # Set up before Flower's loop only to know how many rounds a resumed run has left.
         arrays = self._ensure_started(grid, arrays, timeout)
@@ -926,7 +942,8 @@ class FedplugStrategy(Strategy):
         self._central_expected = evaluate_fn is not None
         try:
             result = super().start(
-                grid,
+                # Flower's loop sends each round's first exchange: bound its wait too.
+                ReplyDeadlineGrid.around(grid, self._reply_wait),
                 arrays,
                 remaining,
                 timeout,

@@ -49,6 +49,7 @@ from torch.nn import functional as F
 from fedplug.components import Aggregator, LossTransform
 from fedplug.components import Context as LossContext
 from fedplug.config import validate_section
+from fedplug.deadline import deadline
 from fedplug.errors import ConfigError
 from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
@@ -61,6 +62,7 @@ from fedplug.simulation.local_training import (
 )
 from fedplug.simulation.vectors import move_tensors, vector_to_model
 
+from .chains import CLIENT_TIMEOUT
 from .local_data import DEFAULT_LABEL_KEY, LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
@@ -85,6 +87,7 @@ from .records import (
     decode_loss_state,
     integer,
     model_record,
+    number,
     record_to_tensors,
     record_to_vector,
     tensors_to_record,
@@ -315,14 +318,49 @@ class FedplugTrainer:
             asks for in ``fedplug.reply-metrics`` or this trainer's components read
             (``train_loss``, :data:`fedplug.components.TRAIN_LOSS`; computed only then),
             and the aggregator's extras when it has any.
+
+        Raises:
+            ClientTimeout: the training ran past the deadline (the server's
+                ``fedplug.client-timeout-seconds``, or this trainer's
+                ``train.failures.client_timeout_seconds``) and was interrupted; the
+                ClientApp replies with this error, which the server counts as the client's
+                failure.
         """
         started = time.perf_counter()
         content = message.content
         config = content.config_records.get(CONFIG_KEY, ConfigRecord())
+        client_id = self._client_id(config, context)
+        with deadline(self.client_timeout(config), f"client {client_id}"):
+            return self._fit(
+                model, data, message, context, config, client_id, state_namespace, started
+            )
+
+    def client_timeout(self, config: ConfigRecord) -> float | None:
+        """The deadline of one :meth:`fit`: the smaller of the server's
+        ``fedplug.client-timeout-seconds`` (its ``train.failures.client_timeout_seconds``)
+        and this trainer's own ``train.failures.client_timeout_seconds`` (``None``: neither
+        is set)."""
+        limits = [self.config.failures.client_timeout_seconds]
+        if CLIENT_TIMEOUT in config:
+            limits.append(number(config, CLIENT_TIMEOUT))
+        present = [float(limit) for limit in limits if limit is not None]
+        return min(present) if present else None
+
+    def _fit(
+        self,
+        model: nn.Module,
+        data: Any,
+        message: Message,
+        context: Context,
+        config: ConfigRecord,
+        client_id: int,
+        state_namespace: str,
+        started: float,
+    ) -> Message:
+        content = message.content
         device = next(model.parameters()).device
         local = self._local_data(data, device)
         num_classes = self._num_classes(config, model, local)
-        client_id = self._client_id(config, context)
         round_index = integer(config, ROUND, 1) - 1
         start_vector = record_to_vector(content.array_records[MODEL_KEY], vector_layout(model)).to(
             device

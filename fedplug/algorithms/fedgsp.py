@@ -25,6 +25,18 @@ the group sums (and hence the normalised group distributions that CPD compares) 
 
 The module also provides the paper's ablations (``mode``): NaiveGSP (random groups,
 fixed M) and NaiveGSP+ICG (ICG groups, fixed M), and its CPD metric between groups.
+
+Local budget against FedAvg. Every member of a chain trains ``train.local_epochs`` epochs
+of ``ceil(n_k / batch_size)`` SGD steps, so with kappa of M groups over K clients a round
+trains about kappa K clients, and the model the server receives from a chain has taken
+the steps of all its members in sequence. FedAvg with ``client_fraction`` kappa and the
+same epochs takes the same SGD steps per round in all, but each model it aggregates has
+taken one client's steps. With equal client sizes n and fixed M, FedAvg with
+``client_fraction: ceil(kappa M) / K`` and ``local_epochs: E K / M`` matches both: as many
+aggregated models, each after as many SGD steps, and the cost model's
+``compute_seconds_model`` (the slowest chain's samples in sequence) is the same per
+round. With a growing M no fixed FedAvg setting matches every round; compare time to
+accuracy with the cost model's cumulative ``compute_seconds_model`` instead.
 """
 
 from __future__ import annotations

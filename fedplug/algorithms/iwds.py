@@ -16,6 +16,17 @@ beta = 0 gives uniform sampling. beta_t decays from beta_0 to beta_m, so trainin
 rebalanced (faster convergence) and ends close to the client's own distribution. A local
 epoch draws n_k samples with replacement from p(k, .).
 
+How fast the rebalancing fades is set by 1 / (1 - beta_t), the class size at which the
+weight saturates: a class of N samples gets weight about 1 / N while N << 1 / (1 - beta_t)
+and about (1 - beta_t) once N >> 1 / (1 - beta_t). With the defaults 1 / (1 - beta_t) falls
+from 10^4 at t = 0 to about 59 at t = 11 (beta_11 = 0.98307), so by round 11 classes much
+larger than about 60 samples are drawn nearly in proportion to their size again.
+
+Fixed-beta ablation (no new option needed): ``rho: 1.0`` keeps beta_t = beta_0 in every
+round (``rho ** t`` is exactly 1), e.g. ``{name: iwds, beta_0: 0.9999, rho: 1.0}`` samples
+class-balanced throughout; ``beta_0: 0.8, beta_m: 0.8`` fixes beta at the decay's end
+point instead. Comparing either with the default schedule isolates the decay.
+
 Numerics: ``1 - beta^N`` is evaluated as ``-expm1(N log beta)``, which keeps full relative
 precision when beta is close to 1; beta = 0 (uniform) and beta = 1 (the limit 1 / N) are
 handled without dividing by zero, and a class with no samples is counted as 1, as in the
@@ -85,7 +96,8 @@ class IWDSConfig(ComponentConfig):
     """The value beta decays to (default 0.8: close to the client's own distribution);
     must not exceed beta_0."""
     rho: float = Field(default=0.992, gt=0.0, le=1.0)
-    """Decay rate per round (default 0.992); 1.0 keeps beta at beta_0 forever."""
+    """Decay rate per round (default 0.992); 1.0 keeps beta at beta_0 in every round
+    (the fixed-beta ablation; beta_m is then unused)."""
 
     @model_validator(mode="after")
     def _decays(self) -> IWDSConfig:

@@ -252,6 +252,10 @@ class _ArrayUnpickler(pickle.Unpickler):
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
+        # Protocol 5 writes an array as _frombuffer(bytes, dtype, shape, order); it cannot
+        # build an object array, so it runs no code either.
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
     }
 
     def find_class(self, module: str, name: str) -> Any:

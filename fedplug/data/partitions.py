@@ -16,7 +16,8 @@ Sources (the exact definitions are in ``shared/ALGORITHMS.md``, section "Partiti
   NIID-Bench/FedML convention of Q. Li, Y. Diao, Q. Chen, B. He, "Federated Learning on
   Non-IID Data Silos: An Experimental Study", ICDE 2022, arXiv:2102.02079. Used by FedShift
   (Y. Shen, H. Wang, H. Lv, "Federated Learning with Classifier Shift for Class Imbalance",
-  2023, arXiv:2304.04972) and IWDS.
+  2023, arXiv:2304.04972) and IWDS. ``balance: true`` adds the balance rule of the
+  reference code (see :func:`balanced_counts_from_shares`).
 - ``dirichlet_client``: equal client sizes, q_k ~ Dir(alpha * p). T.-M. H. Hsu, H. Qi,
   M. Brown, "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
   Classification", 2019, arXiv:1909.06335, section 3.
@@ -27,8 +28,9 @@ Sources (the exact definitions are in ``shared/ALGORITHMS.md``, section "Partiti
   ``shared/papers/iwds-imbalanced-weight-decay-sampling.txt``; its authors' FedML-derived
   code), see :func:`llt_shares`.
 - ``feature_noise``: feature skew by per-client Gaussian input noise, from "Federated
-  Learning for distribution skewed data using sample weights" (FedDisk), section 7.1.1,
-  after NIID-Bench (arXiv:2102.02079); see :func:`feature_noise_std`.
+  Learning for distribution skewed data using sample weights" (FedDisk), section 7.1.1.
+  Two per-client ramps: fedplug's own (the default) and NIID-Bench's
+  (arXiv:2102.02079); see :func:`feature_noise_std`.
 - ``natural``: the dataset's own writers, as in LEAF (S. Caldas et al., "LEAF: A Benchmark
   for Federated Settings", 2018, arXiv:1812.01097), used by FedGSP and FedDisk.
 
@@ -136,6 +138,14 @@ class DirichletClassConfig(ComponentConfig):
     FedML/NIID-Bench convention; 0 accepts the first draw)."""
     max_attempts: int = Field(1000, ge=1, le=1_000_000)
     """Give up with a DataError after this many draws (default 1000)."""
+    balance: bool = False
+    """Apply the balance rule of the FedMA/NIID-Bench/FedML reference code (default false):
+    while class c is spread, a client already holding at least N/K samples gets none of
+    it (:func:`balanced_counts_from_shares`); flwr-datasets calls it ``self_balancing``.
+    It makes client sizes far more even (MNIST's class sizes, K = 10, alpha = 0.1: the
+    client sizes' coefficient of variation is 0.63 without and 0.44 with it, averaged over
+    200 draws). Off by default so that existing splits stay the same; the shares are
+    drawn identically either way."""
 
 
 class DirichletClientConfig(ComponentConfig):
@@ -165,12 +175,17 @@ class LltConfig(ComponentConfig):
 
 
 class FeatureNoiseConfig(ComponentConfig):
-    """Feature skew (FedDisk/NIID-Bench): IID labels, client k's inputs get noise std sigma*k/K."""
+    """Feature skew (FedDisk): IID labels, each client's inputs get Gaussian noise whose std
+    ramps linearly over the clients up to sigma (:func:`feature_noise_std`)."""
 
     name: Literal["feature_noise"] = "feature_noise"
     sigma: float = Field(0.1, ge=0, le=10)
     """Noise std of the last client (default 0.1, NIID-Bench's noise level); 0 means no
     noise. Inputs are assumed scaled to [0, 1]."""
+    convention: Literal["fedplug", "niid_bench"] = "fedplug"
+    """The ramp: ``"fedplug"`` (default) gives client k = 1..K the std sigma * k / K (no
+    client is clean); ``"niid_bench"`` gives client k = 0..K-1 the std sigma * k / (K - 1),
+    as NIID-Bench's code does (client 0 clean). Same last client, same split."""
 
 
 class NaturalConfig(ComponentConfig):
@@ -289,6 +304,53 @@ def counts_from_shares(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarra
     return counts.T.astype(np.int64)
 
 
+def balanced_counts_from_shares(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
+    """:func:`counts_from_shares` with the balance rule of the reference code.
+
+    Classes are spread in order c = 0..C-1. Before class c is cut, every client already
+    holding at least N/K samples (N = ``class_sizes.sum()``, K clients; the comparison is
+    ``n_k * K >= N`` in integers) has its share set to 0, and the remaining shares are
+    renormalised: ``p_k <- p_k [n_k < N/K] / sum_j p_j [n_j < N/K]``. The class is then cut
+    at the floored cumulative shares as in :func:`counts_from_shares`.
+
+    Source: the ``noniid-labeldir`` branch of ``partition_data`` in NIID-Bench's
+    ``utils.py`` (github.com/Xtra-Computing/NIID-Bench, the line after ``## Balance``:
+    ``proportions = np.array([p * (len(idx_j) < N / n_parties) ...])``); the same line is
+    in FedMA's ``utils.py`` (github.com/IBM/FedMA, ``partition_data``) and in FedML's
+    ``partition_class_samples_with_dirichlet_distribution``
+    (github.com/FedML-AI/FedML, ``python/fedml/core/data/noniid_partition.py``), the code
+    the IWDS authors built on. flwr-datasets' ``DirichletPartitioner`` offers it
+    as ``self_balancing`` (default off) with a slightly different test: it excludes a
+    client only when it holds *more* than N/K samples; we follow the reference code
+    (``>=`` excludes).
+
+    While a class with samples is left, at least one client is below N/K (the clients hold
+    fewer than N samples in all), so some share survives; should the surviving shares all
+    be 0 (a Dirichlet draw can underflow at tiny alpha), where the reference code would
+    divide by zero, the class is spread evenly over the clients still below N/K.
+
+    Returns the K x C int64 count matrix; ``shares`` is C x K as in
+    :func:`counts_from_shares`.
+    """
+    class_sizes = np.asarray(class_sizes, dtype=np.int64)
+    num_classes, num_clients = shares.shape
+    total = int(class_sizes.sum())
+    counts = np.zeros((num_clients, num_classes), dtype=np.int64)
+    held = np.zeros(num_clients, dtype=np.int64)
+    for label in range(num_classes):
+        if class_sizes[label] == 0:
+            continue
+        open_clients = held * num_clients < total
+        row = np.where(open_clients, shares[label], 0.0)
+        mass = row.sum()
+        if not np.isfinite(mass) or mass <= 0:
+            row, mass = open_clients.astype(np.float64), float(open_clients.sum())
+        column = counts_from_shares((row / mass)[None, :], class_sizes[label : label + 1])[:, 0]
+        counts[:, label] = column
+        held += column
+    return counts
+
+
 def _partition(
     labels: np.ndarray,
     num_classes: int,
@@ -324,11 +386,13 @@ def dirichlet_class_counts(
     min_size: int,
     max_attempts: int,
     rng: np.random.Generator,
+    balance: bool = False,
 ) -> np.ndarray:
     """K x C counts of the LDA partition: for each class c, p_c ~ Dir_K(alpha) and client
-    k gets the share p_{c,k} of class c (cut by :func:`counts_from_shares`). Redrawn
-    until every client holds at least ``min_size`` samples; after ``max_attempts``
-    draws raise :class:`DataError`.
+    k gets the share p_{c,k} of class c (cut by :func:`counts_from_shares`, or with
+    ``balance`` by :func:`balanced_counts_from_shares`). Redrawn until every client holds
+    at least ``min_size`` samples; after ``max_attempts`` draws raise :class:`DataError`.
+    The C x K shares are drawn the same way with and without ``balance``.
     """
     class_sizes = np.asarray(class_sizes, dtype=np.int64)
     num_samples = int(class_sizes.sum())
@@ -340,7 +404,10 @@ def dirichlet_class_counts(
     concentration = np.full(num_clients, alpha)
     for _ in range(max_attempts):
         shares = rng.dirichlet(concentration, size=class_sizes.size)
-        counts = counts_from_shares(shares, class_sizes)
+        if balance:
+            counts = balanced_counts_from_shares(shares, class_sizes)
+        else:
+            counts = counts_from_shares(shares, class_sizes)
         if counts.sum(axis=1).min() >= min_size:
             return counts
     raise DataError(
@@ -460,14 +527,29 @@ def llt_shares(num_clients: int, num_classes: int, alpha_l: float) -> np.ndarray
     return shares / shares.sum(axis=1, keepdims=True)
 
 
-def feature_noise_std(num_clients: int, sigma: float) -> np.ndarray:
-    """Per-client input-noise std ``sigma * k / K`` for k = 1..K (entry k-1 is client k).
+def feature_noise_std(
+    num_clients: int, sigma: float, convention: Literal["fedplug", "niid_bench"] = "fedplug"
+) -> np.ndarray:
+    """Per-client input-noise std, a linear ramp up to ``sigma`` (entry i is the i-th
+    client, 0-based).
+
+    - ``"fedplug"`` (default): ``sigma * k / K`` for k = 1..K, i.e. entry i is
+      ``sigma * (i + 1) / K``; every client is noisy, the first one by sigma / K.
+    - ``"niid_bench"``: ``sigma * k / (K - 1)`` for k = 0..K-1, i.e. entry i is
+      ``sigma * i / (K - 1)``; client 0 is clean. This is NIID-Bench's ``noise_type``
+      ``increasing`` (Xtra-Computing/NIID-Bench, ``experiments.py``: ``noise_level =
+      args.noise / (args.n_parties - 1) * net_id``). With K = 1 the one client is client 0
+      and stays clean (NIID-Bench itself divides by zero there).
 
     Reconstruction: the FedDisk paper (section 7.1.1) says each client's inputs get
-    Gaussian noise of a different variance, but its formula was lost in text extraction;
-    this linear ramp is NIID-Bench's feature-skew setting (Li et al. 2021, x + N(0,
-    (sigma * k / K)^2)), which FedDisk cites as its inspiration.
+    Gaussian noise of a different variance, but its formula was lost in text extraction.
+    Both ramps are readings of it; the fedplug ramp is *not* NIID-Bench's (it shifts every
+    client's std up by sigma / K for K > 1 and so has no clean client).
     """
+    if convention == "niid_bench":
+        if num_clients == 1:
+            return np.zeros(1, dtype=np.float64)
+        return sigma * np.arange(num_clients, dtype=np.float64) / (num_clients - 1)
     return sigma * np.arange(1, num_clients + 1, dtype=np.float64) / num_clients
 
 
@@ -533,11 +615,18 @@ def dirichlet_class(
     rng: np.random.Generator,
     users: np.ndarray | None = None,
 ) -> Partition:
-    """LDA split (:func:`dirichlet_class_counts`); client sizes vary. ``users`` is ignored."""
+    """LDA split (:func:`dirichlet_class_counts`, with the balance rule when
+    ``config.balance``); client sizes vary. ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
     class_sizes = np.bincount(labels, minlength=num_classes)
     counts = dirichlet_class_counts(
-        class_sizes, num_clients, config.alpha, config.min_size, config.max_attempts, rng
+        class_sizes,
+        num_clients,
+        config.alpha,
+        config.min_size,
+        config.max_attempts,
+        rng,
+        balance=config.balance,
     )
     assignment = assignment_from_counts(labels, counts, rng)
     return _partition(labels, num_classes, assignment, num_clients, rng)
@@ -602,12 +691,12 @@ def feature_noise(
     rng: np.random.Generator,
     users: np.ndarray | None = None,
 ) -> Partition:
-    """IID split plus ``noise_std[k-1] = sigma * k / K`` (:func:`feature_noise_std`, a
-    reconstruction); whoever loads client k's inputs applies :func:`add_feature_noise`.
-    ``users`` is ignored."""
+    """IID split plus a per-client noise std ramping up to sigma
+    (:func:`feature_noise_std` with ``config.convention``, a reconstruction); whoever loads
+    client k's inputs applies :func:`add_feature_noise`. ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
     assignment = iid_assignment(labels.size, num_clients, rng)
-    noise_std = feature_noise_std(num_clients, config.sigma)
+    noise_std = feature_noise_std(num_clients, config.sigma, config.convention)
     return _partition(labels, num_classes, assignment, num_clients, rng, noise_std)
 
 

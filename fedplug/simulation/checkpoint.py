@@ -1,44 +1,231 @@
-"""Per-round checkpoints, written atomically so a crash never leaves a torn file."""
+"""Per-round checkpoints, written atomically so a crash never leaves a torn file, and read
+back without running code from the file.
+
+A checkpoint is read with ``torch.load(weights_only=True)``: PyTorch's restricted
+unpickler, which builds tensors and plain Python values (dict, list, tuple, set, str,
+bytes, numbers, ``None``, torch dtypes and devices) and refuses every other class or
+function a pickle names. A file that names one (a tampered checkpoint, or one whose pickle
+would create a file or start a process) is refused with one line naming the file; its
+payload never runs.
+
+So that every checkpoint fedplug writes can be read back that way, :func:`save_checkpoint`
+first converts the state with :func:`to_storable`: numpy arrays and numpy scalars (which
+components keep in their state, e.g. FedShift's label prior) become tagged tensors that
+:func:`from_storable` turns back into numpy values of the same dtype, bit for bit; any
+other object (a dataclass, a numpy ``Generator``) is refused *when saving*, with a
+:class:`~fedplug.errors.PluginError` naming where it sits in the state, instead of writing
+a checkpoint that could not be loaded.
+
+Format versions: 1 stored numpy values as pickled numpy objects (a version-1 checkpoint
+that holds none still loads); 2 stores them as tagged tensors.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from fedplug.errors import TrainingError
+from fedplug.errors import FedplugError, PluginError, TrainingError
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Formats :func:`load_checkpoint` reads (see the module docstring)."""
+
+NDARRAY_TAG = "__fedplug_ndarray__"
+NUMPY_SCALAR_TAG = "__fedplug_numpy_scalar__"
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_REFUSED_NAME = re.compile(r"GLOBAL (\S+) was not an allowed global|whose module (\S+) is blocked")
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` via a temporary file and an atomic rename."""
+    """Write ``state`` to ``path`` via a temporary file and an atomic rename.
+
+    Raises:
+        PluginError: the state holds a value a weights-only load would refuse (the
+            message names where it sits, e.g. ``state['aggregator']['rng']``).
+    """
+    storable = to_storable({"version": CHECKPOINT_VERSION, **state}, "state")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"version": CHECKPOINT_VERSION, **state}, temporary)
+    torch.save(storable, temporary)
     with open(temporary, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(temporary, path)
 
 
+def read_checkpoint(path: Path) -> Any:
+    """Whatever ``path`` holds, read without running code (numpy values restored).
+
+    Raises:
+        TrainingError: the file is unreadable, or names a class or function other than
+            tensors and plain values (one line naming the file; nothing of it ran).
+    """
+    state = load_weights_only(path, "checkpoint", "delete it to start over")
+    return from_storable(state)
+
+
 def load_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` if there is one for this exact config, else ``None``."""
+    """The checkpoint at ``path`` if there is one for this exact config, else ``None``.
+
+    Raises:
+        TrainingError: the file is unreadable or refused (:func:`read_checkpoint`), is
+            not a fedplug checkpoint, or belongs to another config or format.
+    """
     if not path.exists():
         return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise TrainingError(
-            f"checkpoint {str(path)!r} is unreadable ({type(error).__name__}); delete it to start over"
-        ) from None
+    state = read_checkpoint(path)
     if not isinstance(state, dict) or "fingerprint" not in state:
         raise TrainingError(
-            f"checkpoint {str(path)!r} is not a fedplug checkpoint; delete it to start over or choose another --out"
+            f"checkpoint {str(path)!r} is not a fedplug checkpoint; delete it to start over "
+            "or choose another --out"
         )
-    if state.get("version") != CHECKPOINT_VERSION or state.get("fingerprint") != fingerprint:
+    version = state.get("version")
+    if isinstance(version, int) and version > max(READABLE_VERSIONS):
         raise TrainingError(
-            f"checkpoint {str(path)!r} belongs to a different config; delete it or choose another --out"
+            f"checkpoint {str(path)!r} has format {version}, newer than this fedplug reads "
+            f"({max(READABLE_VERSIONS)}); upgrade fedplug, or delete it to start over"
+        )
+    if version not in READABLE_VERSIONS or state.get("fingerprint") != fingerprint:
+        raise TrainingError(
+            f"checkpoint {str(path)!r} belongs to a different config; delete it or choose "
+            "another --out"
         )
     return state
+
+
+def load_weights_only(
+    path: Path, what: str, advice: str, error: type[FedplugError] = TrainingError
+) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with one-line errors.
+
+    Args:
+        path: the file.
+        what: what the file is, first word of the message (``"checkpoint"``).
+        advice: what the user should do, the message's end (``"delete it to start over"``).
+        error: the error class raised.
+
+    Raises:
+        ``error``: the file names a class or function a weights-only load refuses (the
+            message names them: nothing of the file ran), or cannot be read at all.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as failure:
+        refused = _refused_names(path, failure)
+        if refused:
+            raise error(
+                f"{what} {str(path)!r} holds {', '.join(refused[:3])}, not only tensors and plain "
+                f"values; fedplug does not load it because unpickling it could run code: {advice} "
+                "(load only files fedplug wrote)"
+            ) from None
+        raise error(f"{what} {str(path)!r} is unreadable (UnpicklingError); {advice}") from None
+    except Exception as failure:  # a truncated zip, a torn write, not a torch file
+        kind = type(failure).__name__
+        raise error(f"{what} {str(path)!r} is unreadable ({kind}); {advice}") from None
+
+
+def _refused_names(path: Path, failure: Exception) -> list[str]:
+    """The globals that made a weights-only load refuse ``path`` (read from the file's
+    pickle without running it, else from torch's message); empty when it is just corrupt."""
+    try:
+        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a zip checkpoint (garbage, or torch's legacy format)
+        names = []
+    if names:
+        return names
+    return [a or b for a, b in _REFUSED_NAME.findall(str(failure))]
+
+
+# ----------------------------------------------------------------------- state values
+
+
+def to_storable(value: Any, where: str) -> Any:
+    """``value`` with numpy arrays and scalars replaced by tagged tensors, checked to
+    hold nothing a weights-only load refuses.
+
+    Raises:
+        PluginError: a value of another type; the message names ``where`` it sits.
+    """
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            raise _unstorable(value, where)
+        return value
+    if isinstance(value, np.ndarray):
+        return {NDARRAY_TAG: _array_to_tensor(value, where)}
+    if isinstance(value, np.generic):
+        return {NUMPY_SCALAR_TAG: _array_to_tensor(np.asarray(value), where)}
+    if isinstance(value, _PLAIN):
+        if type(value) not in _PLAIN:  # an IntEnum, a str subclass: pickled by class
+            raise _unstorable(value, where)
+        return value
+    if type(value) in (dict, OrderedDict):
+        converted = {
+            _storable_key(key, where): to_storable(item, f"{where}[{key!r}]")
+            for key, item in value.items()
+        }
+        return OrderedDict(converted) if type(value) is OrderedDict else converted
+    if type(value) in (list, tuple):
+        items = [to_storable(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return items if type(value) is list else tuple(items)
+    if type(value) is set:
+        return {_storable_key(item, where) for item in value}
+    if isinstance(value, torch.Size):
+        return value
+    raise _unstorable(value, where)
+
+
+def from_storable(value: Any) -> Any:
+    """Undo :func:`to_storable`: tagged tensors become numpy arrays and scalars again."""
+    if type(value) in (dict, OrderedDict):
+        if len(value) == 1:
+            (tag, item), = value.items()
+            if tag == NDARRAY_TAG and isinstance(item, torch.Tensor):
+                return item.numpy()
+            if tag == NUMPY_SCALAR_TAG and isinstance(item, torch.Tensor):
+                return item.numpy()[()]
+        converted = {key: from_storable(item) for key, item in value.items()}
+        return OrderedDict(converted) if type(value) is OrderedDict else converted
+    if type(value) is list:
+        return [from_storable(item) for item in value]
+    if type(value) is tuple:
+        return tuple(from_storable(item) for item in value)
+    return value
+
+
+def _array_to_tensor(array: np.ndarray, where: str) -> torch.Tensor:
+    # A native-order, writable copy: torch.from_numpy takes neither byte-swapped nor
+    # read-only arrays, and the copy leaves the component's own array alone.
+    native = np.array(array, dtype=array.dtype.newbyteorder("="), order="C")
+    try:
+        return torch.from_numpy(native)
+    except TypeError:  # object, string and datetime arrays have no tensor dtype
+        raise _unstorable(array, where) from None
+
+
+def _storable_key(key: Any, where: str) -> Any:
+    """A dict key or set member: numpy integers become ints (equal, and equally hashed)."""
+    if isinstance(key, np.generic):
+        return key.item()
+    if type(key) in _PLAIN or (type(key) is tuple and all(type(part) in _PLAIN for part in key)):
+        return key
+    raise _unstorable(key, where)
+
+
+def _unstorable(value: Any, where: str) -> PluginError:
+    kind = type(value)
+    described = f"a {kind.__module__}.{kind.__qualname__}"
+    if isinstance(value, np.ndarray):
+        described = f"a numpy array of dtype {value.dtype}"
+    return PluginError(
+        f"checkpoint {where} holds {described}, which a checkpoint cannot store safely; "
+        "state_dict() must return tensors, numpy arrays of numbers and plain Python values "
+        "(dict, list, tuple, str, int, float, bool, None)"
+    )

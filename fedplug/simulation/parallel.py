@@ -36,7 +36,23 @@ Failures. An exception while training a chain is a :class:`ClientFailure` with t
 sequential engine's reason. A worker that dies (killed, segfault, ``os._exit``) fails
 only the chain it was training, with a reason giving its exit code; the chains queued
 behind it go to the other workers, and if none is left, every chain not yet trained
-fails. At the end of a complete round the workers' pipes close and they exit on their
+fails.
+
+Timeouts (``train.failures.client_timeout_seconds``, per chain as in the sequential
+engine). A worker enforces the limit itself: :func:`train_chain` runs the chain under a
+``SIGALRM`` deadline (:mod:`fedplug.deadline`; a forked worker runs in its own main
+thread), so a hanging client is interrupted and its chain comes back as the sequential
+engine's ``ClientTimeout`` failure. The main process is the backstop for a chain the
+alarm cannot stop (client code that blocks or replaces ``SIGALRM``, or swallows the
+exception): it knows when each worker started its current chain (when the chain was
+handed to an idle worker, or when the worker's previous result arrived, never earlier
+than the truth), and a worker whose chain has run :func:`kill_after` seconds (the limit
+plus a margin of :data:`KILL_MARGIN_SECONDS`, or 10% of the limit when that is more) is
+killed (``SIGKILL``). That chain fails with a reason naming the limit; the chains queued
+behind it go back to the queue, and a replacement worker is forked (from the main
+process as it is then: the same start vector and payload, and the states of the clients
+not yet trained are untouched) when chains are left to train, so the round goes on at
+full width. At the end of a complete round the workers' pipes close and they exit on their
 own while the main process goes on (evaluation): tearing down a forked copy of a large
 process takes about as long as forking it; they are joined when the next round starts,
 or by :meth:`ParallelEngine.close`. When the consumer stops early (closes the generator)
@@ -44,8 +60,9 @@ or an error interrupts the round, the workers are terminated and joined at once.
 worker ignores Ctrl-C, which the main process handles.
 
 Limits: CPU only (the model must be on the CPU), and a platform with the ``fork`` start
-method (Linux, macOS; not Windows). A chain that never finishes (an infinite loop) blocks
-the round, as it does in the sequential engine.
+method (Linux, macOS; not Windows). Without ``client_timeout_seconds`` nothing bounds a
+chain: one that never finishes (an infinite loop) blocks the round, as it does in the
+sequential engine.
 """
 
 from __future__ import annotations
@@ -58,7 +75,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -78,12 +95,22 @@ QUEUED_CHAINS_PER_WORKER = 2
 STOP_SECONDS = 5.0
 """How long a worker may take to exit once told to before it is killed."""
 
+KILL_MARGIN_SECONDS = 1.0
+"""The least time past ``client_timeout_seconds`` the main process grants a worker's own
+deadline (its ``SIGALRM``) before it kills the worker; see :func:`kill_after`."""
+
 _NUMPY_DTYPES = frozenset(
     {
         torch.float16, torch.float32, torch.float64,
         torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
     }
 )
+
+
+def kill_after(timeout: float) -> float:
+    """Seconds a worker's chain may run before the main process kills the worker:
+    ``timeout`` plus :data:`KILL_MARGIN_SECONDS` or 10% of it, whichever is more."""
+    return timeout + max(KILL_MARGIN_SECONDS, 0.1 * timeout)
 
 
 def default_workers() -> int:
@@ -147,6 +174,7 @@ def _serve(
     for other in foreign:  # other pipes' main-process ends, inherited through fork
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops the workers
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held across fork (_fork)
     torch.set_num_threads(1)
     cached = set(context.loss_contexts)
     while True:
@@ -177,6 +205,9 @@ class _Worker:
     assigned: deque[int] = field(default_factory=deque)
     """Chain indices sent and not yet answered, in the order the worker trains them."""
     alive: bool = True
+    head_started: float | None = None
+    """``time.monotonic()`` when the worker started ``assigned[0]`` (an upper bound: when
+    it was handed to the idle worker, or when the result before it arrived)."""
 
 
 def _exit_description(exit_code: int | None) -> str:
@@ -243,7 +274,11 @@ class ParallelEngine:
             for _ in range(min(self.workers, len(plan.chains))):
                 workers.append(self._fork(workers, start_vector, plan, round_index, context))
             self.fork_seconds.append(time.perf_counter() - started)
-            yield from self._collect(workers, plan, context)
+
+            def replacement() -> _Worker:  # for a worker killed past its chain's deadline
+                return self._fork(workers, start_vector, plan, round_index, context)
+
+            yield from self._collect(workers, plan, context, replacement)
             finished = True
         finally:
             started = time.perf_counter()
@@ -273,22 +308,35 @@ class ParallelEngine:
             name=f"fedplug-parallel-{len(earlier)}",
             daemon=True,
         )
+        # Ctrl-C during fork() would be handled in an at-fork callback in this process
+        # (logging's lock release), where Python prints the KeyboardInterrupt as "Exception
+        # ignored" and drops it: the run went on. Hold SIGINT until fork() has returned; the
+        # worker inherits the mask and ignores SIGINT before it unblocks it (_serve).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             process.start()
         finally:
             # Only the worker may hold its end, or its death would not show as end-of-file here.
             there.close()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return _Worker(process, here)
 
     def _collect(
-        self, workers: list[_Worker], plan: RoundPlan, context: RoundContext
+        self,
+        workers: list[_Worker],
+        plan: RoundPlan,
+        context: RoundContext,
+        replacement: Callable[[], _Worker],
     ) -> Iterator[ClientUpdate | ClientFailure]:
         pending = deque(range(len(plan.chains)))
         arrived: dict[int, _ChainResult] = {}
+        timeout = context.client_timeout
         _hand_out(workers, pending)
         for index in range(len(plan.chains)):
             while index not in arrived:
-                self._receive(workers, pending, arrived, plan)
+                self._receive(workers, pending, arrived, plan, timeout)
+                if timeout is not None and _stop_overdue(workers, pending, arrived, plan, timeout) and pending:
+                    workers.append(replacement())
                 _hand_out(workers, pending)
             result = arrived.pop(index)
             context.client_states.update(result.client_states)
@@ -296,9 +344,15 @@ class ParallelEngine:
             yield result.outcome
 
     def _receive(
-        self, workers: list[_Worker], pending: deque[int], arrived: dict[int, _ChainResult], plan: RoundPlan
+        self,
+        workers: list[_Worker],
+        pending: deque[int],
+        arrived: dict[int, _ChainResult],
+        plan: RoundPlan,
+        timeout: float | None = None,
     ) -> None:
-        """Wait for at least one worker to answer or die; file what came."""
+        """Wait for at least one worker to answer or die, or (with a ``timeout``) until
+        the first worker's chain is due to be killed; file what came."""
         live = {worker.connection: worker for worker in workers if worker.alive}
         if not live:
             reason = "not trained: every worker process died (" + ", ".join(
@@ -308,7 +362,12 @@ class ParallelEngine:
                 index = pending.popleft()
                 arrived[index] = _ChainResult(index, ClientFailure(plan.chains[index], reason))
             return
-        for connection in wait(list(live)):
+        wait_seconds = None
+        if timeout is not None:
+            starts = [worker.head_started for worker in live.values() if worker.head_started is not None]
+            if starts:
+                wait_seconds = max(0.0, min(starts) + kill_after(timeout) - time.monotonic())
+        for connection in wait(list(live), wait_seconds):
             worker = live[connection]  # type: ignore[index]
             try:
                 result: _ChainResult = pickle.loads(connection.recv_bytes())
@@ -316,6 +375,8 @@ class ParallelEngine:
                 _bury(worker, pending, arrived, plan)
                 continue
             worker.assigned.remove(result.index)
+            # it trains its chains in order: the next one started about now
+            worker.head_started = time.monotonic() if worker.assigned else None
             arrived[result.index] = result
 
 
@@ -330,7 +391,43 @@ def _hand_out(workers: list[_Worker], pending: deque[int]) -> None:
                     worker.connection.send(pending[0])
                 except OSError:  # it died; the next wait() reports it
                     continue
+                if not worker.assigned:  # an idle worker starts it now
+                    worker.head_started = time.monotonic()
                 worker.assigned.append(pending.popleft())
+
+
+def _stop_overdue(
+    workers: list[_Worker], pending: deque[int], arrived: dict[int, _ChainResult], plan: RoundPlan, timeout: float
+) -> bool:
+    """Kill every worker whose chain has run :func:`kill_after` ``timeout`` seconds (its
+    own deadline did not stop it); fail that chain and queue the worker's others again.
+    Returns whether one was killed."""
+    killed = False
+    now = time.monotonic()
+    for worker in workers:
+        if not worker.alive or worker.head_started is None or now - worker.head_started < kill_after(timeout):
+            continue
+        if worker.connection.poll():  # it answered (or died) just now: the next wait() files it
+            continue
+        worker.process.kill()
+        worker.process.join()
+        worker.alive = False
+        worker.connection.close()
+        index = worker.assigned.popleft()
+        chain = plan.chains[index]
+        who = f"client {int(chain[0])}" if len(chain) == 1 else f"chain {[int(k) for k in chain]}"
+        reason = (
+            f"ClientTimeout: {who} ran past train.failures.client_timeout_seconds={timeout:g}; its deadline "
+            f"did not stop it within {kill_after(timeout) - timeout:g}s more, so its worker process was killed"
+        )
+        arrived[index] = _ChainResult(index, ClientFailure(list(chain), reason))
+        queued = sorted([*pending, *worker.assigned])
+        pending.clear()
+        pending.extend(queued)
+        worker.assigned.clear()
+        worker.head_started = None
+        killed = True
+    return killed
 
 
 def _bury(worker: _Worker, pending: deque[int], arrived: dict[int, _ChainResult], plan: RoundPlan) -> None:

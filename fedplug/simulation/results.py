@@ -28,13 +28,28 @@ class RoundRecord:
     """The FedGSP cost model's compute time for this round (paper eq. 15-17)."""
     communication_seconds_model: float = 0.0
     """The cost model's communication time for this round."""
+    faults_dropout: int = 0
+    """Clients ``train.faults.dropout`` kept out of the round: sampled clients that
+    dropped out, plus those its trace lists as unavailable."""
+    faults_stragglers: int = 0
+    """Clients of the round's plan that ``train.faults.stragglers`` slows down."""
+    faults_straggler_timeouts: int = 0
+    """Chains dropped because a straggler's modelled time exceeded
+    ``train.failures.client_timeout_seconds`` (also counted in ``failures``)."""
+    faults_corrupted: int = 0
+    """Updates ``train.faults.corruption`` corrupted (those screening dropped are also
+    counted in ``failures``)."""
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    """What was dropped from the round and why: ``{"clients": [...], "reason": "..."}``
+    per dropout, failed chain and screened-out update (the final attempt's)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What the components report about the round themselves
     (:meth:`fedplug.components.Grouper.round_metrics`: ``cpd_median``, ``cpd_mean``);
     written beside the fixed fields."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as one flat dict: the fixed fields, then the components' metrics."""
+        """The record as one flat dict: the fixed fields, then the components' metrics
+        (``dropped`` is the one list)."""
         values = asdict(self)
         metrics = values.pop("metrics")
         return {key: _json_number(value) for key, value in {**values, **metrics}.items()}
@@ -44,6 +59,7 @@ class RoundRecord:
         """Read :meth:`as_dict`'s output back (null numbers as NaN)."""
         names = {item.name for item in fields(cls)} - {"metrics"}
         fixed = {key: (float("nan") if value is None else value) for key, value in values.items() if key in names}
+        fixed["dropped"] = [dict(entry) for entry in values.get("dropped") or []]
         if isinstance(values.get("metrics"), dict):  # asdict()'s form, as checkpoints hold it
             metrics = dict(values["metrics"])
         else:
@@ -61,6 +77,12 @@ class RunResult:
     derived_params: dict[str, Any] = field(default_factory=dict)
     """Values computed from the config that a reader wants to see (FedAvgM's effective
     learning rate)."""
+    setup_report: dict[str, Any] = field(default_factory=dict)
+    """What the loss transform's setup reports about its result
+    (:meth:`fedplug.components.LossTransform.setup_report`: FedDisk's per-client
+    sample-weight quantiles and their histogram), JSON-ready; ``setup_report`` in
+    metrics.json. Filled by the simulator; empty where the setup's result stays on the
+    clients (Flower)."""
 
     @property
     def final_accuracy(self) -> float:
@@ -94,6 +116,7 @@ class RunResult:
             "total_seconds": sum(record.seconds for record in self.history),
             "final_loss": _json_number(self.history[-1].loss) if self.history else None,
             "derived": self.derived_params,
+            "setup_report": self.setup_report,
             "history": [record.as_dict() for record in self.history],
         }
 

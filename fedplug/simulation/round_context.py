@@ -53,6 +53,11 @@ class RoundContext:
     """The metrics every chain reports with its model, as the run's components ask
     (:attr:`fedplug.components.ClientNeeds.reply_metrics`); empty (the default) costs the
     engines nothing."""
+    client_timeout: float | None = None
+    """``train.failures.client_timeout_seconds``: each chain's training is interrupted
+    (:func:`fedplug.deadline.deadline`) and dropped once it runs this long (``None``: no
+    limit). Every engine applies it per chain, as the post-hoc check of
+    :func:`fedplug.federated_round.unusable` reads each chain's ``seconds``."""
 
     def loss_context(self, client_id: int) -> Context:
         """The loss transform's constants for a client, computed once per run."""

@@ -2,6 +2,10 @@
 
 On a CPU this runs at the speed of centralised training of the same samples: the only
 per-client work beyond the training steps is loading a vector into the model.
+
+A chain that runs past ``train.failures.client_timeout_seconds`` is interrupted (a
+``SIGALRM`` in the main thread, see :mod:`fedplug.deadline`) and dropped, and the round
+goes on with the next chain (:func:`train_chain`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Iterator
 from torch import Tensor, nn
 
 from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.deadline import ClientTimeout, deadline
 from fedplug.simulation.local_training import local_rng, train_locally
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 
@@ -33,33 +38,63 @@ def train_chain(
     becomes a :class:`ClientFailure` with the reason ``"<ExceptionType>: <message>"``.
     ``context.client_states`` of the chain's clients are updated in place; the chain
     reports its last member's ``context.reply_metrics``.
+
+    Timeouts: the limit ``context.client_timeout`` (``train.failures.client_timeout_seconds``)
+    applies **per chain**, to the whole chain's training, as the post-hoc check of
+    :func:`fedplug.federated_round.unusable` reads the chain's ``seconds`` (a chain of
+    one client, the default grouping, is one client). The chain runs inside
+    :func:`fedplug.deadline.deadline`, so a client that hangs (``time.sleep``, a loop) is
+    interrupted once the chain's time is up and the chain fails with the reason
+    ``"ClientTimeout: client K ran past train.failures.client_timeout_seconds=T and was
+    interrupted"`` (``"... (chain [..])"`` for a longer chain, naming the member that
+    was training).
     """
     started = time.perf_counter()
     vector, steps, samples, extras, metrics = start_vector, 0, 0, {}, {}
+    client_id = chain[0] if chain else -1
     try:
-        for client_id in chain:
-            client = context.federation.clients[client_id]
-            result = train_locally(
-                model,
-                vector,
-                client.train_x,
-                client.train_y,
-                client.class_counts,
-                algorithm=context.algorithm,
-                loss_context=context.loss_context(client_id),
-                payload=context.payload,
-                client_state=context.client_state(client_id),
-                schedule=context.schedule,
-                round_index=round_index,
-                rng=local_rng(context.seed, round_index, client_id),
-                reply_metrics=context.reply_metrics,
-            )
-            vector, extras, metrics = result.vector, result.extras, result.metrics
-            steps += result.num_steps
-            samples += result.num_samples
+        with deadline(context.client_timeout, _chain_name(chain)):
+            for client_id in chain:
+                client = context.federation.clients[client_id]
+                result = train_locally(
+                    model,
+                    vector,
+                    client.train_x,
+                    client.train_y,
+                    client.class_counts,
+                    algorithm=context.algorithm,
+                    loss_context=context.loss_context(client_id),
+                    payload=context.payload,
+                    client_state=context.client_state(client_id),
+                    schedule=context.schedule,
+                    round_index=round_index,
+                    rng=local_rng(context.seed, round_index, client_id),
+                    reply_metrics=context.reply_metrics,
+                )
+                vector, extras, metrics = result.vector, result.extras, result.metrics
+                steps += result.num_steps
+                samples += result.num_samples
+    except ClientTimeout as error:
+        return ClientFailure(list(chain), timeout_reason(client_id, chain, error))
     except Exception as error:  # a failing client must not stop the federation
         return ClientFailure(chain, f"{type(error).__name__}: {error}")
     return context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started, metrics)
+
+
+def _chain_name(chain: list[int]) -> str:
+    return f"client {int(chain[0])}" if len(chain) == 1 else f"chain {[int(k) for k in chain]}"
+
+
+def timeout_reason(client_id: int, chain: list[int], error: ClientTimeout) -> str:
+    """A timed-out chain's reason: the client that was training, the limit, and the
+    chain when it has more than one member."""
+    seconds = error.seconds
+    limit = f"={seconds:g}" if seconds is not None else ""
+    where = f" (chain {[int(k) for k in chain]})" if len(chain) > 1 else ""
+    return (
+        f"ClientTimeout: client {int(client_id)} ran past train.failures.client_timeout_seconds{limit} "
+        f"and was interrupted{where}"
+    )
 
 
 @dataclass

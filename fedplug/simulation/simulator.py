@@ -9,7 +9,9 @@ A round:
    by chain, and streams the results into the aggregator (a running aggregate: never K
    models in memory);
 4. updates that raised, timed out, or came back non-finite or misshapen are dropped with
-   a logged reason; too many failures retry the round, then stop the run;
+   a logged reason; too many failures retry the round, then stop the run. A chain that
+   runs past ``train.failures.client_timeout_seconds`` is interrupted by its engine
+   (:mod:`fedplug.deadline`), not waited for;
 5. evaluate, record, checkpoint.
 
 All randomness derives from ``(seed, round, client)``, so a resumed run is identical
@@ -122,6 +124,8 @@ class Simulator:
         check_reply_metrics(self.reply_metrics)
         self.schedule = LocalSchedule(train_config.local_epochs, train_config.batch_size, train_config.optimizer)
         self.engine = self._choose_engine()
+        self._start: tuple[Tensor, dict, list[RoundRecord], PhaseCost] | None = None
+        """Where :meth:`run` starts, once :meth:`prepare` has found it."""
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.fingerprint = config_fingerprint(train_config, federation)
         self.core = RoundCore(
@@ -157,9 +161,15 @@ class Simulator:
 
     # ------------------------------------------------------------------------- run
 
-    def run(self, *, resume: bool = True) -> RunResult:
-        """Train for ``rounds`` rounds (continuing from a checkpoint when there is one)."""
-        config = self.config
+    def prepare(self, *, resume: bool = True) -> None:
+        """Where the run starts: the checkpoint's state when resuming from one (a corrupt
+        one, or one of another config, is refused), else the loss transform's preparation
+        and setup phase (FedDisk's density estimation, which can refuse the data) and the
+        aggregator's initial state. Runs once: :meth:`run` calls it unless
+        :func:`fedplug.experiment.prepare_experiment` did, before anything is printed or
+        written."""
+        if self._start is not None:
+            return
         global_vector = model_to_vector(self.model)
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
@@ -177,8 +187,22 @@ class Simulator:
         else:
             setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
             self.algorithm.aggregator.initialize(global_vector)
+        self._start = (global_vector, client_states, history, setup_cost)
+
+    def run(self, *, resume: bool = True) -> RunResult:
+        """Train for ``rounds`` rounds (continuing from a checkpoint when there is one)."""
+        config = self.config
+        self.prepare(resume=resume)
+        assert self._start is not None
+        (global_vector, client_states, history, setup_cost), self._start = self._start, None
         context = RoundContext(
-            self.federation, self.algorithm, self.schedule, config.seed, client_states, reply_metrics=self.reply_metrics
+            self.federation,
+            self.algorithm,
+            self.schedule,
+            config.seed,
+            client_states,
+            reply_metrics=self.reply_metrics,
+            client_timeout=config.failures.client_timeout_seconds,
         )
         result = RunResult(
             history,
@@ -186,6 +210,7 @@ class Simulator:
             setup_rounds=setup_cost.rounds,
             setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
             derived_params=self.derived_params(),
+            setup_report=self.algorithm.loss_transform.setup_report(),
         )
         try:
             for round_index in range(len(history), config.rounds):

@@ -46,6 +46,28 @@ runs out of memory, the clients' states are restored, the block size halves (for
 of the run) and the block is retried; any other error turns the block's chains into
 :class:`ClientFailure` values, so one bad block does not stop the round.
 
+Timeouts (``train.failures.client_timeout_seconds`` = T, per chain as in the sequential
+engine; see :mod:`fedplug.deadline`). Two deadlines, both ``SIGALRM`` in the calling
+thread:
+
+- **Per client.** Every call into a client's own code (the sampler's epoch orders, the
+  loss transform's and the aggregator's client contexts, ``client_finish``) runs under
+  a deadline of T: one call of a client cannot take longer than its whole chain may. If
+  it fires, that client is known: its chain fails with the sequential engine's reason
+  (``"ClientTimeout: client K ran past ..."``), the block's client states are restored
+  (as after an out-of-memory) and the block's other chains are trained again without it.
+  This is how a client that hangs is found: within T, whatever the block's size.
+- **Per block.** The batched steps run every chain of the block at once (a hang there is
+  not one client's), so the whole block of n chains runs under a deadline of n x T, the
+  most its chains may take together (each chain is charged its share of the block's
+  time). If that fires, the states are restored and the block is retried in halves,
+  each under its own deadline, until a chain that runs past T alone is dropped; the
+  other chains keep their updates. The block size is not lowered for later rounds (a
+  timeout is not a lack of memory).
+
+A retried block trains its chains from the same start vectors and restored states, so
+the chains kept have the updates they would have had without the dropped one.
+
 Limits: the model must not contain BatchNorm (the simulator checks) nor draw random
 numbers in its forward pass (dropout): vmap is run with ``randomness="error"``. A
 parameter that the loss does not use gets a zero gradient here (so weight decay still
@@ -54,11 +76,11 @@ moves it), while torch.optim.SGD would skip it; the built-in models use every pa
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +90,11 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from fedplug.components import TRAIN_LOSS, ClientUpdate, Context, LocalTraining, RoundPlan
+from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import ConfigError
 from fedplug.simulation.local_training import local_rng, mean_loss
 from fedplug.simulation.round_context import ClientFailure, RoundContext
+from fedplug.simulation.sequential import timeout_reason
 
 DEFAULT_MAX_CLIENTS_PER_BLOCK = 128
 """Most clients trained in lockstep at once."""
@@ -280,6 +304,35 @@ def _is_out_of_memory(error: BaseException) -> bool:
     )
 
 
+# ------------------------------------------------------------------------ timeouts
+
+
+class _ClientHung(Exception):
+    """One client's own code ran past the chain's limit (the per-client deadline)."""
+
+    def __init__(self, client_id: int, timeout: ClientTimeout) -> None:
+        super().__init__(str(timeout))
+        self.client_id = client_id
+        self.timeout = timeout
+
+
+@contextmanager
+def _client_code(client_id: int, seconds: float | None) -> Iterator[None]:
+    """Run a call into client ``client_id``'s code under the per-client deadline; its
+    firing becomes :class:`_ClientHung` (the block's own deadline passes through)."""
+    if seconds is None:
+        yield
+        return
+    what = f"client {client_id}"
+    try:
+        with deadline(seconds, what):
+            yield
+    except ClientTimeout as error:
+        if error.what != what:  # the block's deadline, which had less time left
+            raise
+        raise _ClientHung(client_id, error) from None
+
+
 # ------------------------------------------------------------------------ the engine
 
 
@@ -342,6 +395,8 @@ class VectorizedEngine:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         self.block_size: int | None = None
         """Clients per block, fixed at the first round (halved after an out-of-memory)."""
+        self._training: list[int] = []
+        """The clients of the chain position being trained (names a timed-out chain's member)."""
         self._parameter_names = [name for name, _ in self.model.named_parameters()]
         self._parameter_shapes = [tuple(p.shape) for _, p in self.model.named_parameters()]
         buffers = [(name, b) for name, b in self.model.named_buffers() if b.is_floating_point()]
@@ -367,23 +422,42 @@ class VectorizedEngine:
         pending: deque[list[int]] = deque(
             by_size[offset : offset + block_size] for offset in range(0, len(by_size), block_size)
         )
+        timeout = context.client_timeout
         while pending:
             block = pending.popleft()
             chains = [plan.chains[index] for index in block]
             members = [client for chain in chains for client in chain]
-            saved_states = {
-                k: copy.deepcopy(context.client_states[k])
-                for k in members
-                if k in context.client_states
-            }
+            saved_states = context.save(members)
             started = time.perf_counter()
+            self._training = []
             try:
-                progress = self._train_block(start_vector, chains, round_index, context)
+                with deadline(
+                    timeout * len(block) if timeout is not None else None,
+                    f"a vectorised block of {len(block)} chains",
+                ):
+                    progress = self._train_block(start_vector, chains, round_index, context)
+            except _ClientHung as hung:  # that client's chain fails; the others train again
+                context.restore(members, saved_states)
+                culprit = next(n for n, chain in enumerate(chains) if hung.client_id in chain)
+                rest = block[:culprit] + block[culprit + 1 :]
+                if rest:
+                    pending.appendleft(rest)
+                chain = chains[culprit]
+                yield ClientFailure(list(chain), timeout_reason(hung.client_id, chain, hung.timeout))
+                continue
+            except ClientTimeout as error:  # the block as a whole: halves, down to one chain
+                context.restore(members, saved_states)
+                if len(block) > 1:
+                    half = (len(block) + 1) // 2
+                    pending.appendleft(block[half:])
+                    pending.appendleft(block[:half])
+                    continue
+                client_id = self._training[0] if self._training else chains[0][-1]
+                yield ClientFailure(list(chains[0]), timeout_reason(client_id, chains[0], error))
+                continue
             except Exception as error:  # noqa: BLE001 (a failing block must not stop the round)
                 if _is_out_of_memory(error) and len(block) > 1:
-                    for client in members:
-                        context.client_states.pop(client, None)
-                    context.client_states.update(saved_states)
+                    context.restore(members, saved_states)
                     half = (len(block) + 1) // 2
                     self.block_size = min(self.block_size or half, half)
                     pending.appendleft(block[half:])
@@ -438,6 +512,7 @@ class VectorizedEngine:
                 for index, chain in enumerate(chains)
                 if position < len(chain)
             ]
+            self._training = [member.client_id for member in members]
             end_vectors, steps, metrics = self._train_group(members, round_index, context)
             optimizer = context.schedule.optimizer
             for member, end_vector, num_steps, member_metrics in zip(
@@ -447,13 +522,14 @@ class VectorizedEngine:
                 training = LocalTraining(
                     num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum
                 )
-                extras = context.algorithm.aggregator.client_finish(
-                    member.start,
-                    end_vector,
-                    training,
-                    context.payload,
-                    context.client_state(client_id),
-                )
+                with _client_code(client_id, context.client_timeout):
+                    extras = context.algorithm.aggregator.client_finish(
+                        member.start,
+                        end_vector,
+                        training,
+                        context.payload,
+                        context.client_state(client_id),
+                    )
                 item = progress[member.chain_index]
                 item.vector, item.extras, item.metrics = end_vector, extras, member_metrics
                 item.steps += num_steps
@@ -474,16 +550,18 @@ class VectorizedEngine:
         federation, algorithm, schedule = context.federation, context.algorithm, context.schedule
         device = federation.device
         clients = [federation.clients[member.client_id] for member in members]
+        timeout = context.client_timeout
         orders = []
         for member, client in zip(members, clients):
             rng = local_rng(context.seed, round_index, member.client_id)
             labels = client.train_y.cpu().numpy()
-            orders.append(
-                [
-                    algorithm.sampler.epoch_indices(labels, client.class_counts, round_index, rng)
-                    for _ in range(schedule.local_epochs)
-                ]
-            )
+            with _client_code(member.client_id, timeout):
+                orders.append(
+                    [
+                        algorithm.sampler.epoch_indices(labels, client.class_counts, round_index, rng)
+                        for _ in range(schedule.local_epochs)
+                    ]
+                )
         plan = batch_plan(orders, schedule.batch_size)
         # Most steps first: the clients still training at step s are then a prefix.
         rank = np.argsort(-plan.steps, kind="stable")
@@ -510,19 +588,16 @@ class VectorizedEngine:
             if algorithm.has_penalty
             else {}
         )
-        loss_contexts = stack_contexts(
-            [context.loss_context(members[n].client_id) for n in rank],
-            "loss_transform.client_context",
-        )
-        aggregator_contexts = stack_contexts(
-            [
-                algorithm.aggregator.client_context(
-                    context.payload, context.client_state(members[n].client_id)
+        member_loss_contexts, member_aggregator_contexts = [], []
+        for n in rank:
+            client_id = members[n].client_id
+            with _client_code(client_id, timeout):
+                member_loss_contexts.append(context.loss_context(client_id))
+                member_aggregator_contexts.append(
+                    algorithm.aggregator.client_context(context.payload, context.client_state(client_id))
                 )
-                for n in rank
-            ],
-            "aggregator.client_context",
-        )
+        loss_contexts = stack_contexts(member_loss_contexts, "loss_transform.client_context")
+        aggregator_contexts = stack_contexts(member_aggregator_contexts, "aggregator.client_context")
         optimizer = schedule.optimizer
         momentum_buffers = (
             [torch.zeros_like(tensor) for tensor in params.values()]

@@ -1,27 +1,48 @@
-"""Run one paper-reproduction study: every grid cell x algorithm x seed, then its report.
+"""Run one paper-reproduction study: every grid cell x draw x algorithm x seed, then its report.
 
     python pipelines/studies/run_study.py pipelines/studies/fedshift.yaml
     python pipelines/studies/run_study.py pipelines/studies/fedshift.yaml --set data.dataset=fashion_mnist
     python pipelines/studies/run_study.py pipelines/studies/fedshift.yaml --no-mlflow --report-only
 
-Each run trains into ``<out>/<run-id>/`` (default ``reports/studies/<name>[-<suffix>]``)
+Each run trains into ``<out>/<run-id>/`` (default ``reports/studies/<name>[-<dataset>]``)
 with :func:`fedplug.experiment.run_experiment`: ``metrics.json``, ``config.yaml``,
-``run_info.json``, ``model.pt``. The runner is resumable: a run whose ``metrics.json``
-exists is skipped, and a run killed mid-way continues from its per-round checkpoint. Each
-run is logged to the MLflow experiment ``study-<name>`` (``base.tracking.uri``, else
+``run_info.json``, ``model.pt``, plus the runner's ``provenance.json`` (whether the
+checkout had uncommitted changes of the code).
+
+**Reuse.** A run counts as done only when its folder's ``config.yaml`` (the resolved
+config) equals the run's, apart from fields that cannot change results
+(:data:`fedplug.study.IGNORED_CONFIG_FIELDS`), or when the study's committed results file
+holds a record of it with the same config hash. A folder of other settings (e.g. trained
+with ``--set train.rounds=1``) stops the runner with one line that names the run and the
+difference; ``--redo-mismatched`` deletes such folders and trains them again. A run killed
+mid-way continues from its per-round checkpoint, and a checkpoint the run cannot use
+(written for another config or federation) stops the runner the same way.
+
+**Results.** After training (and with ``--report-only``) the runner writes
+``pipelines/studies/results/<out folder name>.jsonl``: one compact line per finished run
+(:func:`fedplug.study.run_record`), kept under git, from which
+``pipelines/studies/render_results.py`` renders docs/results.md. Records already in that
+file count as done, so a study can be finished over several sessions or machines. With
+``--set`` overrides that change results (anything but ``data.dataset``, ``train.engine``,
+``train.workers``, ``data.root`` and ``tracking.*``) or ``--out``, no results file is
+written unless ``--results PATH`` names one.
+
+**Report.** ``<out>/summary.md``, ``summary.json`` and the spec's plots, from the records.
+Each run is logged to the MLflow experiment ``study-<name>`` (``base.tracking.uri``, else
 ``$MLFLOW_TRACKING_URI``, else the project's ``sqlite:///<root>/mlflow.db``) unless
 ``--no-mlflow``, as a child run (named by its run id) of one parent run per study output
 folder (named after it, found again by its tag ``fedplug.parent``, so a resumed study
-adds to the same parent). At the end (and with ``--report-only`` without training) it
-writes ``summary.md``, ``summary.json`` and the spec's plots; after training, these go to
-the parent run too (metrics ``<cell labels>/<algorithm>.<column>``, e.g.
-``0.1/fedavgm0.9.final_accuracy``), which is marked FINISHED.
+adds to the same parent). After training, the summary goes to the parent run too (metrics
+``<cell labels>/<algorithm>.<column>``, e.g. ``0.1/fedavgm0.9.final_accuracy``), which is
+marked FINISHED.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +55,13 @@ from common import run_main, set_torch_threads  # noqa: E402
 
 CHECKPOINT_NAME = "checkpoint.pt"
 TRACKING_STATE_NAME = "mlflow_run.json"
+PROVENANCE_NAME = "provenance.json"
+RESULTS_DIR = ROOT / "pipelines" / "studies" / "results"
+NEUTRAL_OVERRIDES = ("data.dataset", "data.root", "train.engine", "train.workers", "tracking")
+"""``--set`` keys after which the runner still writes the default results file: the
+dataset gets its own output folder and results file; the others cannot change results."""
+CODE_PATHS = ("fedplug", "pyproject.toml", "pipelines/common.py", "pipelines/studies/run_study.py")
+"""What a run's results depend on: uncommitted changes here make a record ``dirty``."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,9 +71,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="override the base config, e.g. data.dataset=fashion_mnist (repeatable)")
     parser.add_argument("--out", default=None, help="output folder (default reports/studies/<name>, plus "
                         "-<dataset> when --set changes the dataset)")
+    parser.add_argument("--results", default=None, metavar="PATH",
+                        help="results file (default pipelines/studies/results/<out folder name>.jsonl, "
+                        "only without --out and without --set overrides that change results)")
+    parser.add_argument("--no-results", action="store_true", help="write no results file")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     parser.add_argument("--report-only", action="store_true", help="train nothing; report the finished runs")
     parser.add_argument("--only", default=None, help="train only runs whose id contains this text")
+    parser.add_argument("--redo-mismatched", action="store_true",
+                        help="delete run folders trained or started with other settings and train them again")
     args = parser.parse_args(argv)
 
     from fedplug.config import read_yaml
@@ -57,13 +91,126 @@ def main(argv: list[str] | None = None) -> int:
     runs = expand_study(spec, registry, args.overrides)
     out = Path(args.out) if args.out else default_out(spec.name, runs)
     out.mkdir(parents=True, exist_ok=True)
+    results = results_path(args, out)
+    committed, dropped = committed_records(results, runs)
+    plan = plan_runs(runs, out, committed, only=args.only)
+    print(f"study {spec.name}: {len(runs)} runs, {len(plan.done)} done"
+          + (f" ({len(plan.from_results)} from {display_path(results)})" if plan.from_results else "")
+          + (f", {len(plan.mismatched)} of other settings" if plan.mismatched else "")
+          + f", {len(plan.todo)} to train -> {out}", flush=True)
     parent = None
     if not args.report_only:
-        parent = train_all(spec, runs, out, registry, mlflow=not args.no_mlflow, only=args.only)
-    write_study_report(spec, runs, out)
+        if plan.mismatched and not args.redo_mismatched:
+            raise_mismatch(plan.mismatched, out)
+        for run, reason in plan.mismatched:
+            shutil.rmtree(out / run.run_id)
+            print(f"study {spec.name}: deleted {out / run.run_id} ({reason}); training it again", flush=True)
+        parent = train_all(spec, plan.todo + [run for run, _ in plan.mismatched], out, registry,
+                           mlflow=not args.no_mlflow, redo=args.redo_mismatched, runs=runs)
+    elif plan.mismatched:
+        print(f"study {spec.name}: WARNING: {len(plan.mismatched)} run folders of other settings are left out of the "
+              f"report, e.g. {plan.mismatched[0][0].run_id}: {plan.mismatched[0][1]}", file=sys.stderr)
+    records = collect_records(runs, out, committed, args.overrides)
+    if results is not None and (records or results.is_file()):
+        from fedplug.study import dump_records
+
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(dump_records(records))
+        note = f"; dropped {dropped} records of other settings" if dropped else ""
+        print(f"study {spec.name}: {len(records)} run records in {display_path(results)}{note}", flush=True)
+    elif results is None and not args.no_results:
+        print(f"study {spec.name}: no results file written (--out or --set given); --results PATH writes one", flush=True)
+    write_study_report(spec, runs, records, out)
     if parent is not None:
-        log_study_summary(parent, out)
+        log_study_summary(parent, out, list(spec.grid))
     return 0
+
+
+def display_path(path: Path | None) -> str:
+    if path is None:
+        return "-"
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def results_path(args: argparse.Namespace, out: Path) -> Path | None:
+    """``--results``, else the default file when neither ``--out`` nor an override that
+    changes results was given, else None (nothing written)."""
+    if args.no_results:
+        return None
+    if args.results:
+        return Path(args.results)
+    changing = [item for item in args.overrides
+                if not any(item.partition("=")[0].strip() == key or item.startswith(key + ".")
+                           for key in NEUTRAL_OVERRIDES)]
+    if args.out or changing:
+        return None
+    return RESULTS_DIR / f"{out.name}.jsonl"
+
+
+def committed_records(path: Path | None, runs: list[Any]) -> tuple[dict[str, dict[str, Any]], int]:
+    """The records of the results file that belong to a run of this study with the same
+    config hash and target (run id -> record), and how many others the file holds."""
+    from fedplug.study import config_hash, load_records
+
+    if path is None:
+        return {}, 0
+    wanted = {run.run_id: run for run in runs}
+    kept: dict[str, dict[str, Any]] = {}
+    records = load_records(path)
+    for record in records:
+        run = wanted.get(record["run"])
+        if (run is not None and record.get("config_hash") == config_hash(run.config.model_dump(mode="json"))
+                and record.get("target") == run.config.study.target_accuracy):
+            kept[record["run"]] = record
+    return kept, len(records) - len(kept)
+
+
+class Plan(NamedTuple):
+    """What the runner does with each run."""
+
+    done: list[Any]
+    """Finished with the run's settings: in its folder or in the results file."""
+    from_results: list[Any]
+    """The done runs whose only record is the results file's."""
+    mismatched: list[tuple[Any, str]]
+    """Folders of other settings (with the reason) whose runs the results file lacks."""
+    todo: list[Any]
+    """New or started runs (within ``--only``)."""
+
+
+def plan_runs(runs: list[Any], out: Path, committed: dict[str, Any], only: str | None) -> Plan:
+    from fedplug.study import run_folder_state
+
+    done, from_results, mismatched, todo = [], [], [], []
+    for run in runs:
+        state = run_folder_state(run, out / run.run_id)
+        if state.status == "done":
+            done.append(run)
+        elif run.run_id in committed:
+            done.append(run)
+            from_results.append(run)
+        elif only is not None and only not in run.run_id:
+            continue
+        elif state.status == "mismatched":
+            mismatched.append((run, state.reason))
+        else:
+            todo.append(run)
+    return Plan(done, from_results, mismatched, todo)
+
+
+def raise_mismatch(mismatched: list[tuple[Any, str]], out: Path) -> None:
+    """Stop with one line: which run folder holds other settings, and what to do."""
+    from fedplug.errors import ConfigError
+
+    run, reason = mismatched[0]
+    if len(mismatched) == 1:
+        raise ConfigError(f"run {run.run_id} in {out}: {reason}; delete {out / run.run_id} or pass "
+                          "--redo-mismatched to train it again")
+    raise ConfigError(f"{len(mismatched)} run folders in {out} hold other settings than the study, e.g. run "
+                      f"{run.run_id}: {reason}; delete them (or {out}) or pass --redo-mismatched to train them again")
 
 
 class StudyParent(NamedTuple):
@@ -82,16 +229,16 @@ def parent_key(out: Path, root: Path) -> str:
         return f"study:{resolved}"
 
 
-def log_study_summary(parent: StudyParent, out: Path) -> None:
+def log_study_summary(parent: StudyParent, out: Path, axes: list[str]) -> None:
     """The study's summary on the parent run, then FINISHED: one metric per summary row and
-    column (``<cell labels>/<algorithm>.<column>``, e.g. ``0.1/fedavgm0.9.final_accuracy``),
+    numeric column (``<cell labels>/<algorithm>.<column>``, e.g. ``0.1/fedavgm0.9.final_accuracy``),
     ``summary.md``, ``summary.json`` and the figures."""
     from fedplug.project import log_parent_summary
 
     rows = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else []
     metrics = {}
     for row in rows:
-        label = "/".join(str(row[key]) for key in row if isinstance(row[key], str))
+        label = "/".join([*(str(row[axis]) for axis in axes), str(row["algorithm"])])
         for key, value in row.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 metrics[f"{label}.{key}"] = value
@@ -108,19 +255,16 @@ def default_out(name: str, runs: list[Any]) -> Path:
     return Path("reports/studies") / (name if dataset == "mnist" else f"{name}-{dataset}")
 
 
-def train_all(
-    spec: Any, runs: list[Any], out: Path, registry: Any, *, mlflow: bool, only: str | None
-) -> StudyParent | None:
-    """Train the runs that have no ``metrics.json`` yet, reusing one federation for runs
-    that share a data config; returns the MLflow parent run (None without MLflow or when
-    nothing was left to train)."""
+def train_all(spec: Any, todo: list[Any], out: Path, registry: Any, *, mlflow: bool, redo: bool,
+              runs: list[Any]) -> StudyParent | None:
+    """Train ``todo`` (in study order), reusing one federation for runs that share a data
+    config; returns the MLflow parent run (None without MLflow or when nothing was left
+    to train)."""
     from fedplug.data.build import build_federation
     from fedplug.simulation.simulator import resolve_device
-    from fedplug.study import pending_runs
 
-    todo = [run for run in pending_runs(runs, out) if only is None or only in run.run_id]
-    print(f"study {spec.name}: {len(runs)} runs, {len(runs) - len(pending_runs(runs, out))} done, "
-          f"{len(todo)} to train -> {out}", flush=True)
+    order = {run.run_id: index for index, run in enumerate(runs)}
+    todo = sorted(todo, key=lambda run: order[run.run_id])
     if not todo:
         return None
     parent = None
@@ -128,7 +272,7 @@ def train_all(
         from fedplug.project import find_or_create_parent_run, project_root, relocate_project_store
         from fedplug.tracking import choose_tracking_uri
 
-        tracking = runs[0].config.tracking
+        tracking = todo[0].config.tracking
         root = project_root(ROOT / "params.yaml")  # $DVC_ROOT under DVC, else this checkout
         target = choose_tracking_uri(tracking.uri, tracking.fallback_to_local, root)
         if target.fallback_reason:
@@ -147,6 +291,7 @@ def train_all(
             federation = None  # free the previous one first: only one federation in memory
             federation = build_federation(run.config.data, registry, resolve_device(run.config.train.device))
             cached_key = key
+        check_checkpoint(run, out / run.run_id, federation, redo=redo)
         started = time.perf_counter()
         summary = train_one(spec, run, out / run.run_id, registry, federation, parent)
         print(f"[{index}/{len(todo)}] {run.run_id}: final accuracy {summary['final_accuracy']:.4f}, "
@@ -154,17 +299,54 @@ def train_all(
     return parent
 
 
+def check_checkpoint(run: Any, folder: Path, federation: Any, *, redo: bool) -> None:
+    """Refuse (one line), or with ``redo`` delete, a started run whose checkpoint this run
+    cannot resume: its config.yaml matches, so the federation (data or partition code) or
+    the checkpoint itself differs."""
+    from fedplug.errors import ConfigError, TrainingError
+    from fedplug.simulation.checkpoint import load_checkpoint
+    from fedplug.simulation.simulator import config_fingerprint
+
+    checkpoint = folder / CHECKPOINT_NAME
+    if not checkpoint.is_file():
+        return
+    try:
+        load_checkpoint(checkpoint, config_fingerprint(run.config.train, federation))
+    except TrainingError as error:
+        reason = str(error).split(";")[0]
+        if "different config" in reason:  # config.yaml matched: the fingerprint's other inputs differ
+            reason += " (its config.yaml matches, so the federation differs, e.g. after a change of the data or " \
+                      "partition code, or the engine does)"
+        if not redo:
+            raise ConfigError(f"run {run.run_id}: {reason}; delete {folder} or pass --redo-mismatched to train it "
+                              "again") from None
+        shutil.rmtree(folder)
+        print(f"deleted {folder} ({reason}); training it again", flush=True)
+
+
+def git_dirty(root: Path = ROOT) -> bool | None:
+    """Whether the checkout has uncommitted changes of :data:`CODE_PATHS` (None outside git)."""
+    try:
+        completed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                                   capture_output=True, text=True, timeout=10, check=False, cwd=root)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(completed.stdout.strip()) if completed.returncode == 0 else None
+
+
 def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
               parent: StudyParent | None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
     of ``parent`` (nothing logged when ``parent`` is None)."""
-    from fedplug.experiment import run_experiment
+    from fedplug.experiment import git_commit, run_experiment, write_json
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 
     folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / PROVENANCE_NAME, {"git_commit": git_commit(ROOT), "git_dirty": git_dirty()})
     tags = {f"study.{axis}": label for axis, label in run.cell.items()}
-    tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed)})
+    tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed),
+                 "study.draw": str(run.draw)})
     tracker = open_tracker(
         run.config, folder, run_name=run.run_id, enabled=parent is not None,
         parent=parent.run_id if parent is not None else None, tags=tags,
@@ -188,66 +370,62 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
     return result.summary()
 
 
-def write_study_report(spec: Any, runs: list[Any], out: Path) -> None:
-    """``summary.md``, ``summary.json`` and the spec's plots, from the finished runs."""
-    from fedplug.report import plot_comparison, run_metrics_from_summary
-    from fedplug.study import (
-        FinishedRun, plot_bars, plot_cpd_box, plot_heatmap, plot_vs_axis, summary_markdown, summary_rows,
-    )
+def collect_records(runs: list[Any], out: Path, committed: dict[str, dict[str, Any]],
+                    overrides: list[str]) -> list[dict[str, Any]]:
+    """One record per finished run, in study order: from its folder when it holds the run
+    finished with the run's settings, else the results file's."""
+    from fedplug.study import run_folder_state, run_record
 
-    finished = []
+    records = []
     for run in runs:
-        path = out / run.run_id / "metrics.json"
-        if path.is_file():
-            finished.append(FinishedRun(run, json.loads(path.read_text())))
-    if not finished:
+        folder = out / run.run_id
+        if run_folder_state(run, folder).status == "done":
+            info = folder / "run_info.json"
+            provenance = folder / PROVENANCE_NAME
+            records.append(run_record(
+                run, json.loads((folder / "metrics.json").read_text()), run.config.study.target_accuracy,
+                info=json.loads(info.read_text()) if info.is_file() else None,
+                provenance=json.loads(provenance.read_text()) if provenance.is_file() else None,
+                overrides=overrides,
+            ))
+        elif run.run_id in committed:
+            records.append(committed[run.run_id])
+    return records
+
+
+def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]], out: Path) -> list[dict[str, Any]] | None:
+    """``summary.md``, ``summary.json`` and the spec's plots, from the records; returns the
+    summary rows (None without records)."""
+    from fedplug.study import draw_figures, summarise, summary_table
+
+    if not records:
+        for name in ("summary.md", "summary.json"):  # a report of runs that no longer count would mislead
+            (out / name).unlink(missing_ok=True)
         print(f"study {spec.name}: no finished runs in {out}; nothing to report")
-        return
-    target = finished[0].run.config.study.target_accuracy
-    dataset = finished[0].run.config.data.dataset.name
-    rows = summary_rows(finished, target)
-    axes = list(spec.grid)
+        return None
+    rows = summarise(records, spec.headline_metric, spec.baseline)
+    rounds = ", ".join(str(value) for value in sorted({int(record["rounds"]) for record in records}))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    figures: list[str] = []
-    for plot in spec.plots:
-        if plot.kind == "curves":
-            for cell in dict.fromkeys(item.run.cell_id for item in finished):
-                members = [item for item in finished if item.run.cell_id == cell]
-                metrics = [run_metrics_from_summary(item.run.algorithm, item.run.seed, item.summary) for item in members]
-                name = f"curves_{cell}.png"
-                label = ", ".join(f"{axis}={value}" for axis, value in members[0].run.cell.items())
-                plot_comparison(metrics, out / name, f"{spec.name} on {dataset}" + (f": {label}" if label else ""), target)
-                figures.append(name)
-        elif plot.kind == "vs_axis":
-            name = f"{plot.metric}_vs_{plot.axis}.png"
-            plot_vs_axis(rows, plot.axis, plot.metric, out / name, f"{spec.name} on {dataset}", plot.log_x)
-            figures.append(name)
-        elif plot.kind == "cpd_box":
-            name = "cpd_box.png"
-            plot_cpd_box(finished, out / name, f"{spec.name} on {dataset}: per-round median CPD")
-            figures.append(name)
-        elif plot.kind == "heatmap":
-            name = f"{plot.metric}_heatmap.png"
-            plot_heatmap(rows, spec.grid, plot.rows, plot.columns, plot.panels, plot.metric, out / name,
-                         f"{spec.name} on {dataset}: {plot.metric.replace('_', ' ')}")
-            figures.append(name)
-        elif plot.kind == "bars":
-            name = f"{plot.metric}_bars.png"
-            plot_bars(rows, axes, plot.metric, out / name, f"{spec.name} on {dataset}: {plot.metric.replace('_', ' ')}")
-            figures.append(name)
+    figures = draw_figures(spec, records, out)
+    dataset = records[0].get("dataset")
     lines = [
         f"# Study {spec.name} ({dataset})",
         "",
         spec.description.strip(),
         "",
-        f"{len(finished)} of {len(runs)} runs finished. Accuracy is on the global test set; with several "
-        "seeds, mean ± std over the seeds. Rounds to target: first round at or above the target.",
+        f"{len(records)} of {len(runs)} runs finished, {rounds} rounds each. Accuracy is on the global test set; "
+        "mean ± sample std over "
+        "the runs (partition draws × training seeds). Rounds to target: first round at or above the target, "
+        "averaged over the runs that reached it."
+        + (f" Paired: wins/ties/losses against {spec.baseline} in the same draw and seed." if spec.baseline else ""),
         "",
-        summary_markdown(rows, axes, target),
+        summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels, baseline=spec.baseline,
+                      columns=spec.columns),
         *[f"![{name}]({name})\n" for name in figures],
     ]
     (out / "summary.md").write_text("\n".join(lines))
     print(f"study {spec.name}: report in {out / 'summary.md'}")
+    return rows
 
 
 if __name__ == "__main__":

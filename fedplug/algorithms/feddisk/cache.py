@@ -101,7 +101,8 @@ def save_weights(path: str | Path, result: FedDiskWeights) -> None:
 
 
 def load_weights(path: str | Path) -> FedDiskWeights:
-    """Read what :func:`save_weights` wrote.
+    """Read what :func:`save_weights` wrote, with ``allow_pickle=False``: a file holding
+    pickled objects is refused (a :class:`DataError` naming it), never unpickled.
 
     Raises:
         DataError: the file is missing, unreadable, or does not hold finite,

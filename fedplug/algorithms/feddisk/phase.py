@@ -11,7 +11,7 @@ step         down (server -> clients)         on the client                     
              M_0                              M_0; round 1 from M_0 (step 2)
 ``evaluate`` M_r (the average of round r)     keep M_r                             NLL(M_r)
 ``train``    -                                round r + 1 from M_r                 M_{r+1}^k
-``weights``  which model to keep              classifier D, sample weights         n_k
+``weights``  which model to keep              classifier D, sample weights         n_k, D's epochs
                                               (steps 3-4), kept in the state
 ============ ================================ ==================================== ======================
 
@@ -77,7 +77,14 @@ from .density import (
     train_local_mades,
     unit_interval_bounds,
 )
-from .weights import SAMPLE_WEIGHT_KEY, FedDiskWeights, client_sample_weights, sample_weight_context
+from .weights import (
+    SAMPLE_WEIGHT_KEY,
+    ClassifierHistory,
+    FedDiskWeights,
+    client_sample_weights,
+    log_classifier_training,
+    sample_weight_context,
+)
 
 logger = logging.getLogger("fedplug.algorithms.feddisk")
 
@@ -92,6 +99,9 @@ INPUT_DIM = "input-dim"
 INPUT_MIN = "input-min"
 INPUT_MAX = "input-max"
 VALIDATION_NLL = "validation-nll"
+CLASSIFIER_EPOCHS = "classifier-epochs"
+CLASSIFIER_BEST_EPOCH = "classifier-best-epoch"
+"""How many epochs a client's classifier D trained, and which one it kept."""
 CONFIG = "config"
 """The server's FedDisk config as JSON: every client runs phase 1 with the server's settings."""
 TEMPLATE_SEED = "template-seed"
@@ -192,6 +202,10 @@ class FedDiskPhase(SetupPhase):
             count = int(_value(done, client, WEIGHTS, NUM_SAMPLES))
             if count != size:
                 raise _failure(WEIGHTS, client, f"holds {count} weights for {size} samples")
+        log_classifier_training(
+            [int(_value(done, client, WEIGHTS, CLASSIFIER_EPOCHS)) for client in sorted(done)],
+            [int(_value(done, client, WEIGHTS, CLASSIFIER_BEST_EPOCH)) for client in sorted(done)],
+        )
         self.cost = made_phase_cost(stopping.rounds, len(sizes), parameter_bytes(template))
         logger.info(
             "FedDisk phase 1: %d global MADE rounds (federated validation NLL %s), %d bytes up, "
@@ -295,17 +309,24 @@ class FedDiskPhase(SetupPhase):
         if keep not in (LATEST, PREVIOUS):
             raise ConfigError(f"{KEEP} must be {LATEST!r} or {PREVIOUS!r}, got {keep!r}")
         shares, template = self._shares(data, states)
+        histories: list[ClassifierHistory] = []
         weights = client_sample_weights(
             [_made(template, state, LOCAL_MADE) for state in states],
             [_made(template, state, keep) for state in states],
             shares,
             self._settings(states[0])[0],
+            histories,
         )
         replies = []
-        for state, share, client_weights in zip(states, shares, weights):
+        for state, share, client_weights, history in zip(states, shares, weights, histories):
             state.clear()
             state[SAMPLE_WEIGHTS] = torch.as_tensor(client_weights, device=share.inputs.device)
-            replies.append(SetupReply(values={NUM_SAMPLES: int(client_weights.shape[0])}))
+            values: dict[str, Value] = {
+                NUM_SAMPLES: int(client_weights.shape[0]),
+                CLASSIFIER_EPOCHS: history.epochs,
+                CLASSIFIER_BEST_EPOCH: history.best_epoch,
+            }
+            replies.append(SetupReply(values=values))
         return replies
 
     def _settings(

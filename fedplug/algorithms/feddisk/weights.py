@@ -3,10 +3,15 @@
 
 3. Client k feeds each local sample through both MADEs, giving two D-vectors v_g(x)
    (pseudo-label 1) and v_l(x) (pseudo-label 0), and trains a binary classifier
-   (one hidden layer of 100 ReLU units, 2-way softmax; SGD, lr 0.01, stopped when the
-   loss stops decreasing significantly, paper 7.2.4) on the 2 n_k vectors
-   (:func:`train_classifiers`). It is trained locally: no communication, so it adds no
-   rounds.
+   (one hidden layer of 100 ReLU units, 2-way softmax; SGD, lr 0.01, paper 7.2.4) on the
+   2 n_k vectors (:func:`train_classifiers`). The paper stops "if the loss function is not
+   significantly reduced"; we read that as early stopping on held-out vectors: D trains
+   until ``classifier_patience`` epochs (default 5) in a row have not lowered its
+   validation loss, at most ``classifier_epochs`` (default 500), and keeps its best state.
+   (fedplug before this rule stopped once an epoch lowered the *training* loss by less than
+   1%, which with D's zero-initialised output layer ended after one or two epochs with D
+   near 1/2 everywhere: on MNIST with feature noise every weight was 1.000 +- 0.003.) It
+   is trained locally: no communication, so it adds no rounds.
 4. ``w_k(x) = D(v_l(x)) / (1 - D(v_l(x)))`` (paper eq. 16, :func:`density_ratios`) where
    ``D(.)`` is the classifier's probability of class 1, "comes from the global model".
    The class prior ratio is 1 since both classes hold n_k vectors. When the two MADEs
@@ -23,9 +28,10 @@ with ``bytes_up = sum_k n_k D 4`` (every client's data pooled) and
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
@@ -49,6 +55,8 @@ from .density import (
 
 if TYPE_CHECKING:
     from .config import FedDiskAbConfig, FedDiskConfig, SampleWeightConfig
+
+logger = logging.getLogger("fedplug.algorithms.feddisk")
 
 SAMPLE_WEIGHT_KEY = "sample_weight"
 """The loss context's key of a client's sample weights."""
@@ -99,19 +107,94 @@ def classifier_layers(classifier: nn.Sequential) -> list[nn.Linear]:
     return [cast(nn.Linear, classifier[0]), cast(nn.Linear, classifier[2])]
 
 
+@dataclass
+class ClassifierHistory:
+    """What :func:`train_classifiers` did for one client's D."""
+
+    validation_loss: list[float] = field(default_factory=list)
+    """Mean cross-entropy (nats) on the held-out vectors: of the untrained D (ln 2, since
+    its output layer starts at zero), then after every epoch."""
+    best_epoch: int = 0
+    """Epochs trained by the kept state (0: the untrained D, i.e. every weight 1)."""
+
+    @property
+    def epochs(self) -> int:
+        """Epochs trained."""
+        return len(self.validation_loss) - 1
+
+
+def classifier_split(
+    num_samples: int, fraction: float, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Shuffle ``range(num_samples)`` with ``generator`` and split it into (train,
+    validation) sample ids; the validation part holds ``round(fraction * num_samples)``
+    ids, at least one, and at least one id stays for training (``num_samples >= 2``)."""
+    order = torch.randperm(num_samples, generator=generator)
+    held_out = min(max(round(fraction * num_samples), 1), num_samples - 1)
+    return order[held_out:], order[:held_out]
+
+
+def _pairs(global_like: Tensor, local_like: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows ``ids`` of both sets stacked (global-like first) and their labels (1, then 0)."""
+    ids = ids.to(global_like.device)
+    inputs = torch.cat([global_like[ids], local_like[ids]]).detach()
+    labels = torch.cat(
+        [
+            torch.ones(ids.numel(), dtype=torch.long, device=global_like.device),
+            torch.zeros(ids.numel(), dtype=torch.long, device=global_like.device),
+        ]
+    )
+    return inputs, labels
+
+
+@torch.no_grad()
+def _stacked_mean_cross_entropy(
+    stack: StackedMLP, inputs: PaddedSets, labels: PaddedSets, chunk: int = 2048
+) -> list[float]:
+    """Mean cross-entropy of classifier k on data set k, for every k."""
+    sizes = torch.tensor(inputs.sizes)
+    totals = torch.zeros(len(inputs.sizes), dtype=torch.float64)
+    longest = int(sizes.max())
+    for start in range(0, longest, chunk):
+        rows = torch.arange(start, min(start + chunk, longest))
+        present = rows[None, :] < sizes[:, None]
+        indices = torch.where(present, rows[None, :], 0)
+        logits = stack.logits(inputs.gather(indices))
+        losses = F.cross_entropy(
+            logits.reshape(-1, 2), labels.gather(indices).reshape(-1), reduction="none"
+        ).reshape(logits.shape[:2])
+        totals += (losses.cpu().double() * present).sum(dim=1)
+    return [float(total) / size for total, size in zip(totals, inputs.sizes)]
+
+
 def train_classifiers(
     global_like: Sequence[Tensor],
     local_like: Sequence[Tensor],
     config: SampleWeightConfig,
     generators: Sequence[torch.Generator],
+    histories: list[ClassifierHistory] | None = None,
 ) -> list[nn.Sequential]:
-    """Train one classifier D per client, all at once (vectorised over clients).
+    """Train one classifier D per client, all at once (vectorised over clients), until
+    its validation loss stops improving.
 
     Classifier k learns to tell the rows of ``global_like[k]`` (label 1) from those of
-    ``local_like[k]`` (label 0) by plain SGD on the softmax cross-entropy (paper 7.2.4):
-    at most ``config.classifier_epochs`` epochs, stopping once an epoch lowers its mean
-    loss by less than ``config.classifier_tolerance`` of the previous epoch's.
-    ``generators[k]`` draws its initial weights and its mini-batch order.
+    ``local_like[k]`` (label 0), both ``[n_k, d]`` (in FedDisk row i of both comes from
+    the client's sample i), by plain SGD on the softmax cross-entropy (paper 7.2.4). Early
+    stopping:
+
+    - ``config.classifier_validation_fraction`` of the row indices are held out, in both
+      sets (:func:`classifier_split`), so the two classes stay equal in both parts;
+    - after every epoch the held-out mean cross-entropy is measured; D stops after
+      ``config.classifier_patience`` epochs in a row without a lower one, or after
+      ``config.classifier_epochs`` epochs;
+    - D keeps the state with the lowest held-out loss, the untrained one included (output
+      layer at zero: D = 1/2, every weight 1). So a D that learns nothing that holds on
+      new samples (a client whose local and global MADEs agree) gives weights of 1, and no
+      single epoch's training loss decides when to stop.
+
+    ``generators[k]`` draws D's initial weights, then the split, then the mini-batch
+    orders. When ``histories`` is given, one :class:`ClassifierHistory` per client is
+    appended to it.
     """
     input_dim = global_like[0].shape[1]
     device = global_like[0].device
@@ -121,28 +204,29 @@ def train_classifiers(
     ]
     layers = [classifier_layers(classifier) for classifier in classifiers]
     stack = StackedMLP.from_linear_layers(layers)
-    inputs = PaddedSets([torch.cat([g, l]).detach() for g, l in zip(global_like, local_like)])
-    labels = PaddedSets(
-        [
-            torch.cat(
-                [
-                    torch.ones(g.shape[0], dtype=torch.long, device=device),
-                    torch.zeros(l.shape[0], dtype=torch.long, device=device),
-                ]
-            )
-            for g, l in zip(global_like, local_like)
-        ]
-    )
+    train_parts, validation_parts = [], []
+    for g, l, generator in zip(global_like, local_like, generators):
+        train_ids, validation_ids = classifier_split(
+            int(g.shape[0]), config.classifier_validation_fraction, generator
+        )
+        train_parts.append(_pairs(g, l, train_ids))
+        validation_parts.append(_pairs(g, l, validation_ids))
+    inputs = PaddedSets([x for x, _ in train_parts])
+    labels = PaddedSets([y for _, y in train_parts])
+    validation_inputs = PaddedSets([x for x, _ in validation_parts])
+    validation_labels = PaddedSets([y for _, y in validation_parts])
+
     count = len(classifiers)
-    previous = [math.inf] * count
+    records = [ClassifierHistory() for _ in range(count)]
+    best = _stacked_mean_cross_entropy(stack, validation_inputs, validation_labels)
+    for record, loss in zip(records, best):
+        record.validation_loss.append(loss)
+    best_state = stack.state()
     running = [True] * count
-    for _ in range(config.classifier_epochs):
+    for epoch in range(1, config.classifier_epochs + 1):
         if not any(running):
             break
-        totals = torch.zeros(count, dtype=torch.float64, device=device)
-        for batch in ragged_batches(
-            inputs.sizes, config.classifier_batch_size, generators, running
-        ):
+        for batch in ragged_batches(inputs.sizes, config.classifier_batch_size, generators, running):
             logits = stack.logits(inputs.gather(batch.indices))
             losses = F.cross_entropy(
                 logits.reshape(-1, 2), labels.gather(batch.indices).reshape(-1), reduction="none"
@@ -156,18 +240,47 @@ def train_classifiers(
                     if parameter.grad is not None:
                         step = expand_slices(batch.active, parameter) * parameter.grad
                         parameter.sub_(config.classifier_lr * step)
-            totals += (losses.detach().double() * (weights > 0)).sum(dim=1)
-        for index in range(count):
+        validation = _stacked_mean_cross_entropy(stack, validation_inputs, validation_labels)
+        improved = torch.zeros(count, dtype=torch.bool)
+        for index, record in enumerate(records):
             if not running[index]:
                 continue
-            epoch_loss = float(totals[index]) / inputs.sizes[index]
-            if previous[index] - epoch_loss < config.classifier_tolerance * previous[index]:
+            record.validation_loss.append(validation[index])
+            if validation[index] < best[index]:
+                best[index] = validation[index]
+                record.best_epoch = epoch
+                improved[index] = True
+            elif epoch - record.best_epoch >= config.classifier_patience:
                 running[index] = False
-            previous[index] = epoch_loss
+        if bool(improved.any()):
+            best_state = [
+                torch.where(expand_slices(improved, now), now, kept)
+                for now, kept in zip(stack.state(), best_state)
+            ]
+    stack.load_slices(best_state, torch.ones(count, dtype=torch.bool))
     stack.write_back(layers)
     for classifier in classifiers:
         classifier.eval()
+    if histories is not None:
+        histories.extend(records)
     return classifiers
+
+
+def log_classifier_training(epochs: Sequence[int], kept: Sequence[int]) -> None:
+    """Log how long the clients' classifiers D trained (``epochs``) and which epoch each
+    kept (``kept``; 0 is the untrained D)."""
+    if not epochs:
+        return
+    logger.info(
+        "FedDisk: the classifiers D trained %.1f epochs on average (%d-%d) and kept epoch %.1f "
+        "on average (%d of %d clients kept the untrained D, all weights 1)",
+        float(np.mean(epochs)),
+        min(epochs),
+        max(epochs),
+        float(np.mean(kept)),
+        sum(1 for epoch in kept if epoch == 0),
+        len(kept),
+    )
 
 
 @torch.no_grad()
@@ -235,10 +348,12 @@ def client_sample_weights(
     global_models: Sequence[MADE],
     clients: Sequence[ClientDensityData],
     config: FedDiskConfig,
+    histories: list[ClassifierHistory] | None = None,
 ) -> list[np.ndarray]:
     """Steps 3-4 for each client of ``clients``: its classifier D on the features of its
     inputs under its local MADE and its copy of the global one, and the normalised
-    weights of its samples."""
+    weights of its samples. ``histories``, when given, receives each client's
+    :class:`ClassifierHistory`."""
     local_features = [
         made_features(model, client.inputs, config.made_features)
         for model, client in zip(local_models, clients)
@@ -252,8 +367,57 @@ def client_sample_weights(
         local_features,
         config,
         [client.classifier_generator for client in clients],
+        histories,
     )
     return client_weights(classifiers, local_features, config)
+
+
+WEIGHT_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+"""The quantiles of each client's weights :func:`weight_summary` reports."""
+
+HISTOGRAM_BINS = 40
+"""Bins of the pooled histogram :func:`weight_summary` reports."""
+
+
+def weight_summary(weights: Sequence[np.ndarray]) -> dict[str, object]:
+    """What a report needs to show the spread of the sample weights, as JSON-ready values
+    (:meth:`~fedplug.algorithms.feddisk.SampleWeightedLoss.setup_report`; the simulator
+    writes them to metrics.json under ``setup_report``).
+
+    - ``sample_weight.min``, ``.q05``, ``.q25``, ``.median``, ``.q75``, ``.q95``, ``.max``,
+      ``.mean``, ``.std``: one list entry per client (client order), rounded to 6
+      significant digits; a client without samples gets null;
+    - ``sample_weight.histogram``: the weights of all clients pooled, ``{"edges": [41
+      floats from 0 up to the largest weight], "counts": [40 ints]}``.
+    """
+    names = [f"q{round(q * 100):02d}" if q != 0.5 else "median" for q in WEIGHT_QUANTILES]
+    columns: dict[str, list[float | None]] = {
+        name: [] for name in ["min", *names, "max", "mean", "std"]
+    }
+    for client_weights in weights:
+        values = np.asarray(client_weights, dtype=np.float64)
+        if values.size == 0:
+            for column in columns.values():
+                column.append(None)
+            continue
+        stats = [values.min(), *np.quantile(values, WEIGHT_QUANTILES), values.max()]
+        stats += [values.mean(), values.std()]
+        for column, value in zip(columns.values(), stats):
+            column.append(float(f"{value:.6g}"))
+    pooled = (
+        np.concatenate([np.asarray(w, dtype=np.float64) for w in weights])
+        if weights
+        else np.zeros(0)
+    )
+    top = float(pooled.max()) if pooled.size else 1.0
+    edges = np.linspace(0.0, top if top > 0 else 1.0, HISTOGRAM_BINS + 1)
+    counts, _ = np.histogram(pooled, bins=edges)
+    summary: dict[str, object] = {f"sample_weight.{key}": value for key, value in columns.items()}
+    summary["sample_weight.histogram"] = {
+        "edges": [float(f"{edge:.6g}") for edge in edges],
+        "counts": [int(count) for count in counts],
+    }
+    return summary
 
 
 # ------------------------------------------------------------------- FedDiskAb
@@ -280,8 +444,12 @@ def compute_feddisk_ab_weights(
             local_ids = torch.as_tensor(pooled_ids[rows] - offsets[owner], device=x.device)
             pooled[torch.as_tensor(rows, device=x.device)] = inputs[owner][local_ids]
         pooled_sets.append(pooled)
+    histories: list[ClassifierHistory] = []
     classifiers = train_classifiers(
-        pooled_sets, inputs, config, [torch_generator(rng) for _ in inputs]
+        pooled_sets, inputs, config, [torch_generator(rng) for _ in inputs], histories
+    )
+    log_classifier_training(
+        [history.epochs for history in histories], [history.best_epoch for history in histories]
     )
     weights = client_weights(classifiers, inputs, config)
     raw_bytes = total * input_dim * BYTES_PER_PARAMETER

@@ -1,0 +1,133 @@
+"""The server's bounded wait for the workers' replies (``train.failures.client_timeout_seconds``).
+
+FedML's cross-silo server waits for every worker rank's reply before it aggregates, with
+no bound: a rank that hangs would stall the run. Two bounds keep a run going:
+
+- **on the worker** (:mod:`.worker`): each client's training runs under
+  :func:`fedplug.deadline.deadline`, so a client that hangs in Python code is interrupted
+  at T and its task fails; the rank replies in time;
+- **on the server** (:class:`StepDeadlines`, driven by :mod:`.server`): a step's replies
+  are due ``tasks x T + margin`` after the step's instructions went out (``tasks``: the
+  most any worker trains in that step, one after another). A worker that has not
+  replied by then fails every task of the step ("sent no reply within ..."), the step is
+  aggregated without it, and the run goes on. FedML cannot replay a round (see
+  :mod:`.coordinator`), so that round keeps the other workers' updates or, with too many
+  failures, stops the run.
+
+A reply that comes after its step was closed is discarded, never taken for a later
+step's: every reply names its step (``fedplug_step``), and each worker counts once per
+step. When the run has ended and a worker that missed a deadline still has not
+finished within the margin, the server gives up on it (the run's result is complete;
+see :mod:`.rank`).
+
+No FedML import here: the tests drive this class with their own clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .coordinator import Coordinator
+
+REPLY_MARGIN_SECONDS = 2.0
+"""The least time the server waits beyond the workers' training time: a worker's reply
+(sent at its deadline) must still reach the server."""
+REPLY_MARGIN_FRACTION = 0.1
+"""... or this fraction of the training time, when larger."""
+
+
+def reply_margin(training_seconds: float) -> float:
+    """The margin added to ``training_seconds``: ``max(2 s, 10%)``."""
+    return max(REPLY_MARGIN_SECONDS, REPLY_MARGIN_FRACTION * training_seconds)
+
+
+class StepDeadlines:
+    """Which replies of the current step the server takes, and when a step or the run's
+    end is overdue.
+
+    Args:
+        coordinator: the server state (its ``step``, ``message`` and ``finished``).
+        clock: seconds, monotonic (default :func:`time.monotonic`).
+    """
+
+    def __init__(
+        self, coordinator: Coordinator, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.coordinator = coordinator
+        self.clock = clock
+        self.step = -1
+        self.started: float | None = None
+        """When the current step's instructions went out (``None``: not yet)."""
+        self.answered: set[int] = set()
+        self.timed_out: set[int] = set()
+        """Worker slots that missed a deadline in this run."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the run has a timeout at all (``client_timeout_seconds`` is set)."""
+        return self.coordinator.timeout is not None
+
+    def start_step(self) -> None:
+        """The current step's instructions went out: start its clock."""
+        self.step = self.coordinator.step
+        self.started = self.clock()
+        self.answered = set()
+
+    def seconds_allowed(self) -> float | None:
+        """How long after the instructions the current step's replies are due (``None``:
+        no bound). After the last step: the margin, for the workers' final status."""
+        timeout = self.coordinator.timeout
+        if timeout is None:
+            return None
+        training = 0.0 if self.coordinator.finished else self.coordinator.most_tasks() * timeout
+        return training + reply_margin(training)
+
+    def due_at(self) -> float | None:
+        allowed = self.seconds_allowed()
+        if allowed is None or self.started is None:
+            return None
+        return self.started + allowed
+
+    def take(self, slot: int, message: Any) -> str | None:
+        """Count worker ``slot``'s reply ``message`` for the current step, or say why it is
+        discarded (it is for another step, or the slot already answered this one)."""
+        step = message.get("fedplug_step") if isinstance(message, dict) else None
+        if step != self.coordinator.step or self.coordinator.finished:
+            return (
+                f"discarded a late reply of worker {slot} (MPI rank {slot + 1}) for step {step}; "
+                f"the server is at step {self.coordinator.step}"
+            )
+        if slot in self.answered:
+            return (
+                f"discarded a second reply of worker {slot} (MPI rank {slot + 1}) for step {step} "
+                "(its first, or its timeout, was already counted)"
+            )
+        self.answered.add(slot)
+        return None
+
+    def overdue(self, workers: int) -> list[int]:
+        """The slots whose reply to the current step is overdue now (none while the
+        step's time lasts, or after the last step)."""
+        due = self.due_at()
+        if due is None or self.coordinator.finished or self.clock() < due:
+            return []
+        return [slot for slot in range(workers) if slot not in self.answered]
+
+    def timeout_reply(self, slot: int) -> dict[str, Any]:
+        """The reply that stands for worker ``slot``'s missing one: every task of the step
+        failed. Marks the slot as one that missed a deadline."""
+        self.timed_out.add(slot)
+        allowed = self.seconds_allowed() or 0.0
+        return self.coordinator.timeout_reply(slot, allowed)
+
+    def abandoned(self, finished_slots: Iterable[int]) -> list[int]:
+        """After the last step: the slots that missed a deadline during the run and have
+        not finished within the margin (empty while the margin lasts, or when every such
+        slot finished)."""
+        due = self.due_at()
+        if not self.coordinator.finished or due is None or self.clock() < due:
+            return []
+        finished = set(finished_slots)
+        return sorted(slot for slot in self.timed_out if slot not in finished)

@@ -1,0 +1,144 @@
+"""Deadlines that interrupt a client's work (``train.failures.client_timeout_seconds``).
+
+A client that hangs must not hang the run: every runtime trains a client inside
+:func:`deadline`, which raises :class:`ClientTimeout` *in the client's code* once the
+time is up, so the runtime can drop that client and go on with the round.
+
+How it interrupts:
+
+- **In the main thread** (the simulator, a parallel engine's worker process, a Flower
+  Ray actor, a FedML rank): a ``SIGALRM`` timer (``signal.setitimer``). Its handler
+  raises in the main thread, which also interrupts blocking calls such as
+  ``time.sleep`` or a socket read.
+- **In any other thread**: a watchdog thread raises :class:`ClientTimeout` in the
+  client's thread with ``PyThreadState_SetAsyncExc``. This interrupts Python code only,
+  at its next bytecode: a single blocking C call (one long ``time.sleep``) finishes
+  first. The runtime's own bound (a message timeout, a worker process that is killed)
+  covers that case.
+
+Deadlines nest: an inner deadline never extends an outer one (when the outer one has
+less time left, the inner one arms nothing and the outer one fires, with its own
+message), and the outer timer is re-armed with its remaining time when the inner one
+ends. A timer that fires just as the body ends never raises after the ``with`` block:
+the handler is disarmed before the timer's previous owner is put back.
+
+Limits: :class:`ClientTimeout` is an ``Exception``, so client code that catches every
+exception and keeps going (``except Exception: pass`` in a loop) swallows it; the
+parallel engine's main process kills such a worker (its backstop), the other engines
+cannot. A handler of ``SIGALRM`` installed by the client's own code replaces ours.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class ClientTimeout(Exception):
+    """A client's work ran past its deadline and was interrupted.
+
+    ``what`` and ``seconds`` are those of the :func:`deadline` that fired (``None`` when
+    raised by hand), so a caller with nested deadlines can tell which one it was."""
+
+    def __init__(self, message: str = "", *, what: str | None = None, seconds: float | None = None) -> None:
+        super().__init__(message)
+        self.what = what
+        self.seconds = seconds
+
+
+def timeout_message(what: str, seconds: float) -> str:
+    """The message of a :class:`ClientTimeout` (one wording for every runtime)."""
+    return f"{what} ran past train.failures.client_timeout_seconds={seconds:g} and was interrupted"
+
+
+@contextmanager
+def deadline(seconds: float | None, what: str = "client") -> Iterator[None]:
+    """Run the body for at most ``seconds`` (``None``: no limit); raise
+    :class:`ClientTimeout` ("<what> ran past ...") in it when the time is up."""
+    if seconds is None:
+        yield
+        return
+    if seconds <= 0:
+        raise ValueError(f"a deadline must be positive, got {seconds}")
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        with _alarm(seconds, what):
+            yield
+    else:
+        with _watchdog(seconds, what):
+            yield
+
+
+@contextmanager
+def _alarm(seconds: float, what: str) -> Iterator[None]:
+    outer_handler = signal.getsignal(signal.SIGALRM)
+    outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if outer_remaining and outer_remaining < seconds:
+        yield  # the outer deadline comes first; it stays in charge
+        return
+    started = time.monotonic()
+    armed = [True]
+
+    def interrupt(signum: int, frame: object) -> None:
+        if armed[0]:  # a signal handled after the body ended is dropped
+            armed[0] = False
+            raise ClientTimeout(timeout_message(what, seconds), what=what, seconds=seconds)
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        # signal.signal() runs any handler still pending first: ours, disarmed above
+        signal.signal(signal.SIGALRM, outer_handler if outer_handler is not None else signal.SIG_DFL)
+        if outer_remaining:
+            # re-arm the outer deadline with what is left of it (at least a tick, so a
+            # deadline that passed while the inner one ran still fires)
+            left = outer_remaining - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
+
+
+@contextmanager
+def _watchdog(seconds: float, what: str) -> Iterator[None]:
+    target = threading.get_ident()
+    done = threading.Event()
+    fired = threading.Event()
+    lock = threading.Lock()
+
+    def fire() -> None:
+        if done.wait(seconds):
+            return
+        with lock:
+            if done.is_set():
+                return
+            exception = type("ClientTimeout", (ClientTimeout,), {"__init__": _fixed_init(what, seconds)})
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(exception))
+            fired.set()
+
+    watcher = threading.Thread(target=fire, name="fedplug-deadline", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+            if fired.is_set():
+                # the exception may still be pending if the body ended just before it
+                # was delivered: clear it so it cannot surface in the caller
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), None)
+        watcher.join()
+
+
+def _fixed_init(what: str, seconds: float):  # noqa: ANN202 - an __init__ for the async exception class
+    """``PyThreadState_SetAsyncExc`` instantiates the class with no arguments: this
+    ``__init__`` gives it the deadline's message and attributes."""
+
+    def __init__(self: ClientTimeout, *args: object) -> None:
+        ClientTimeout.__init__(self, timeout_message(what, seconds), what=what, seconds=seconds)
+
+    return __init__

@@ -1,0 +1,195 @@
+"""docs/results.md is generated from the committed study results (as docs/performance.md is
+from benchmarks/results/), and the statistics behind its tables are right."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fedplug.errors import ConfigError, DataError
+from fedplug.study import load_records, mean_std, paired_comparison, summarise, summary_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_renderer() -> Any:
+    path = ROOT / "pipelines" / "studies" / "render_results.py"
+    module_spec = importlib.util.spec_from_file_location("render_results", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["render_results"] = module  # its dataclass resolves annotations through sys.modules
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_is_what_the_generator_renders_from_the_committed_results() -> None:
+    renderer = load_renderer()
+
+    rendered = renderer.render_page()
+
+    assert (ROOT / "docs" / "results.md").read_text() == rendered, (
+        "docs/results.md differs from the committed results and verdict fragments: "
+        "run `python pipelines/studies/render_results.py`")
+
+
+# A tiny hand-written results file: one cell, FedAvg in 4 runs (2 draws x 2 seeds), FedProx
+# in 3 of them. Final accuracies:
+#            (0,0)  (0,1)  (1,0)  (1,1)
+#   fedavg   0.80   0.82   0.78   0.84    mean 0.81, sample std sqrt(0.002 / 3) = 0.025820
+#   fedprox  0.85   0.82   0.80     -     mean 0.823333, sample std sqrt(0.00126667 / 2) = 0.025166
+# FedProx - FedAvg per pair: +0.05 (win), 0 (tie), +0.02 (win): 2/1/0 of 3, mean +0.023333,
+# sample std 0.025166.
+FINAL = {
+    "fedavg": {(0, 0): 0.80, (0, 1): 0.82, (1, 0): 0.78, (1, 1): 0.84},
+    "fedprox": {(0, 0): 0.85, (0, 1): 0.82, (1, 0): 0.80},
+}
+REACHED = {("fedavg", 0, 0): 3, ("fedavg", 1, 1): 5, ("fedprox", 0, 0): 2, ("fedprox", 0, 1): 2, ("fedprox", 1, 0): 4}
+
+
+def tiny_records() -> list[dict[str, Any]]:
+    records = []
+    for algorithm, values in FINAL.items():
+        for (draw, seed), final in values.items():
+            records.append({
+                "run": f"0.1__{algorithm}__d{draw}s{seed}", "cell": {"alpha": "0.1"}, "algorithm": algorithm,
+                "draw": draw, "seed": seed, "headline": True, "dataset": "synthetic", "rounds": 3,
+                "final_accuracy": final, "last3_accuracy": final - 0.01, "best_accuracy": final + 0.01,
+                "target": 0.8, "rounds_to_target": REACHED.get((algorithm, draw, seed)), "setup_rounds": 0,
+                "bytes_to_target": 1000 if (algorithm, draw, seed) in REACHED else None, "total_bytes": 3000,
+                "compute_seconds_model": 2.0, "train_seconds": 60.0, "accuracy": [0.5, 0.7, final],
+                "commit": "abcdef1234567890", "dirty": False, "fedplug": "0.1.0", "config_hash": "x", "overrides": [],
+            })
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_mean_std_and_paired_wins_by_hand(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.jsonl"
+    write_jsonl(path, tiny_records())
+
+    rows = summarise(load_records(path), "final_accuracy", baseline="fedavg")
+
+    fedavg, fedprox = rows
+    assert (fedavg["runs"], fedavg["draws"], fedavg["seeds"], fedavg["reached"]) == (4, 2, 2, 2)
+    assert fedavg["final_accuracy"] == pytest.approx(0.81)
+    assert fedavg["final_accuracy_std"] == pytest.approx((0.002 / 3) ** 0.5)
+    assert fedavg["rounds_to_target"] == pytest.approx(4.0)  # runs that reached it: 3 and 5
+    assert fedavg["paired"] is None
+    assert fedprox["final_accuracy"] == pytest.approx(0.823333, abs=1e-6)
+    assert fedprox["final_accuracy_std"] == pytest.approx(0.025166, abs=1e-6)
+    assert fedprox["best_accuracy"] == pytest.approx(0.833333, abs=1e-6)
+    paired = fedprox["paired"]
+    assert (paired["pairs"], paired["wins"], paired["ties"], paired["losses"]) == (3, 2, 1, 0)
+    assert paired["difference"] == pytest.approx(0.023333, abs=1e-6)
+    assert paired["difference_std"] == pytest.approx(0.025166, abs=1e-6)
+
+    table = summary_table(rows, ["alpha"], 0.8, labels={"fedprox": "FedProx (mu 0.01)"}, baseline="fedavg")
+    assert "| 0.1 | fedavg | 4 (2×2) | 0.8100 ± 0.0258 | 0.8200 ± 0.0258 | 4 (2/4 reached) | 1.0 kB | (baseline) |  |" in table
+    assert "| 0.1 | FedProx (mu 0.01) | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in table
+    assert "| 2/1/0 of 3 | +0.0233 ± 0.0252 |" in table
+    assert "vs fedavg: wins/ties/losses" in table
+
+    # The last-3-rounds headline is a different column, same machinery.
+    last3 = summarise(load_records(path), "last3_accuracy", baseline="fedavg")
+    assert last3[0]["last3_accuracy"] == pytest.approx(0.80) and last3[1]["paired"]["wins"] == 2
+
+
+def test_statistics_edge_cases() -> None:
+    assert mean_std([]) == (None, None) and mean_std([None, 0.5]) == (0.5, None)
+    assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(2 ** 0.5))
+    result = paired_comparison({(0, 0): 0.5, (0, 1): 0.4, (1, 1): None}, {(0, 0): 0.6, (1, 1): 0.3})
+    assert (result["pairs"], result["wins"], result["ties"], result["losses"]) == (1, 0, 0, 1)
+    assert result["difference"] == pytest.approx(-0.1) and result["difference_std"] is None
+
+
+def test_a_broken_results_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(tiny_records()[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"x\.jsonl:2: not JSON"):
+        load_records(path)
+    path.write_text(json.dumps({"run": "a"}) + "\n")
+    with pytest.raises(DataError, match=r"x\.jsonl:1: a study record needs cell, algorithm, draw, seed"):
+        load_records(path)
+
+
+def tiny_layout(tmp_path: Path) -> Any:
+    renderer = load_renderer()
+    studies = tmp_path / "pipelines" / "studies"
+    studies.mkdir(parents=True)
+    spec = {
+        "name": "tiny", "description": "A tiny study.",
+        "base": {"study": {"target_accuracy": 0.8}, "data": {"seed": 0}, "train": {"rounds": 3}},
+        "grid": {"alpha": {"0.1": {"data.partition.alpha": 0.1}}},
+        "algorithms": {"fedavg": {}, "fedprox": {}}, "labels": {"fedprox": "FedProx (mu 0.01)"},
+        "baseline": "fedavg", "draws": [0, 1], "seeds": [0, 1], "plots": [{"kind": "curves"}],
+    }
+    (studies / "tiny.yaml").write_text(yaml.safe_dump(spec))
+    (studies / "verdicts").mkdir()
+    (studies / "verdicts" / "_intro.md").write_text("# Tiny page\n\nIntro.\n\n{{status_table}}\n")
+    (studies / "verdicts" / "tiny.md").write_text("## Tiny\n\n{{plan}}\n\n{{results}}\n\n**Verdict.** Prose.\n")
+    return renderer, renderer.Layout(tmp_path)
+
+
+def test_a_study_without_results_shows_no_numbers(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+
+    page = renderer.render_page(layout)
+
+    assert page.startswith("# Tiny page\n\n<!-- Generated by pipelines/studies/render_results.py")
+    assert "**Results: not yet re-run on the landed code.** `pipelines/studies/results/tiny.jsonl` holds no runs yet." in page
+    assert "| tiny | 0 / 8 | - | not yet re-run | - |" in page
+    assert "2 partition draws (data.seed [0, 1]) × 2 training seeds (train.seed [0, 1])" in page
+    assert "±" not in page and "**Verdict.** Prose." in page
+
+
+def test_a_study_with_results_cites_its_file_and_commit(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    write_jsonl(layout.results / "tiny.jsonl", tiny_records())
+
+    page = renderer.render_page(layout)
+
+    assert ("**Results** (source: [`pipelines/studies/results/tiny.jsonl`](../pipelines/studies/results/tiny.jsonl), "
+            "7 of 8 planned runs, commit `abcdef1` (fedplug 0.1.0); summed training time 7 min") in page
+    assert "**Incomplete: 1 planned runs are missing**" in page
+    assert "| tiny | 7 / 8 | 3 | commit `abcdef1` (fedplug 0.1.0) |" in page
+    assert "| 0.1 | FedProx (mu 0.01) | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in page
+    # Figures: linked once drawn, announced before.
+    assert "1 figures not drawn yet" in page and "](img/studies/tiny-curves_0.1.png)" not in page
+    layout.figures.mkdir(parents=True)
+    (layout.figures / "tiny-curves_0.1.png").write_bytes(b"png")
+    assert "](img/studies/tiny-curves_0.1.png)" in renderer.render_page(layout)
+    assert renderer.render_page(layout) == renderer.render_page(layout)  # no timestamp
+
+    dirty = [dict(record, dirty=True) for record in tiny_records()]
+    dirty[0]["commit"] = "1234567aaaa"
+    write_jsonl(layout.results / "tiny.jsonl", dirty)
+    assert ("commits `1234567` with uncommitted changes (1 runs), `abcdef1` with uncommitted changes (6 runs)"
+            in renderer.render_page(layout))
+
+
+def test_an_unknown_placeholder_is_named(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    (layout.verdicts / "tiny.md").write_text("{{table}}\n")
+
+    with pytest.raises(ConfigError, match=r"tiny\.md: unknown placeholder \{\{table\}\}; known: \{\{plan\}\}, \{\{results\}\}"):
+        renderer.render_page(layout)
+
+
+def test_figures_are_drawn_from_the_committed_records(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    write_jsonl(layout.results / "tiny.jsonl", tiny_records())
+
+    written = renderer.draw_all_figures(layout)
+
+    assert [path.name for path in written] == ["tiny-curves_0.1.png"] and written[0].stat().st_size > 5000
+    shutil.rmtree(layout.figures)
