@@ -25,7 +25,9 @@ A spec file::
       fedavg: {}
       fedprox: {loss_transform: {name: fedprox, mu: 0.01}}
     labels: {fedprox: "FedProx (mu 0.01)"}   # legend and table names (default: the key)
-    baseline: fedavg                # paired wins are counted against it
+    baseline: fedavg                # paired wins are counted against it ...
+    baselines: {fedprox-cnn: fedavg-cnn}   # ... or, per algorithm, against another one
+    cells: {fedprox-cnn: ["0.1_0.5"]}      # an algorithm that runs only in these cells
     headline_metric: final_accuracy # or last3_accuracy (mean of the last 3 rounds)
     draws: [0, 1, 2]                # data.seed of each partition draw (default: the base's)
     seeds: [0, 1, 2]                # train.seed of each run
@@ -69,8 +71,8 @@ HEADLINE_METRICS = ("final_accuracy", "last3_accuracy")
 """What a study's verdict rests on: the final round's accuracy, or the mean of the last 3
 rounds (less sensitive to a run that oscillates); best-over-rounds is only shown beside it."""
 
-EXTRA_COLUMNS = ("cpd_median", "compute_seconds_model", "communication_seconds_model", "total_bytes", "final_loss",
-                 "final_client_accuracy", "train_seconds")
+EXTRA_COLUMNS = ("cpd_median", "compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
+                 "total_bytes", "final_loss", "final_client_accuracy", "train_seconds")
 """Columns a spec may add to its summary table (``columns:``)."""
 
 
@@ -80,14 +82,16 @@ EXTRA_COLUMNS = ("cpd_median", "compute_seconds_model", "communication_seconds_m
 class PlotSpec(StrictConfig):
     """One figure of a study's report."""
 
-    kind: Literal["curves", "vs_axis", "cpd_box", "heatmap", "bars", "dots"]
+    kind: Literal["curves", "vs_axis", "cpd_box", "heatmap", "bars", "dots", "weight_histogram"]
     """``curves``: accuracy vs round (mean ± std over runs) and, with a ``baseline``, the
     paired difference to it, one figure per grid cell; ``vs_axis``: ``metric`` against the
     numeric value of grid axis ``axis``, one line per algorithm; ``cpd_box``: box plot of
     the per-round median CPD of every algorithm; ``heatmap``: ``metric`` over grid axes
     ``rows`` x ``columns``, one panel per value of ``panels``; ``dots``: ``metric`` per
     algorithm and grid cell, mean with ± std error bars and every run as a small dot;
-    ``bars``: the same as bars from zero."""
+    ``bars``: the same as bars from zero; ``weight_histogram``: FedDisk's sample weights
+    (the records' ``weights``, from the setup phase), one histogram per grid cell x
+    algorithm, pooled over the runs, with the value 1 (no reweighting) marked."""
     metric: str = "final_accuracy"
     """A column of :func:`summarise` (default ``final_accuracy``)."""
     axis: str | None = None
@@ -131,6 +135,13 @@ class StudySpec(StrictConfig):
     baseline: str | None = None
     """The algorithm every other one is compared with, run by run (same cell, draw and
     seed): paired wins and the mean paired difference (default None: no comparison)."""
+    baselines: dict[str, str] = Field(default_factory=dict)
+    """Algorithm label -> the algorithm it is compared with instead of ``baseline``, e.g.
+    ``{fedshift-cnn: fedavg-cnn}`` for a variant pair (default: none). The reference must
+    run in every cell the algorithm runs in."""
+    cells: dict[str, list[str]] = Field(default_factory=dict)
+    """Algorithm label -> the grid cells (ids, as in ``headline.cells``) it runs in, e.g.
+    an expensive CNN variant only in the headline cell (default: every algorithm in every cell)."""
     headline_metric: Literal["final_accuracy", "last3_accuracy"] = "final_accuracy"
     """The number a verdict rests on: ``final_accuracy`` or ``last3_accuracy`` (the mean
     of the last 3 rounds); best-over-rounds is shown beside it, never instead."""
@@ -193,6 +204,7 @@ def parse_study(data: Any, source: str = "study") -> StudySpec:
         if any(value < 0 for value in values):
             raise ConfigError(f"{source}: {field}: seeds are whole numbers >= 0, got {values}")
     _check_headline(spec, source)
+    _check_cells_and_baselines(spec, source)
     for plot in spec.plots:
         for field in ("axis", "rows", "columns", "panels"):
             axis = getattr(plot, field)
@@ -233,6 +245,44 @@ def _check_headline(spec: StudySpec, source: str) -> None:
                 raise ConfigError(f"{source}: other_pairs: {pair} is not a [draw, seed] pair of draws {draws} and seeds {spec.seeds}")
         if len({tuple(pair) for pair in spec.other_pairs}) != len(spec.other_pairs):
             raise ConfigError(f"{source}: other_pairs: {spec.other_pairs} repeats a pair; give each once")
+
+
+def _check_cells_and_baselines(spec: StudySpec, source: str) -> None:
+    cells = [cell_id(cell) for cell in grid_cells(spec.grid)]
+    known = ", ".join(spec.algorithms)
+    for algorithm, restricted in spec.cells.items():
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: cells: {algorithm!r} is not one of the algorithms ({known})")
+        if not restricted:
+            raise ConfigError(f"{source}: cells.{algorithm}: give at least one grid cell, or remove the entry to run it in every cell")
+        for cell in restricted:
+            if cell not in cells:
+                raise ConfigError(f"{source}: cells.{algorithm}: {cell!r} is not a grid cell; cells: {', '.join(cells)}")
+        if len(set(restricted)) != len(restricted):
+            raise ConfigError(f"{source}: cells.{algorithm}: {restricted} repeats a cell; give each once")
+    for algorithm, reference in spec.baselines.items():
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: baselines: {algorithm!r} is not one of the algorithms ({known})")
+        if reference not in spec.algorithms:
+            raise ConfigError(f"{source}: baselines.{algorithm}: {reference!r} is not one of the algorithms ({known})")
+        if reference == algorithm:
+            raise ConfigError(f"{source}: baselines.{algorithm}: an algorithm cannot be its own baseline")
+        for cell in algorithm_cells(spec, algorithm):
+            if cell not in algorithm_cells(spec, reference):
+                raise ConfigError(f"{source}: baselines.{algorithm}: {reference!r} does not run in cell {cell!r}, where "
+                                  f"{algorithm!r} runs; add the cell to cells.{reference} or restrict cells.{algorithm}")
+
+
+def algorithm_cells(spec: StudySpec, algorithm: str) -> list[str]:
+    """The ids of the grid cells ``algorithm`` runs in: its ``cells:`` entry, else every cell."""
+    every = [cell_id(cell) for cell in grid_cells(spec.grid)]
+    restricted = spec.cells.get(algorithm)
+    return [cell for cell in every if restricted is None or cell in restricted]
+
+
+def baseline_of(spec: StudySpec, algorithm: str) -> str | None:
+    """The algorithm ``algorithm`` is compared with: its ``baselines:`` entry, else ``baseline``."""
+    return spec.baselines.get(algorithm, spec.baseline)
 
 
 def _check_label(label: str, where: str) -> None:
@@ -296,7 +346,8 @@ def grid_cells(grid: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, str
 def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedRun]:
     """Every run of the study: grid cells outermost, then draws, then algorithms, then
     seeds (runs that share a federation come one after another). Headline runs (every run
-    without ``headline:``) cover every draw x seed, the others ``other_pairs``.
+    without ``headline:``) cover every draw x seed, the others ``other_pairs``; an
+    algorithm with a ``cells:`` entry runs only in those cells.
     ``base_draw`` is the draw without ``draws:`` (default: the base's ``data.seed``)."""
     draws = spec.draws if spec.draws is not None else [base_draw if base_draw is not None else _base_draw(spec.base)]
     every_pair = [(draw, seed) for draw in draws for seed in spec.seeds]
@@ -310,6 +361,8 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
     for cell in grid_cells(spec.grid):
         for draw in draws:
             for algorithm in spec.algorithms:
+                if algorithm in spec.cells and cell_id(cell) not in spec.cells[algorithm]:
+                    continue
                 headline = spec.headline is None or (
                     (spec.headline.cells is None or cell_id(cell) in spec.headline.cells)
                     and (spec.headline.algorithms is None or algorithm in spec.headline.algorithms)
@@ -487,7 +540,9 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
     test splits; ``cpd_median`` is the median over rounds of each round's ``cpd_median`` (None when
     no round reported one); ``last3_accuracy`` is the mean accuracy of the last 3 rounds
     (fewer when the run has fewer); ``compute_seconds_model`` and
-    ``communication_seconds_model`` are the cost model's totals over the rounds.
+    ``communication_seconds_model`` are the cost model's totals over the rounds;
+    ``compute_seconds_to_target`` is the cost model's compute time summed over the rounds
+    up to and including the one that reaches ``target`` (time to accuracy; None when none does).
 
     Raises:
         DataError: ``summary`` has no ``history`` list.
@@ -497,6 +552,13 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
         raise DataError("metrics.json has no 'history' list; delete the run folder and run the study again")
     setup = int(summary.get("setup_rounds") or 0)
     reached = first_round_reaching(history, target)
+    to_target: float | None = None
+    if reached is not None:
+        to_target = 0.0
+        for record in history:
+            to_target += float(record.get("compute_seconds_model") or 0.0)
+            if record is reached:
+                break
     cpds = [float(record["cpd_median"]) for record in history if _finite(record.get("cpd_median"))]
     accuracies = [float(record["accuracy"]) for record in history if _finite(record.get("accuracy"))]
     last3 = [float(record["accuracy"]) for record in history[-3:] if _finite(record.get("accuracy"))]
@@ -513,6 +575,7 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
         "setup_rounds": float(setup),
         "total_bytes": float(summary.get("total_bytes") or 0),
         "compute_seconds_model": float(sum(float(record.get("compute_seconds_model") or 0.0) for record in history)),
+        "compute_seconds_to_target": to_target,
         "communication_seconds_model": float(sum(float(record.get("communication_seconds_model") or 0.0)
                                                  for record in history)),
         "cpd_median": float(np.median(cpds)) if cpds else None,
@@ -546,7 +609,10 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     commit and package versions at training time), ``provenance`` the runner's
     ``provenance.json`` (whether the checkout had uncommitted changes). ``accuracy`` is the
     test accuracy of every round (6 decimals), ``cpd`` each round's median CPD (only when
-    the grouper reports one), ``config_hash`` is :func:`config_hash` of the run's config.
+    the grouper reports one), ``compute_seconds`` each round's cost-model compute time
+    (4 significant digits; only when the model reports one), ``weights`` the setup phase's
+    sample-weight summary (:func:`weight_record`; only for runs whose loss transform reports
+    one, e.g. FedDisk), ``config_hash`` is :func:`config_hash` of the run's config.
     """
     numbers = run_row(metrics, target)
     history = metrics["history"]
@@ -571,6 +637,7 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
         "bytes_to_target": _integer(numbers["bytes_to_target"]),
         "total_bytes": _integer(numbers["total_bytes"]),
         "compute_seconds_model": _significant(numbers["compute_seconds_model"]),
+        "compute_seconds_to_target": _significant(numbers["compute_seconds_to_target"]),
         "communication_seconds_model": _significant(numbers["communication_seconds_model"]),
         "train_seconds": _rounded(numbers["seconds"], 2),
         "cpd_median": _rounded(numbers["cpd_median"]),
@@ -578,6 +645,11 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     }
     if any(_finite(record.get("cpd_median")) for record in history):
         record["cpd"] = [_rounded(record.get("cpd_median")) for record in history]
+    if any(_finite(record.get("compute_seconds_model")) and record["compute_seconds_model"] > 0 for record in history):
+        record["compute_seconds"] = [_significant(record.get("compute_seconds_model"), 4) for record in history]
+    weights = weight_record(metrics.get("setup_report") or {})
+    if weights is not None:
+        record["weights"] = weights
     info = info or {}
     record["commit"] = info.get("git_commit")
     record["dirty"] = (provenance or {}).get("git_dirty")
@@ -585,6 +657,30 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     record["config_hash"] = config_hash(run.config.model_dump(mode="json"))
     record["overrides"] = list(overrides)
     return record
+
+
+WEIGHT_CLIENT_STATS = ("q05", "median", "q95", "std")
+"""The per-client sample-weight statistics a record keeps (of FedDisk's ``sample_weight.*``)."""
+
+
+def weight_record(setup_report: dict[str, Any]) -> dict[str, Any] | None:
+    """The compact form of a setup phase's sample-weight summary (metrics.json's
+    ``setup_report``, :func:`fedplug.algorithms.feddisk.weights.weight_summary`): the
+    pooled histogram ``{"edges", "counts"}`` and, per client (client order), the weights'
+    5% quantile, median, 95% quantile and std, 4 significant digits. None when the report
+    has no histogram (no setup phase, or one that reports no weights)."""
+    histogram = setup_report.get("sample_weight.histogram")
+    if not isinstance(histogram, dict) or not histogram.get("counts"):
+        return None
+    compact: dict[str, Any] = {
+        "edges": [_significant(edge, 4) for edge in histogram["edges"]],
+        "counts": [int(count) for count in histogram["counts"]],
+    }
+    for stat in WEIGHT_CLIENT_STATS:
+        values = setup_report.get(f"sample_weight.{stat}")
+        if isinstance(values, list):
+            compact[stat] = [_significant(value, 4) for value in values]
+    return compact
 
 
 def dump_records(records: Iterable[dict[str, Any]]) -> str:
@@ -623,7 +719,7 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 SUMMARY_COLUMNS = (
     "final_accuracy", "last3_accuracy", "best_accuracy", "final_client_accuracy", "final_loss", "rounds_to_target",
     "effective_rounds_to_target", "bytes_to_target", "setup_rounds", "total_bytes", "compute_seconds_model",
-    "communication_seconds_model", "cpd_median", "train_seconds",
+    "compute_seconds_to_target", "communication_seconds_model", "cpd_median", "train_seconds",
 )
 """The numeric columns of :func:`summarise` (mean over runs, and ``<column>_std``)."""
 
@@ -656,14 +752,15 @@ def paired_comparison(values: dict[tuple[int, int], float | None],
 
 
 def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
-              baseline: str | None = None) -> list[dict[str, Any]]:
+              baseline: str | None = None, baselines: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One row per grid cell x algorithm (in record order): the cell's axis labels,
     ``cell`` (its id), ``algorithm``, ``runs``, ``draws`` and ``seeds`` (distinct counts),
     ``reached`` (runs that reached the target), each of :data:`SUMMARY_COLUMNS` as the mean
     over the runs with a value (the target columns: the runs that reached it) plus
-    ``<column>_std`` (sample std), ``metric`` (the headline metric's name) and, against
-    ``baseline`` in the same cell (not on the baseline's own row), ``paired`` =
-    :func:`paired_comparison` of ``metric``."""
+    ``<column>_std`` (sample std), ``metric`` (the headline metric's name),
+    ``reference`` (the algorithm it is compared with: its ``baselines`` entry, else
+    ``baseline``; None on the baseline's own row) and, against the reference in the same
+    cell, ``paired`` = :func:`paired_comparison` of ``metric``."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((cell_id(record["cell"]), record["algorithm"]), []).append(record)
@@ -680,10 +777,12 @@ def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
             row[column], row[f"{column}_std"] = mean_std(member.get(column) for member in members)
         row["metric"] = metric
         row["paired"] = None
-        if baseline is not None and algorithm != baseline and (cell, baseline) in groups:
+        reference = (baselines or {}).get(algorithm, baseline)
+        row["reference"] = reference if reference != algorithm else None
+        if row["reference"] is not None and (cell, reference) in groups:
             row["paired"] = paired_comparison(
                 {(member["draw"], member["seed"]): member.get(metric) for member in members},
-                {(member["draw"], member["seed"]): member.get(metric) for member in groups[(cell, baseline)]},
+                {(member["draw"], member["seed"]): member.get(metric) for member in groups[(cell, reference)]},
             )
         rows.append(row)
     return rows
@@ -726,6 +825,7 @@ METRIC_NAMES = {
     "final_client_accuracy": "final client acc",
     "rounds_to_target": "rounds to target",
     "compute_seconds_model": "cost-model compute s",
+    "compute_seconds_to_target": "cost-model compute s to target",
     "communication_seconds_model": "cost-model communication s",
     "total_bytes": "total bytes",
     "train_seconds": "train s (measured)",
@@ -740,12 +840,14 @@ def metric_name(metric: str) -> str:
 
 def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: float, *,
                   labels: dict[str, str] | None = None, baseline: str | None = None,
-                  columns: Sequence[str] = ()) -> str:
+                  columns: Sequence[str] = (), baselines: dict[str, str] | None = None) -> str:
     """The summary table as markdown: one line per grid cell x algorithm, the headline
     metric (mean ± std over runs) first, best-over-rounds beside it, then rounds and bytes
     to ``target``, the setup rounds where any run has them, ``columns`` (e.g. the median CPD),
-    and the paired comparison with ``baseline`` (wins/ties/losses and mean ± std of the
-    paired difference)."""
+    and the paired comparison with each row's reference (``baseline``, or the algorithm's
+    ``baselines`` entry, named in the cell): wins/ties/losses and mean ± std of the paired
+    difference. ``compute_seconds_to_target`` is the mean ± std over the runs that reached
+    the target, with ``k/n reached``."""
     metric = rows[0]["metric"] if rows else "final_accuracy"
     target_label = f"{100 * target:g}%"
     show_setup = any((row.get("setup_rounds") or 0) > 0 for row in rows)
@@ -757,8 +859,10 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
         header += ["setup rounds", f"effective rounds to {target_label}"]
     header.append(f"bytes to {target_label}")
     header += [metric_name(column) for column in columns]
-    if baseline is not None:
-        header += [f"vs {display_name(baseline, labels)}: wins/ties/losses", "paired difference"]
+    if baseline is not None or baselines:
+        what = (f"vs {display_name(baseline, labels)}" if not baselines else
+                f"vs baseline ({display_name(baseline, labels)} unless named)" if baseline else "vs baseline")
+        header += [f"{what}: wins/ties/losses", "paired difference"]
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * (len(axes) + 1) + "---:|" * (len(header) - len(axes) - 1)]
     for row in rows:
@@ -773,18 +877,25 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
         for column in columns:
             if column == "total_bytes":
                 cells.append(_bytes(row[column]))
+            elif column == "compute_seconds_to_target":
+                cells.append("not reached" if row[column] is None else
+                             f"{_seconds(row[column], row[f'{column}_std'])} ({row['reached']}/{row['runs']} reached)")
             elif "seconds" in column:
                 cells.append(_seconds(row[column], row[f"{column}_std"]))
             else:
                 cells.append(_cell(row[column], row[f"{column}_std"], 3 if column == "cpd_median" else 4))
-        if baseline is not None:
+        if baseline is not None or baselines:
             paired = row.get("paired")
-            if row["algorithm"] == baseline:
+            reference = (baselines or {}).get(row["algorithm"], baseline)
+            named = f" vs {display_name(reference, labels)}" if row["algorithm"] in (baselines or {}) else ""
+            if reference is None:
+                cells += ["-", ""]
+            elif reference == row["algorithm"]:
                 cells += ["(baseline)", ""]
             elif not paired or not paired["pairs"]:
-                cells += ["no paired runs", ""]
+                cells += ["no paired runs" + named, ""]
             else:
-                cells += [f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}",
+                cells += [f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}{named}",
                           _signed(paired["difference"], paired["difference_std"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -863,12 +974,14 @@ def _mean_and_std(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def plot_curves(records: Sequence[dict[str, Any]], path: str | Path, title: str, target: float | None = None, *,
-                labels: dict[str, str] | None = None, baseline: str | None = None) -> None:
+                labels: dict[str, str] | None = None, baseline: str | None = None,
+                baselines: dict[str, str] | None = None) -> None:
     """Test accuracy vs round of the records of one grid cell, one line per algorithm
     (mean over its runs, band ± 1 std), each with its own colour, line style and markers;
     with a ``baseline`` among them, a second panel shows each algorithm's accuracy minus
     the baseline's in the same draw and seed (mean ± std over the pairs), where curves
-    that overlap in the first panel come apart."""
+    that overlap in the first panel come apart; an algorithm with a ``baselines`` entry is
+    compared with that algorithm instead."""
     plt = _pyplot()
     groups: dict[str, list[dict[str, Any]]] = {}
     for record in records:
@@ -876,7 +989,10 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | Path, title: str,
             groups.setdefault(record["algorithm"], []).append(record)
     if not groups:
         raise DataError(f"no run has per-round accuracies; nothing to plot in {path}")
-    with_difference = baseline in groups and len(groups) > 1
+    references = {algorithm: (baselines or {}).get(algorithm, baseline) for algorithm in groups}
+    references = {algorithm: reference for algorithm, reference in references.items()
+                  if reference in groups and reference != algorithm}
+    with_difference = bool(references)
     figure, axes_grid = plt.subplots(1, 2 if with_difference else 1, figsize=(13 if with_difference else 8, 5),
                                      constrained_layout=True, squeeze=False)
     accuracy_axes = axes_grid[0][0]
@@ -909,10 +1025,10 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | Path, title: str,
     accuracy_axes.grid(True, alpha=0.3)
     if with_difference:
         difference_axes = axes_grid[0][1]
-        reference = {(member["draw"], member["seed"]): member for member in groups[baseline]}  # type: ignore[index]
         for index, (algorithm, members) in enumerate(groups.items()):
-            if algorithm == baseline:
+            if algorithm not in references:
                 continue
+            reference = {(member["draw"], member["seed"]): member for member in groups[references[algorithm]]}
             paired = [member for member in members if (member["draw"], member["seed"]) in reference]
             if not paired:
                 continue
@@ -927,7 +1043,8 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | Path, title: str,
             if std is not None:
                 difference_axes.fill_between(rounds, mean - std, mean + std, color=style["color"], alpha=0.12, linewidth=0)
         difference_axes.axhline(0.0, color="black", linewidth=0.9)
-        name = display_name(baseline, labels)  # type: ignore[arg-type]
+        shared = set(references.values())
+        name = display_name(next(iter(shared)), labels) if len(shared) == 1 else "its baseline"
         difference_axes.set_xlabel("communication round")
         difference_axes.set_ylabel(f"accuracy minus {name}'s")
         difference_axes.set_title(f"difference to {name} (same draw and seed)", fontsize=10)
@@ -942,6 +1059,10 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str | Path, title: str,
     if with_difference:
         caption += (" Right: each run minus the baseline's run of the same draw and seed, mean ± std over the pairs; "
                     "above 0 = better than the baseline.")
+        if len(set(references.values())) > 1:
+            caption += " Baselines: " + "; ".join(
+                f"{display_name(algorithm, labels)} vs {display_name(reference, labels)}"
+                for algorithm, reference in references.items()) + "."
     _caption(figure, caption)
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -1092,7 +1213,8 @@ def plot_dots(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     width = 0.8 / max(len(algorithms), 1)
     figure, axes = plt.subplots(figsize=(min(max(7.0, 0.45 * len(cells) * len(algorithms) + 3.5), 16.0), 4.8),
                                 constrained_layout=True)
-    partial_column = metric in ("rounds_to_target", "effective_rounds_to_target", "bytes_to_target")
+    partial_column = metric in ("rounds_to_target", "effective_rounds_to_target", "bytes_to_target",
+                                "compute_seconds_to_target")
     handles = []
     for index, algorithm in enumerate(algorithms):
         style = _style(index)
@@ -1143,12 +1265,90 @@ def plot_dots(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     plt.close(figure)
 
 
+def pooled_weight_histogram(records: Sequence[dict[str, Any]], bins: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """The records' sample-weight histograms (``weights``) on common edges (0 to the
+    largest edge of any of them, ``bins`` bins), averaged over the records: (edges,
+    samples per run). Each record's counts are spread over the common bins in proportion
+    to how much of its bin each covers (uniform within a bin)."""
+    histograms = [record["weights"] for record in records if record.get("weights")]
+    if not histograms:
+        raise DataError("no run has sample-weight summaries ('weights'); a weight histogram needs a setup phase that reports them")
+    top = max(float(histogram["edges"][-1]) for histogram in histograms)
+    edges = np.linspace(0.0, top if top > 0 else 1.0, bins + 1)
+    total = np.zeros(bins)
+    for histogram in histograms:
+        own = np.asarray(histogram["edges"], dtype=float)
+        for low, high, count in zip(own[:-1], own[1:], histogram["counts"]):
+            if not count:
+                continue
+            if high <= low:  # a zero-width bin (all weights equal): all of it where it lies
+                total[min(int(np.searchsorted(edges, low, side="right")) - 1, bins - 1)] += count
+                continue
+            overlap = np.clip(np.minimum(edges[1:], high) - np.maximum(edges[:-1], low), 0.0, None)
+            total += count * overlap / (high - low)
+    return edges, total / len(histograms)
+
+
+def plot_weight_histogram(records: Sequence[dict[str, Any]], path: str | Path, title: str, *,
+                          labels: dict[str, str] | None = None) -> None:
+    """Small multiples of the setup phase's sample weights (FedDisk's density-ratio
+    weights): one panel per grid cell (rows) x algorithm with weights (columns), the
+    histogram of :func:`pooled_weight_histogram` on a log count axis, the value 1 (an
+    untrained D: no reweighting) marked, and the median of the per-client stds written in
+    the panel."""
+    plt = _pyplot()
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("weights"):
+            groups.setdefault((cell_id(record["cell"]), record["algorithm"]), []).append(record)
+    if not groups:
+        raise DataError("no run has sample-weight summaries ('weights'); a weight histogram needs a setup phase that reports them")
+    cells = list(dict.fromkeys(cell for cell, _ in groups))
+    algorithms = list(dict.fromkeys(algorithm for _, algorithm in groups))
+    axes_names = list(next(iter(groups.values()))[0]["cell"])
+    figure, axes_grid = plt.subplots(len(cells), len(algorithms), figsize=(3.4 * len(algorithms) + 1.0, 2.6 * len(cells) + 1.4),
+                                     constrained_layout=True, squeeze=False, sharex=True)
+    for i, cell in enumerate(cells):
+        for j, algorithm in enumerate(algorithms):
+            axes = axes_grid[i][j]
+            members = groups.get((cell, algorithm))
+            if not members:
+                axes.set_axis_off()
+                continue
+            edges, counts = pooled_weight_histogram(members)
+            axes.axvline(1.0, color="0.35", linestyle="--", linewidth=1.0, zorder=1)
+            axes.stairs(counts, edges, fill=True, color=_style(j)["color"], alpha=0.8, zorder=2)
+            axes.set_yscale("log")
+            positive = counts[counts > 0]
+            if positive.size:  # from half the smallest bar: a lone spike keeps a visible height
+                axes.set_ylim(float(positive.min()) / 2, float(positive.max()) * 3)
+            axes.annotate("1 = no reweighting", xy=(1.0, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                          textcoords="offset points", ha="left", va="top", fontsize=7, color="0.3")
+            stds = [value for member in members for value in member["weights"].get("std") or [] if _finite(value)]
+            note = f"n={len(members)} runs" + (f"\nmedian client std {np.median(stds):.3g}" if stds else "")
+            axes.annotate(note, xy=(0.98, 0.84), xycoords="axes fraction", ha="right", va="top", fontsize=7)
+            where = ", ".join(f"{axis} = {value}" for axis, value in members[0]["cell"].items())
+            axes.set_title(display_name(algorithm, labels) + (f"\n{where}" if where else ""), fontsize=9)
+            axes.grid(True, alpha=0.3)
+            if j == 0:
+                axes.set_ylabel("samples per run (log)")
+            if i == len(cells) - 1:
+                axes.set_xlabel("sample weight")
+    figure.suptitle(title)
+    _caption(figure, "Each panel: the sample weights of all clients pooled, counts averaged over the runs (log scale; "
+                     "runs of one partition draw share their weights). Dashed line: weight 1 = an untrained D / no "
+                     "reweighting; a spike there means the weighting changes nothing. Rows: "
+                     + (" / ".join(axes_names) or "one cell") + ".")
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def figure_plan(spec: StudySpec, records: Sequence[dict[str, Any]], prefix: str = "") -> list[tuple[str, Any]]:
     """The figures of ``spec.plots`` for ``records``: (file name, function that draws it
     into a given path), in order; file names start with ``prefix``. Empty without records."""
     if not records:
         return []
-    rows = summarise(records, spec.headline_metric, spec.baseline)
+    rows = summarise(records, spec.headline_metric, spec.baseline, spec.baselines)
     target = float(records[0]["target"])
     base_title = f"{spec.name} on {records[0].get('dataset') or '?'}"
     plan: list[tuple[str, Any]] = []
@@ -1159,7 +1359,8 @@ def figure_plan(spec: StudySpec, records: Sequence[dict[str, Any]], prefix: str 
                 label = ", ".join(f"{axis} = {value}" for axis, value in members[0]["cell"].items())
                 title = base_title + (f": {label}" if label else "")
                 plan.append((f"{prefix}curves_{cell}.png", lambda path, members=members, title=title: plot_curves(
-                    members, path, title, target, labels=spec.labels, baseline=spec.baseline)))
+                    members, path, title, target, labels=spec.labels, baseline=spec.baseline,
+                    baselines=spec.baselines)))
         elif plot.kind == "vs_axis":
             plan.append((f"{prefix}{plot.metric}_vs_{plot.axis}.png", lambda path, plot=plot: plot_vs_axis(
                 rows, plot.axis, plot.metric, path, f"{base_title}: {metric_name(plot.metric)}", plot.log_x,
@@ -1175,6 +1376,9 @@ def figure_plan(spec: StudySpec, records: Sequence[dict[str, Any]], prefix: str 
             plan.append((f"{prefix}{plot.metric}_{plot.kind}.png", lambda path, plot=plot: plot_dots(
                 rows, records, list(spec.grid), plot.metric, path, f"{base_title}: {metric_name(plot.metric)}",
                 labels=spec.labels, bars=plot.kind == "bars")))
+        elif plot.kind == "weight_histogram":
+            plan.append((f"{prefix}weight_histogram.png", lambda path: plot_weight_histogram(
+                records, path, f"{base_title}: sample weights of the setup phase", labels=spec.labels)))
     return plan
 
 

@@ -193,3 +193,27 @@ def test_figures_are_drawn_from_the_committed_records(tmp_path: Path) -> None:
 
     assert [path.name for path in written] == ["tiny-curves_0.1.png"] and written[0].stat().st_size > 5000
     shutil.rmtree(layout.figures)
+
+
+def test_restricted_cells_and_variant_baselines_reach_the_page(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.studies / "tiny.yaml").read_text())
+    spec["grid"]["alpha"]["1"] = {"data.partition.alpha": 1.0}
+    spec["algorithms"].update({"fedavg-cnn": {}, "fedprox-cnn": {}})
+    spec["cells"] = {"fedavg-cnn": ["0.1"], "fedprox-cnn": ["0.1"]}
+    spec["baselines"] = {"fedprox-cnn": "fedavg-cnn"}
+    (layout.studies / "tiny.yaml").write_text(yaml.safe_dump(spec))
+    cnn = [dict(record, run=record["run"].replace(f"__{record['algorithm']}__", f"__{record['algorithm']}-cnn__"),
+                algorithm=record["algorithm"] + "-cnn") for record in tiny_records()]
+    write_jsonl(layout.results / "tiny.jsonl", tiny_records() + cnn)
+
+    page = renderer.render_page(layout)
+
+    # 2 cells x 2 algorithms x 4 runs + the CNN pair's 4 runs each in cell 0.1 only.
+    assert "2 grid cells × 4 algorithms, 24 runs" in page and "| tiny | 14 / 24 |" in page
+    assert "only in some cells: fedavg-cnn in 0.1, fedprox-cnn in 0.1" in page
+    assert "paired against fedavg; except fedprox-cnn against fedavg-cnn" in page
+    # fedprox-cnn's finals equal fedprox's and fedavg-cnn's fedavg's: the same paired wins, named.
+    assert "| 0.1 | fedprox-cnn | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in page
+    assert "| 2/1/0 of 3 vs fedavg-cnn | +0.0233 ± 0.0252 |" in page
+    assert "vs baseline (fedavg unless named): wins/ties/losses" in page

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fedplug.errors import ConfigError
+from fedplug.errors import ConfigError, DataError
 from fedplug.study import (
     cell_id,
     comparable_config,
@@ -23,11 +23,16 @@ from fedplug.study import (
     heatmap_matrix,
     load_records,
     parse_study,
+    draw_figures,
     pending_runs,
     planned_runs,
+    pooled_weight_histogram,
     run_folder_state,
     run_record,
     run_row,
+    summarise,
+    summary_table,
+    weight_record,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,11 +182,60 @@ def test_a_run_that_does_not_validate_is_named() -> None:
         ({"headline_metric": "best_accuracy"}, "headline_metric"),
         ({"grid": {"s": {"1": {"train.seed": 1}}}}, "grid.s.1: sets train.seed"),
         ({"draws": [0], "grid": {"s": {"1": {"data": {"seed": 1}}}}}, "grid.s.1: sets data.seed"),
+        ({"cells": {"fedavgm": ["0.2_0.5"]}}, r"cells.fedavgm: '0.2_0.5' is not a grid cell; cells: 0.1_0.5, 1_0.5"),
+        ({"cells": {"fedavg": ["1_0.5"]}}, r"cells: 'fedavg' is not one of the algorithms \(fedavgm, fedprox\)"),
+        ({"cells": {"fedavgm": []}}, "cells.fedavgm: give at least one grid cell"),
+        ({"cells": {"fedavgm": ["1_0.5", "1_0.5"]}}, "repeats a cell"),
+        ({"baselines": {"fedprox": "fedavg"}}, "baselines.fedprox: 'fedavg' is not one of the algorithms"),
+        ({"baselines": {"x": "fedprox"}}, "baselines: 'x' is not one of the algorithms"),
+        ({"baselines": {"fedprox": "fedprox"}}, "baselines.fedprox: an algorithm cannot be its own baseline"),
+        ({"baselines": {"fedprox": "fedavgm"}, "cells": {"fedavgm": ["1_0.5"]}},
+         "baselines.fedprox: 'fedavgm' does not run in cell '0.1_0.5', where 'fedprox' runs"),
     ],
 )
 def test_bad_specs_say_what_to_fix(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_study(spec_dict(**changes))
+
+
+def test_an_algorithm_restricted_to_cells_runs_only_there() -> None:
+    spec = parse_study(spec_dict(cells={"fedprox": ["1_0.5"]}))
+
+    runs = expand_study(spec)
+
+    assert [run.run_id for run in runs] == [
+        "0.1_0.5__fedavgm__d0s3", "0.1_0.5__fedavgm__d0s4",
+        "1_0.5__fedavgm__d0s3", "1_0.5__fedavgm__d0s4", "1_0.5__fedprox__d0s3", "1_0.5__fedprox__d0s4",
+    ]
+    # A restricted algorithm keeps the headline rule inside its cells.
+    headline = parse_study(spec_dict(cells={"fedprox": ["1_0.5"]}, draws=[0, 1], seeds=[3, 4],
+                                     headline={"cells": ["1_0.5"]}))
+    fedprox = [run for run in planned_runs(headline) if run.algorithm == "fedprox"]
+    assert [(run.cell_id, run.draw, run.seed, run.headline) for run in fedprox] == [
+        ("1_0.5", 0, 3, True), ("1_0.5", 0, 4, True), ("1_0.5", 1, 3, True), ("1_0.5", 1, 4, True)]
+
+
+def test_per_algorithm_baselines_pair_a_variant_with_its_own_reference() -> None:
+    def record(algorithm: str, seed: int, final: float) -> dict[str, Any]:
+        return {"run": f"c__{algorithm}__d0s{seed}", "cell": {"a": "c"}, "algorithm": algorithm, "draw": 0, "seed": seed,
+                "final_accuracy": final, "rounds_to_target": None}
+
+    finals = {"fedavg": [0.5, 0.5], "fedprox": [0.9, 0.9], "fedavg-cnn": [0.8, 0.7], "fedprox-cnn": [0.75, 0.75]}
+    records = [record(algorithm, seed, value) for algorithm, values in finals.items() for seed, value in enumerate(values)]
+
+    rows = {row["algorithm"]: row for row in summarise(records, "final_accuracy", "fedavg", {"fedprox-cnn": "fedavg-cnn"})}
+
+    # fedprox-cnn against fedavg-cnn: 0.75 - 0.8 (loss), 0.75 - 0.7 (win); against fedavg it would win both.
+    paired = rows["fedprox-cnn"]["paired"]
+    assert rows["fedprox-cnn"]["reference"] == "fedavg-cnn"
+    assert (paired["pairs"], paired["wins"], paired["losses"]) == (2, 1, 1) and paired["difference"] == pytest.approx(0.0)
+    assert rows["fedprox"]["reference"] == "fedavg" and rows["fedprox"]["paired"]["wins"] == 2
+    assert rows["fedavg"]["reference"] is None and rows["fedavg"]["paired"] is None
+    table = summary_table(list(rows.values()), ["a"], 0.95, labels={"fedavg-cnn": "FedAvg (CNN)"}, baseline="fedavg",
+                          baselines={"fedprox-cnn": "fedavg-cnn"})
+    assert "vs baseline (fedavg unless named): wins/ties/losses" in table
+    assert "| 1/0/1 of 2 vs FedAvg (CNN) | +0.0000 ± 0.0707 |" in table
+    assert "| 2/0/0 of 2 | +0.4000 ± 0.0000 |" in table and "| (baseline) |  |" in table
 
 
 def test_overrides_may_not_set_the_seeds_the_study_sets() -> None:
@@ -285,7 +339,13 @@ def test_run_row_counts_setup_rounds_and_bytes_to_target() -> None:
     assert row["cpd_median"] == pytest.approx(0.25)  # median of 0.4, 0.1, 0.2, 0.3
     assert row["compute_seconds_model"] == pytest.approx(0.5 + 1.0 + 1.5 + 2.0)
     assert row["communication_seconds_model"] == pytest.approx(1.0)
-    assert run_row(summary, target=0.9)["rounds_to_target"] is None
+    # Time to accuracy: the cost model's compute seconds of rounds 1 and 2 (0.5 + 1.0), round 2
+    # being the first at or above 0.5.
+    assert row["compute_seconds_to_target"] == pytest.approx(1.5)
+    assert run_row(summary, target=0.58)["compute_seconds_to_target"] == pytest.approx(1.5)
+    assert run_row(summary, target=0.2)["compute_seconds_to_target"] == pytest.approx(0.5)
+    never = run_row(summary, target=0.9)
+    assert never["rounds_to_target"] is None and never["compute_seconds_to_target"] is None
 
 
 def test_run_record_is_one_compact_line_with_provenance() -> None:
@@ -302,9 +362,78 @@ def test_run_record_is_one_compact_line_with_provenance() -> None:
     assert record["last3_accuracy"] == pytest.approx(0.4)
     assert record["rounds_to_target"] == 2 and record["bytes_to_target"] == 200 and record["total_bytes"] == 300
     assert record["compute_seconds_model"] == 3.0 and record["train_seconds"] == 1.23
+    assert record["compute_seconds_to_target"] == 1.5 and record["compute_seconds"] == [0.5, 1.0, 1.5]
+    assert "weights" not in record  # no setup phase
     assert (record["commit"], record["dirty"], record["fedplug"]) == ("abc1234def", False, "0.1.0")
     assert record["config_hash"] == config_hash(run.config.model_dump(mode="json"))
     assert json.loads(json.dumps(record)) == record
+
+
+def test_time_to_target_column_averages_the_runs_that_reached_it() -> None:
+    records = [
+        {"run": f"c__a__d0s{seed}", "cell": {"k": "c"}, "algorithm": "a", "draw": 0, "seed": seed,
+         "final_accuracy": 0.5, "rounds_to_target": rounds, "compute_seconds_to_target": seconds}
+        for seed, (rounds, seconds) in enumerate([(2, 1.5), (None, None), (3, 2.5)])
+    ]
+
+    row = summarise(records)[0]
+
+    assert row["compute_seconds_to_target"] == pytest.approx(2.0)
+    assert row["compute_seconds_to_target_std"] == pytest.approx(0.5 ** 0.5)
+    table = summary_table([row], ["k"], 0.8, columns=["compute_seconds_to_target"])
+    assert "cost-model compute s to target" in table and "| 2 ± 0.71 (2/3 reached) |" in table
+    never = summarise([dict(record, rounds_to_target=None, compute_seconds_to_target=None) for record in records])
+    assert "| not reached |" in summary_table(never, ["k"], 0.8, columns=["compute_seconds_to_target"])
+    assert parse_study(spec_dict(columns=["compute_seconds_to_target"])).columns == ["compute_seconds_to_target"]
+
+
+SETUP_REPORT = {
+    "sample_weight.min": [0.5, 1.0], "sample_weight.q05": [0.55, 1.0], "sample_weight.q25": [0.8, 1.0],
+    "sample_weight.median": [1.0, 1.0], "sample_weight.q75": [1.2, 1.0], "sample_weight.q95": [1.4123456, 1.0],
+    "sample_weight.max": [1.5, 1.0], "sample_weight.mean": [1.0, 1.0], "sample_weight.std": [0.3, 0.0],
+    "sample_weight.histogram": {"edges": [0.0, 1.0, 2.0], "counts": [2, 4]},
+}
+
+
+def test_weight_record_keeps_the_histogram_and_per_client_spread() -> None:
+    compact = weight_record(SETUP_REPORT)
+
+    assert compact == {"edges": [0.0, 1.0, 2.0], "counts": [2, 4], "q05": [0.55, 1.0], "median": [1.0, 1.0],
+                       "q95": [1.412, 1.0], "std": [0.3, 0.0]}
+    assert weight_record({}) is None and weight_record({"sample_weight.histogram": {"edges": [], "counts": []}}) is None
+    run = expand_study(parse_study(spec_dict()))[0]
+    record = run_record(run, {"history": history([0.4, 0.6]), "setup_report": SETUP_REPORT}, 0.5)
+    assert record["weights"] == compact and json.loads(json.dumps(record)) == record
+
+
+def test_pooled_weight_histogram_rebins_onto_common_edges() -> None:
+    # Run A: 2 weights in [0, 1), 4 in [1, 2]; run B: 6 in [0, 2), 2 in [2, 4]. Common edges
+    # 0..4 in 4 bins; B's bins are split evenly over the two common bins each covers.
+    records = [{"weights": {"edges": [0.0, 1.0, 2.0], "counts": [2, 4]}},
+               {"weights": {"edges": [0.0, 2.0, 4.0], "counts": [6, 2]}}, {"algorithm": "no weights"}]
+
+    edges, counts = pooled_weight_histogram(records, bins=4)
+
+    assert list(edges) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert list(counts) == pytest.approx([(2 + 3) / 2, (4 + 3) / 2, 0.5, 0.5])  # samples per run
+    # All weights equal (a zero-width histogram): every sample lands in the bin of its value.
+    edges, counts = pooled_weight_histogram([{"weights": {"edges": [1.0, 1.0], "counts": [5]}},
+                                             {"weights": {"edges": [0.0, 2.0], "counts": [4]}}], bins=2)
+    assert list(counts) == pytest.approx([(0 + 2) / 2, (5 + 2) / 2])  # 1.0 lies in [1, 2]
+    with pytest.raises(DataError, match="no run has sample-weight summaries"):
+        pooled_weight_histogram([{"algorithm": "fedavg"}])
+
+
+def test_weight_histogram_plot_is_drawn_per_cell_and_algorithm(tmp_path: Path) -> None:
+    spec = parse_study(spec_dict(plots=[{"kind": "weight_histogram"}]))
+    runs = expand_study(spec)
+    records = [run_record(run, {"history": history([0.4, 0.6]), "setup_report": SETUP_REPORT}, 0.5) for run in runs]
+
+    names = draw_figures(spec, records, tmp_path, prefix="tiny-")
+
+    assert names == ["tiny-weight_histogram.png"] and (tmp_path / names[0]).stat().st_size > 5000
+    with pytest.raises(DataError, match="no run has sample-weight summaries"):
+        draw_figures(spec, [dict(record, weights=None) for record in records], tmp_path)
 
 
 def test_heatmap_matrix_places_means_and_nan_for_missing() -> None:
@@ -476,6 +605,21 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
         assert len(members) >= 3
     assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
     assert set(spec.labels) == set(spec.algorithms)
+    # An algorithm restricted to some cells (`cells:`) runs in exactly those; every headline
+    # cell still has every headline algorithm; a variant paired with its own baseline
+    # (`baselines:`) has at least 3 paired runs in every cell it runs in.
+    for algorithm, cells in spec.cells.items():
+        assert {cell for cell, name in groups if name == algorithm} == set(cells)
+    headline_cells = (spec.headline.cells if spec.headline and spec.headline.cells else
+                      [cell_id(cell) for cell in grid_cells(spec.grid)])
+    for algorithm in (spec.headline.algorithms if spec.headline and spec.headline.algorithms else spec.algorithms):
+        for cell in headline_cells:
+            assert (cell, algorithm) in groups, (cell, algorithm)
+    for algorithm, reference in spec.baselines.items():
+        for (cell, name), members in groups.items():
+            if name == algorithm:
+                theirs = {(run.draw, run.seed) for run in groups[(cell, reference)]}
+                assert len({(run.draw, run.seed) for run in members} & theirs) >= 3
 
 
 @pytest.mark.slow

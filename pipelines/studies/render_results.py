@@ -122,8 +122,15 @@ def plan_line(spec: Any) -> str:
     target = (spec.base.get("study") or {}).get("target_accuracy", 0.9)
     parts.append(f"target {100 * float(target):g}%")
     parts.append(f"headline metric: {metric_name(spec.headline_metric)}")
+    if spec.cells:
+        parts.append("only in some cells: " + ", ".join(
+            f"{spec.labels.get(algorithm, algorithm)} in {', '.join(cells)}" for algorithm, cells in spec.cells.items()))
     if spec.baseline:
         parts.append(f"paired against {spec.labels.get(spec.baseline, spec.baseline)}")
+    if spec.baselines:
+        parts.append(("except " if spec.baseline else "paired ") + ", ".join(
+            f"{spec.labels.get(algorithm, algorithm)} against {spec.labels.get(reference, reference)}"
+            for algorithm, reference in spec.baselines.items()))
     return "**Plan** (from `pipelines/studies/" + f"{spec.name}.yaml`): " + "; ".join(parts) + "."
 
 
@@ -154,14 +161,16 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     if extra:
         lines[-1] += f" {extra} committed runs are not in the spec any more and are left out."
     records = [record for record in records if record["run"] in planned]
-    rows = summarise(records, spec.headline_metric, spec.baseline)
+    rows = summarise(records, spec.headline_metric, spec.baseline, spec.baselines)
     lines += ["", summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels,
-                                baseline=spec.baseline, columns=spec.columns).rstrip()]
+                                baseline=spec.baseline, columns=spec.columns, baselines=spec.baselines).rstrip()]
     lines += ["", "Mean ± sample std over runs; runs = partition draws × training seeds. Best acc (over rounds) is "
               "shown beside the headline number, not instead of it. Rounds to target: first round at or above the "
               "target, averaged over the runs that reached it."
               + (" Paired: runs of the same draw and seed; wins/ties/losses on the headline number and the mean "
-                 "± std of the paired difference." if spec.baseline else "")]
+                 "± std of the paired difference." if spec.baseline or spec.baselines else "")
+              + (" A row that names another algorithm (\"vs ...\") is paired with that one, its variant's own "
+                 "baseline." if spec.baselines else "")]
     figures = [figure for figure, _ in figure_plan(spec, records, prefix=f"{name}-")]
     drawn = [figure for figure in figures if (layout.figures / figure).is_file()]
     for figure in drawn:

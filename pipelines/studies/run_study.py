@@ -403,7 +403,7 @@ def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]]
             (out / name).unlink(missing_ok=True)
         print(f"study {spec.name}: no finished runs in {out}; nothing to report")
         return None
-    rows = summarise(records, spec.headline_metric, spec.baseline)
+    rows = summarise(records, spec.headline_metric, spec.baseline, spec.baselines)
     rounds = ", ".join(str(value) for value in sorted({int(record["rounds"]) for record in records}))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     figures = draw_figures(spec, records, out)
@@ -417,10 +417,11 @@ def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]]
         "mean ± sample std over "
         "the runs (partition draws × training seeds). Rounds to target: first round at or above the target, "
         "averaged over the runs that reached it."
-        + (f" Paired: wins/ties/losses against {spec.baseline} in the same draw and seed." if spec.baseline else ""),
+        + (f" Paired: wins/ties/losses against {spec.baseline} (or the baseline the row names) in the same draw and "
+           "seed." if spec.baseline or spec.baselines else ""),
         "",
         summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels, baseline=spec.baseline,
-                      columns=spec.columns),
+                      columns=spec.columns, baselines=spec.baselines),
         *[f"![{name}]({name})\n" for name in figures],
     ]
     (out / "summary.md").write_text("\n".join(lines))
