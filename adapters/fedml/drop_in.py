@@ -24,6 +24,7 @@ needs; those run with fedplug's own ClientTrainer (``python -m fedplug.adapters.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -56,18 +57,10 @@ ClientReply = tuple[float, Mapping[str, Tensor]]
 
 
 def unmet_needs(needs: ClientNeeds, class_counts_given: bool) -> list[str]:
-    """What the components need that a plain FedML ClientTrainer does not give."""
-    unmet = []
-    if needs.client_side:
-        unmet.append("fedplug's client side in the training loop")
-    if needs.client_state:
-        unmet.append("per-client state kept across rounds")
-    if needs.server_payload:
-        unmet.append(f"server tensors sent with the model ({', '.join(needs.server_payload)})")
-    if needs.reply_extras:
-        unmet.append(f"reply tensors besides the model ({', '.join(needs.reply_extras)})")
-    if needs.reply_metrics:
-        unmet.append(f"reply metrics besides the sample count ({', '.join(needs.reply_metrics)})")
+    """What the components need that a plain FedML ClientTrainer does not give: everything
+    :meth:`ClientNeeds.describe` names, except the class counts when the caller passed
+    them, plus any pooled data."""
+    unmet = dataclasses.replace(needs, class_counts=False).describe()
     if needs.class_counts and not class_counts_given:
         unmet.append("every client's class counts (pass class_counts=)")
     if needs.pooled_data is not None:
