@@ -50,6 +50,23 @@ class ClientTimeout(Exception):
         self.seconds = seconds
 
 
+KILL_MARGIN_SECONDS = 1.0
+"""The least time past a deadline a process that can kill a client's worker grants the
+worker's own ``SIGALRM`` first (the parallel engine)."""
+REPLY_MARGIN_SECONDS = 2.0
+"""The least time past a deadline a server waits for replies: a client's failure reply,
+sent at its deadline, must still reach it (Flower, FedML)."""
+MARGIN_FRACTION = 0.1
+"""... or this fraction of the deadline's seconds, when larger."""
+
+
+def grace_period(seconds: float, least: float) -> float:
+    """The margin a runtime adds to a deadline of ``seconds`` before it acts on a client
+    that has not answered: ``least`` or :data:`MARGIN_FRACTION` of ``seconds``, whichever
+    is more."""
+    return max(least, MARGIN_FRACTION * seconds)
+
+
 def timeout_message(what: str, seconds: float) -> str:
     """The message of a :class:`ClientTimeout` (one wording for every runtime)."""
     return f"{what} ran past train.failures.client_timeout_seconds={seconds:g} and was interrupted"

@@ -31,13 +31,12 @@ import timeout_plugins
 from fedplug.adapters.flower import FedplugStrategy, FedplugTrainer, LoopbackGrid, run_on_grid
 from fedplug.adapters.flower.apps import make_client_app
 from fedplug.adapters.flower.chains import (
-    CLIENT_TIMEOUT,
     ReplyDeadlineGrid,
     no_reply_reason,
     reply_wait,
 )
 from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
-from fedplug.adapters.flower.records import CONFIG_KEY
+from fedplug.adapters.flower.records import CLIENT_TIMEOUT, CONFIG_KEY
 from fedplug.config import validate_experiment, validate_section
 
 # A timeout that does not interrupt must fail the test, not hang the suite.

@@ -29,18 +29,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
+
 from .coordinator import Coordinator
 
-REPLY_MARGIN_SECONDS = 2.0
-"""The least time the server waits beyond the workers' training time: a worker's reply
-(sent at its deadline) must still reach the server."""
-REPLY_MARGIN_FRACTION = 0.1
-"""... or this fraction of the training time, when larger."""
 
 
 def reply_margin(training_seconds: float) -> float:
     """The margin added to ``training_seconds``: ``max(2 s, 10%)``."""
-    return max(REPLY_MARGIN_SECONDS, REPLY_MARGIN_FRACTION * training_seconds)
+    return grace_period(training_seconds, REPLY_MARGIN_SECONDS)
 
 
 class StepDeadlines:

@@ -21,7 +21,7 @@ quickstart ClientApp reports) stops the run with the line saying what the Client
 add.
 
 Timeouts (``train.failures.client_timeout_seconds`` = T): every train message carries T
-(:data:`CLIENT_TIMEOUT`), and :class:`~.trainer.FedplugTrainer` interrupts its own
+(:data:`~.records.CLIENT_TIMEOUT`), and :class:`~.trainer.FedplugTrainer` interrupts its own
 training once T has passed (:func:`fedplug.deadline.deadline`) and replies with that
 failure. The server does not rely on it: :class:`ReplyDeadlineGrid` gives up on the
 replies still missing once none has arrived for T plus a margin (:func:`reply_wait`),
@@ -44,6 +44,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
 from fedplug.federated_round import ClientFailure, Outcome, chain_update, unusable
 
@@ -65,14 +66,6 @@ logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printe
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
-CLIENT_TIMEOUT = "fedplug.client-timeout-seconds"
-"""Train-message config key: ``train.failures.client_timeout_seconds``, after which a
-:class:`~.trainer.FedplugTrainer` interrupts its training and replies with the failure."""
-REPLY_MARGIN_SECONDS = 2.0
-"""The least time the server waits for a reply beyond T: the client's failure reply
-(sent at T) must still reach it."""
-REPLY_MARGIN_FRACTION = 0.1
-"""... or this fraction of T, when larger."""
 DEFAULT_PULL_INTERVAL = 0.5
 """Seconds between two pulls of a grid that sets no ``pull_interval`` of its own."""
 
@@ -82,7 +75,7 @@ def reply_wait(client_timeout: float | None) -> float | None:
     still missing: T plus ``max(2 s, 10% of T)`` (``None``: no bound, T is unset)."""
     if client_timeout is None:
         return None
-    return client_timeout + max(REPLY_MARGIN_SECONDS, REPLY_MARGIN_FRACTION * client_timeout)
+    return client_timeout + grace_period(client_timeout, REPLY_MARGIN_SECONDS)
 
 
 def no_reply_reason(client_timeout: float | None) -> str:

@@ -60,6 +60,9 @@ REPLY_METRICS = "fedplug.reply-metrics"
 """In a train message's config: the names of the metrics the server's components read
 from every reply (``ClientNeeds.reply_metrics``, e.g. ``["train_loss"]``); absent when
 none."""
+CLIENT_TIMEOUT = "fedplug.client-timeout-seconds"
+"""Train-message config key: ``train.failures.client_timeout_seconds``, after which a
+:class:`~.trainer.FedplugTrainer` interrupts its training and replies with the failure."""
 SECONDS = "fedplug.seconds"
 CLASS_COUNTS = "fedplug.class-counts"
 PARTITION_ID = "fedplug.partition-id"

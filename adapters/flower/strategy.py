@@ -73,7 +73,7 @@ from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model, resolve_device
 from fedplug.simulation.vectors import move_tensors, tensors_num_bytes, vector_to_model
 
-from .chains import CLIENT_TIMEOUT, ReplyDeadlineGrid, RoundInProgress, reply_wait
+from .chains import ReplyDeadlineGrid, RoundInProgress, reply_wait
 from .messages import (
     MetricsAggregation,
     client_accuracy,
@@ -86,6 +86,7 @@ from .records import (
     ACCURACY,
     CHAIN_POSITION,
     CLIENT_ID,
+    CLIENT_TIMEOUT,
     LOSS,
     NUM_CLASSES,
     NUM_CLIENTS,

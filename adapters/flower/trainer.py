@@ -62,12 +62,12 @@ from fedplug.simulation.local_training import (
 )
 from fedplug.simulation.vectors import move_tensors, vector_to_model
 
-from .chains import CLIENT_TIMEOUT
 from .local_data import DEFAULT_LABEL_KEY, LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
     CLASS_COUNTS,
     CLIENT_ID,
+    CLIENT_TIMEOUT,
     CONFIG_KEY,
     EXTRAS_KEY,
     LOSS,

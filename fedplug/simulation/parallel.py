@@ -47,7 +47,7 @@ alarm cannot stop (client code that blocks or replaces ``SIGALRM``, or swallows 
 exception): it knows when each worker started its current chain (when the chain was
 handed to an idle worker, or when the worker's previous result arrived, never earlier
 than the truth), and a worker whose chain has run :func:`kill_after` seconds (the limit
-plus a margin of :data:`KILL_MARGIN_SECONDS`, or 10% of the limit when that is more) is
+plus a margin of :data:`~fedplug.deadline.KILL_MARGIN_SECONDS`, or 10% of the limit when that is more) is
 killed (``SIGKILL``). That chain fails with a reason naming the limit; the chains queued
 behind it go back to the queue, and a replacement worker is forked (from the main
 process as it is then: the same start vector and payload, and the states of the clients
@@ -85,6 +85,7 @@ import torch
 from torch import Tensor, nn
 
 from fedplug.components import ClientUpdate, Context, RoundPlan
+from fedplug.deadline import KILL_MARGIN_SECONDS, grace_period
 from fedplug.errors import ConfigError
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import train_chain
@@ -94,10 +95,6 @@ QUEUED_CHAINS_PER_WORKER = 2
 
 STOP_SECONDS = 5.0
 """How long a worker may take to exit once told to before it is killed."""
-
-KILL_MARGIN_SECONDS = 1.0
-"""The least time past ``client_timeout_seconds`` the main process grants a worker's own
-deadline (its ``SIGALRM``) before it kills the worker; see :func:`kill_after`."""
 
 _NUMPY_DTYPES = frozenset(
     {
@@ -109,8 +106,9 @@ _NUMPY_DTYPES = frozenset(
 
 def kill_after(timeout: float) -> float:
     """Seconds a worker's chain may run before the main process kills the worker:
-    ``timeout`` plus :data:`KILL_MARGIN_SECONDS` or 10% of it, whichever is more."""
-    return timeout + max(KILL_MARGIN_SECONDS, 0.1 * timeout)
+    ``timeout`` plus its :func:`~fedplug.deadline.grace_period` (at least
+    :data:`~fedplug.deadline.KILL_MARGIN_SECONDS`)."""
+    return timeout + grace_period(timeout, KILL_MARGIN_SECONDS)
 
 
 def default_workers() -> int:
