@@ -185,6 +185,32 @@ def test_an_unknown_placeholder_is_named(tmp_path: Path) -> None:
         renderer.render_page(layout)
 
 
+def test_a_verdict_can_ask_for_a_paired_comparison_the_table_does_not_show(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    write_jsonl(layout.results / "tiny.jsonl", tiny_records())
+    (layout.verdicts / "tiny.md").write_text("{{results}}\n\n{{paired fedavg vs fedprox}}\n")
+
+    page = renderer.render_page(layout)
+
+    # FedAvg - FedProx on the 3 shared (draw, seed) pairs: -0.05, 0, -0.02 (see FINAL).
+    assert "**fedavg against FedProx (mu 0.01)** (final acc; runs of the same draw and seed" in page
+    assert "| alpha | pairs | wins/ties/losses | paired difference |" in page
+    assert "| 0.1 | 3 | 0/1/2 | -0.0233 ± 0.0252 |" in page
+
+
+def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedprx}}\n")
+    with pytest.raises(ConfigError, match=r"tiny\.md: \{\{paired fedavg vs fedprx\}\}: 'fedprx' is not one of the "
+                                          r"algorithms of pipelines/studies/tiny\.yaml \(fedavg, fedprox\)"):
+        renderer.render_page(layout)
+
+    (layout.verdicts / "tiny.md").write_text("{{paired fedavg}}\n")
+    with pytest.raises(ConfigError, match=r"unknown placeholder \{\{paired fedavg\}\}; known: \{\{plan\}\}, "
+                                          r"\{\{results\}\}, \{\{paired A vs B\}\}"):
+        renderer.render_page(layout)
+
+
 def test_figures_are_drawn_from_the_committed_records(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     write_jsonl(layout.results / "tiny.jsonl", tiny_records())
