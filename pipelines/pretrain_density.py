@@ -6,7 +6,7 @@ label of ``algorithms`` it writes a folder ``data/density/<label>/``:
 
 - when the label's loss transform is FedDisk or FedDiskAb (any
   :class:`~fedplug.algorithms.feddisk.SampleWeightConfig`): the weights file
-  ``<cache_key>.npz`` (the per-sample weights and the phase's cost, from the loss
+  ``<cache_key>.npz`` (the per-sample density ratios and the phase's cost, from the loss
   transform's ``prepare`` and setup phase run as the simulator runs them;
   :func:`~fedplug.algorithms.feddisk.cache_key`) and ``info.json`` (its key, the time it
   took, and the rounds and bytes of the MADE phase);
@@ -159,7 +159,7 @@ def ensure_weights(
         )
         prepare_loss_transform(transform, federation)  # FedDisk's phase 1 runs here, once
         seconds, status = time.perf_counter() - started, "computed"
-    cost = load_weights(target).cost
+    cost = load_weights(target, loss_transform).cost
     print(f"pretrain_density: {label}: {loss_transform.name} weights {status} ({key})")
     return {
         "algorithm": label,

@@ -563,19 +563,27 @@ def test_a_client_with_one_sample_is_a_data_error() -> None:
 # ------------------------------------------------------------------ caching
 
 
-def test_save_and_load_round_trip(tmp_path: Path) -> None:
-    result = FedDiskWeights(
-        weights=[np.array([0.5, 1.5], np.float32), np.array([1.0], np.float32)],
-        cost=PhaseCost(rounds=7, bytes_up=10, bytes_down=12),
-    )
+def test_save_and_load_round_trip_normalises_the_stored_ratios(tmp_path: Path) -> None:
+    ratios = [np.array([1.0, 3.0]), np.array([2.0])]
+    result = FedDiskWeights.from_ratios(ratios, PhaseCost(7, 10, 12), FedDiskConfig())
     path = tmp_path / "weights.npz"
 
     save_weights(path, result)
-    loaded = load_weights(path)
+    mean = load_weights(path, FedDiskConfig())
+    minmax = load_weights(path, FedDiskConfig(normalisation="minmax"))
 
-    assert loaded.cost == result.cost
-    assert [w.tolist() for w in loaded.weights] == [[0.5, 1.5], [1.0]]
+    assert mean.cost == minmax.cost == result.cost
+    # Mean: r / mean(r) = [0.5, 1.5]; min-max: 2 (r - 1) / 2 = [0, 2]; a single (all-equal)
+    # ratio gives 1 under both.
+    assert [w.tolist() for w in mean.weights] == [[0.5, 1.5], [1.0]]
+    assert [w.tolist() for w in minmax.weights] == [[0.0, 2.0], [1.0]]
+    assert [r.tolist() for r in minmax.ratios] == [[1.0, 3.0], [2.0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.npz"]  # no temporary left
+
+
+def test_weights_without_their_ratios_cannot_be_cached(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="raw density ratios"):
+        save_weights(tmp_path / "w.npz", FedDiskWeights([np.ones(2, np.float32)], PhaseCost(0, 0, 0)))
 
 
 @pytest.mark.parametrize("content", [b"not a zip file", b""])
@@ -583,19 +591,26 @@ def test_corrupt_cache_file_is_a_data_error_naming_it(tmp_path: Path, content: b
     path = tmp_path / "broken.npz"
     path.write_bytes(content)
     with pytest.raises(DataError, match="broken.npz"):
-        load_weights(path)
+        load_weights(path, FedDiskConfig())
 
 
-def test_cache_file_with_negative_weights_is_a_data_error(tmp_path: Path) -> None:
+def test_cache_file_with_negative_ratios_is_a_data_error(tmp_path: Path) -> None:
     path = tmp_path / "negative.npz"
     np.savez(
         path,
-        weights_0=np.array([-1.0], np.float32),
+        ratios_0=np.array([-1.0]),
         num_clients=np.int64(1),
         cost=np.zeros(3, np.int64),
     )
-    with pytest.raises(DataError, match="negative.npz"):
-        load_weights(path)
+    with pytest.raises(DataError, match="negative.npz.*client 0 ratios are not finite"):
+        load_weights(path, FedDiskConfig())
+
+
+def test_a_cache_file_of_an_older_fedplug_is_a_data_error(tmp_path: Path) -> None:
+    path = tmp_path / "old.npz"  # version 2 stored normalised weights, not ratios
+    np.savez(path, weights_0=np.ones(2, np.float32), num_clients=np.int64(1), cost=np.zeros(3, np.int64))
+    with pytest.raises(DataError, match="old.npz.*delete the file"):
+        load_weights(path, FedDiskConfig())
 
 
 def test_cache_key_tracks_what_changes_the_weights() -> None:
@@ -608,7 +623,10 @@ def test_cache_key_tracks_what_changes_the_weights() -> None:
     assert cache_key("mnist", "abd", 0, config) != key
     assert cache_key("femnist", "abc", 0, config) != key
     assert cache_key("mnist", "abc", 0, FedDiskConfig(made_hidden=31)) != key
+    assert cache_key("mnist", "abc", 0, FedDiskConfig(classifier_patience=6)) != key
     assert cache_key("mnist", "abc", 0, FedDiskAbConfig()) != key
+    # The file holds raw ratios; the normalisation is applied on loading.
+    assert cache_key("mnist", "abc", 0, FedDiskConfig(normalisation="minmax", clip_max=3.0)) == key
 
 
 def test_partition_fingerprint_sees_sizes_and_inputs() -> None:
@@ -684,6 +702,36 @@ def test_feddisks_setup_phase_fills_the_cache_and_a_cached_prepare_skips_it(
         assert np.array_equal(ours.numpy(), reference.weights[client.client_id])
 
 
+def test_one_phase_serves_both_normalisations(
+    tmp_path: Path,
+    two_mode_clients: tuple[Federation, list[np.ndarray]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FedDiskAb with mean weights fills the cache; FedDiskAb with min-max weights then
+    # loads it without running phase 1, and gets exactly the weights a min-max run
+    # without a cache computes.
+    federation, _ = two_mode_clients
+    mean = FedDiskAbConfig(classifier_epochs=20, cache_dir=str(tmp_path))
+    minmax = mean.model_copy(update={"normalisation": "minmax"})
+    FedDiskAb(mean).prepare(federation)
+    direct = FedDiskAb(minmax.model_copy(update={"cache_dir": None}))
+    direct.prepare(federation)
+    cached = FedDiskAb(minmax)
+
+    def must_not_run(*args: object) -> None:
+        raise AssertionError("phase 1 ran although its ratios were cached")
+
+    monkeypatch.setattr(cached, "_compute", must_not_run)
+    cached.prepare(federation)
+
+    assert len(list(tmp_path.iterdir())) == 1
+    for client in federation.clients:
+        ours = cached.client_context(client.client_id, client.class_counts)["sample_weight"]
+        theirs = direct.client_context(client.client_id, client.class_counts)["sample_weight"]
+        assert torch.equal(ours, theirs)
+        assert float(ours.min()) == 0.0 and float(ours.max()) == 2.0  # min-max, not mean
+
+
 def test_feddisk_without_a_federation_leaves_the_cache_alone(tmp_path: Path) -> None:
     # Flower's prepare sees class counts only: the phase runs on the nodes, uncached.
     transform = FedDisk(FedDiskConfig(cache_dir=str(tmp_path)))
@@ -699,7 +747,8 @@ def test_cache_for_other_client_sizes_is_a_data_error(
     config = FedDiskAbConfig(cache_dir=str(tmp_path))
     key = cache_key("synthetic", partition_fingerprint(federation), 0, config)
     save_weights(
-        tmp_path / f"{key}.npz", FedDiskWeights([np.ones(3, np.float32)], PhaseCost(0, 0, 0))
+        tmp_path / f"{key}.npz",
+        FedDiskWeights.from_ratios([np.ones(3)], PhaseCost(0, 0, 0), config),
     )
 
     with pytest.raises(DataError, match="delete"):

@@ -50,7 +50,8 @@ bounds the variance a few extreme ratios would add.
 
 Caching. With ``cache_dir`` set, :meth:`FedDisk.prepare` loads phase 1's result from
 :mod:`.cache` when it is there (then :meth:`FedDisk.setup_phase` has nothing to run) and
-the phase stores it when it ends. Only a runtime that holds the whole federation (the
+the phase stores it when it ends. The cache holds the raw density ratios and is keyed
+without the normalisation, so mean and min-max weights share one phase 1. Only a runtime that holds the whole federation (the
 simulator, the DVC pipeline's ``pretrain_density`` stage) can compute the cache key; on
 Flower the weights stay on the nodes and ``cache_dir`` is not used.
 """
@@ -111,12 +112,13 @@ from .phase import FedDiskPhase, compute_feddisk_weights
 from .weights import (
     SAMPLE_WEIGHT_KEY,
     FedDiskWeights,
-    client_sample_weights,
-    client_weights,
+    client_density_ratios,
+    client_ratios,
     compute_feddisk_ab_weights,
     density_ratios,
     make_classifier,
     normalise_weights,
+    normalised_weights,
     sample_weight_context,
     train_classifiers,
     weight_summary,
@@ -141,9 +143,9 @@ __all__ = [
     "cache_key",
     "cache_path",
     "client_density_data",
-    "client_sample_weights",
+    "client_density_ratios",
+    "client_ratios",
     "client_validation_nlls",
-    "client_weights",
     "compute_feddisk_ab_weights",
     "compute_feddisk_weights",
     "density_ratios",
@@ -160,6 +162,7 @@ __all__ = [
     "made_template",
     "make_classifier",
     "normalise_weights",
+    "normalised_weights",
     "parameter_bytes",
     "partition_fingerprint",
     "sample_weight_context",
@@ -210,7 +213,7 @@ class SampleWeightedLoss(LossTransform):
         path = cache_path(self.config.cache_dir, federation, self.config)
         if not path.exists():
             return None, path
-        result = load_weights(path)
+        result = load_weights(path, self.config)
         sizes = [client.num_samples for client in federation.clients]
         check_sizes(result, sizes, source=f"cached FedDisk weights {str(path)!r}")
         return result, path

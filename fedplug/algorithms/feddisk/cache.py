@@ -2,7 +2,11 @@
 
 Phase 1 is a pure function of (federation, config, seed), so its result can be computed
 once (the DVC pipeline runs it as its own stage, ``pretrain_density``) and stored
-(:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. A Federation
+(:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. The file holds the
+raw density ratios, not the weights: the normalisation (``normalisation``, ``clip_min``,
+``clip_max``) is applied when the file is loaded and is not part of the key, so FedDisk
+with mean and with min-max weights share one phase 1 (about 15 CPU-minutes on the FedDisk
+study's federation). A Federation
 carries no partition id, so :func:`partition_fingerprint` hashes what identifies one: the
 client count, every client's size and class counts, and a few inputs and labels of each
 client (first, middle and last sample; these catch per-client feature noise too).
@@ -32,11 +36,15 @@ from .weights import FedDiskWeights
 if TYPE_CHECKING:
     from .config import SampleWeightConfig
 
-WEIGHTS_VERSION = 2
+WEIGHTS_VERSION = 3
 """Part of :func:`cache_key`; raised whenever the same config and seed would give other
 weights, so that weights cached by an older fedplug are recomputed rather than reused
 (2: every client draws from its own stream,
-:class:`~fedplug.algorithms.feddisk.density.PhaseOneSeeds`)."""
+:class:`~fedplug.algorithms.feddisk.density.PhaseOneSeeds`; 3: the file holds the raw
+ratios, normalised on loading)."""
+
+NORMALISATION_FIELDS = frozenset({"normalisation", "clip_min", "clip_max"})
+"""Config fields applied to the cached ratios on loading: not part of :func:`cache_key`."""
 
 
 def partition_fingerprint(federation: Federation) -> str:
@@ -59,10 +67,11 @@ def partition_fingerprint(federation: Federation) -> str:
 def cache_key(
     dataset_name: str, partition_fingerprint: str, seed: int, config: SampleWeightConfig
 ) -> str:
-    """File stem of the cached weights: ``<method>-<dataset>-<hash>``, where the hash
+    """File stem of the cached ratios: ``<method>-<dataset>-<hash>``, where the hash
     covers the dataset, the partition fingerprint, the seed, every config field that
-    changes the weights (all but ``cache_dir``) and :data:`WEIGHTS_VERSION`."""
-    fields = config.model_dump(exclude={"cache_dir", "seed"})
+    changes the ratios (all but ``cache_dir`` and :data:`NORMALISATION_FIELDS`) and
+    :data:`WEIGHTS_VERSION`."""
+    fields = config.model_dump(exclude={"cache_dir", "seed", *NORMALISATION_FIELDS})
     payload = json.dumps(
         {
             "dataset": dataset_name,
@@ -79,14 +88,21 @@ def cache_key(
 
 
 def save_weights(path: str | Path, result: FedDiskWeights) -> None:
-    """Write ``result`` to ``path`` (.npz), atomically: a reader never sees half a file."""
+    """Write ``result``'s raw ratios and cost to ``path`` (.npz), atomically: a reader
+    never sees half a file.
+
+    Raises:
+        ValueError: ``result`` holds no raw ratios (``ratios`` is None).
+    """
+    if result.ratios is None:
+        raise ValueError("only FedDisk weights that keep their raw density ratios can be cached")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {
-        f"weights_{index}": np.asarray(w, dtype=np.float32)
-        for index, w in enumerate(result.weights)
+        f"ratios_{index}": np.asarray(r, dtype=np.float64)
+        for index, r in enumerate(result.ratios)
     }
-    arrays["num_clients"] = np.asarray(len(result.weights), dtype=np.int64)
+    arrays["num_clients"] = np.asarray(len(result.ratios), dtype=np.int64)
     arrays["cost"] = np.array(
         [result.cost.rounds, result.cost.bytes_up, result.cost.bytes_down], dtype=np.int64
     )
@@ -100,13 +116,14 @@ def save_weights(path: str | Path, result: FedDiskWeights) -> None:
         raise
 
 
-def load_weights(path: str | Path) -> FedDiskWeights:
-    """Read what :func:`save_weights` wrote, with ``allow_pickle=False``: a file holding
+def load_weights(path: str | Path, config: SampleWeightConfig) -> FedDiskWeights:
+    """Read what :func:`save_weights` wrote and normalise the ratios as ``config`` says
+    (:meth:`FedDiskWeights.from_ratios`), with ``allow_pickle=False``: a file holding
     pickled objects is refused (a :class:`DataError` naming it), never unpickled.
 
     Raises:
         DataError: the file is missing, unreadable, or does not hold finite,
-            non-negative weights; the message names the file.
+            non-negative ratios; the message names the file.
     """
     path = Path(path)
     problem = f"cached FedDisk weights {str(path)!r} are unreadable or corrupt"
@@ -115,8 +132,8 @@ def load_weights(path: str | Path) -> FedDiskWeights:
         with np.load(path, allow_pickle=False) as archive:
             num_clients = int(archive["num_clients"])
             cost = [int(value) for value in archive["cost"]]
-            weights = [
-                np.asarray(archive[f"weights_{k}"], dtype=np.float32) for k in range(num_clients)
+            ratios = [
+                np.asarray(archive[f"ratios_{k}"], dtype=np.float64) for k in range(num_clients)
             ]
     except FileNotFoundError:
         raise DataError(f"cached FedDisk weights {str(path)!r} do not exist") from None
@@ -124,14 +141,14 @@ def load_weights(path: str | Path) -> FedDiskWeights:
         raise DataError(f"{problem} ({error}){advice}") from None
     if len(cost) != 3 or any(value < 0 for value in cost):
         raise DataError(f"{problem} (bad cost record {cost}){advice}")
-    for index, client_weights in enumerate(weights):
+    for index, client_ratios in enumerate(ratios):
         if (
-            client_weights.ndim != 1
-            or not np.all(np.isfinite(client_weights))
-            or np.any(client_weights < 0)
+            client_ratios.ndim != 1
+            or not np.all(np.isfinite(client_ratios))
+            or np.any(client_ratios < 0)
         ):
-            raise DataError(f"{problem} (client {index} weights are not finite and >= 0){advice}")
-    return FedDiskWeights(weights=weights, cost=PhaseCost(*cost))
+            raise DataError(f"{problem} (client {index} ratios are not finite and >= 0){advice}")
+    return FedDiskWeights.from_ratios(ratios, PhaseCost(*cost), config)
 
 
 def cache_path(folder: str | Path, federation: Federation, config: SampleWeightConfig) -> Path:

@@ -81,8 +81,9 @@ from .weights import (
     SAMPLE_WEIGHT_KEY,
     ClassifierHistory,
     FedDiskWeights,
-    client_sample_weights,
+    client_density_ratios,
     log_classifier_training,
+    normalise_weights,
     sample_weight_context,
 )
 
@@ -115,6 +116,8 @@ KEEP = "keep"
 # What a client keeps in its state besides the settings and the MADEs.
 GENERATOR = "global-generator"
 SAMPLE_WEIGHTS = "sample-weights"
+DENSITY_RATIOS = "density-ratios"
+"""The raw ratios the weights were normalised from (float64; the cache stores them)."""
 
 ClientStep = Callable[
     [SetupStep, Sequence[ClientInputs], Sequence[dict[str, Any]]], list[SetupReply]
@@ -310,19 +313,24 @@ class FedDiskPhase(SetupPhase):
             raise ConfigError(f"{KEEP} must be {LATEST!r} or {PREVIOUS!r}, got {keep!r}")
         shares, template = self._shares(data, states)
         histories: list[ClassifierHistory] = []
-        weights = client_sample_weights(
+        config = self._settings(states[0])[0]
+        ratios = client_density_ratios(
             [_made(template, state, LOCAL_MADE) for state in states],
             [_made(template, state, keep) for state in states],
             shares,
-            self._settings(states[0])[0],
+            config,
             histories,
         )
         replies = []
-        for state, share, client_weights, history in zip(states, shares, weights, histories):
+        for state, share, client_ratios, history in zip(states, shares, ratios, histories):
             state.clear()
-            state[SAMPLE_WEIGHTS] = torch.as_tensor(client_weights, device=share.inputs.device)
+            weights = normalise_weights(
+                client_ratios, config.normalisation, config.clip_min, config.clip_max
+            )
+            state[SAMPLE_WEIGHTS] = torch.as_tensor(weights, device=share.inputs.device)
+            state[DENSITY_RATIOS] = torch.as_tensor(client_ratios, dtype=torch.float64)
             values: dict[str, Value] = {
-                NUM_SAMPLES: int(client_weights.shape[0]),
+                NUM_SAMPLES: int(weights.shape[0]),
                 CLASSIFIER_EPOCHS: history.epochs,
                 CLASSIFIER_BEST_EPOCH: history.best_epoch,
             }
@@ -395,7 +403,9 @@ class FedDiskPhase(SetupPhase):
         if self.cost is None:
             raise RuntimeError("FedDiskPhase.finish ran before the server's side ended")
         self.result = FedDiskWeights(
-            weights=[w.detach().cpu().numpy() for w in weights], cost=self.cost
+            weights=[w.detach().cpu().numpy() for w in weights],
+            cost=self.cost,
+            ratios=[states[client][DENSITY_RATIOS].numpy() for client in sorted(states)],
         )
         if self.on_finish is not None:
             self.on_finish(self.result, weights)

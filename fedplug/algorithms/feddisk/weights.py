@@ -16,7 +16,8 @@
    ``D(.)`` is the classifier's probability of class 1, "comes from the global model".
    The class prior ratio is 1 since both classes hold n_k vectors. When the two MADEs
    agree the classifier cannot tell the classes apart, D = 1/2 and every weight is 1.
-   The raw ratios are then normalised per client (:func:`normalise_weights`).
+   The raw ratios are then normalised per client (:func:`normalise_weights`); phase 1's
+   result keeps both (:class:`FedDiskWeights`), and the cache stores the raw ratios.
 
 FedDiskAb (paper section 6, :func:`compute_feddisk_ab_weights`): an oracle ablation that
 trains the same classifier directly on client k's raw inputs (label 0) against n_k inputs
@@ -70,12 +71,25 @@ def sample_weight_context(weights: Tensor) -> Context:
 
 @dataclass(frozen=True)
 class FedDiskWeights:
-    """Phase 1's result: one weight per local training sample of each client."""
+    """Phase 1's result: one weight per local training sample of each client, and the raw
+    density ratios they were normalised from."""
 
     weights: list[np.ndarray]
     """``weights[k]`` is a float32 array of length n_k, in the order of client k's
     ``train_x``."""
     cost: PhaseCost
+    ratios: list[np.ndarray] | None = None
+    """``ratios[k]``: client k's raw density ratios (float64, same order), before
+    :func:`normalise_weights`; what the cache stores, so that both normalisations share
+    one phase 1 (None: not kept)."""
+
+    @classmethod
+    def from_ratios(
+        cls, ratios: Sequence[np.ndarray], cost: PhaseCost, config: SampleWeightConfig
+    ) -> FedDiskWeights:
+        """The weights ``config`` normalises ``ratios`` to, with the ratios kept."""
+        kept = [np.asarray(r, dtype=np.float64) for r in ratios]
+        return cls(weights=normalised_weights(kept, config), cost=cost, ratios=kept)
 
 
 # ---------------------------------------------------------------- the classifier D
@@ -327,23 +341,25 @@ def normalise_weights(
     return np.clip(values / values.mean(), clip_min, clip_max).astype(np.float32)
 
 
-def client_weights(
-    classifiers: Sequence[nn.Module], features: Sequence[Tensor], config: SampleWeightConfig
+def normalised_weights(
+    ratios: Sequence[np.ndarray], config: SampleWeightConfig
 ) -> list[np.ndarray]:
-    """Step 4 for each client: classifier k's density ratios of ``features[k]``,
-    normalised as ``config`` says (:func:`normalise_weights`)."""
+    """Each client's raw ratios normalised as ``config`` says (:func:`normalise_weights`)."""
     return [
-        normalise_weights(
-            density_ratios(classifier, inputs),
-            config.normalisation,
-            config.clip_min,
-            config.clip_max,
-        )
-        for classifier, inputs in zip(classifiers, features)
+        normalise_weights(r, config.normalisation, config.clip_min, config.clip_max)
+        for r in ratios
     ]
 
 
-def client_sample_weights(
+def client_ratios(
+    classifiers: Sequence[nn.Module], features: Sequence[Tensor]
+) -> list[np.ndarray]:
+    """Step 4 for each client: classifier k's raw density ratios of ``features[k]``
+    (:func:`density_ratios`, float64)."""
+    return [density_ratios(classifier, inputs) for classifier, inputs in zip(classifiers, features)]
+
+
+def client_density_ratios(
     local_models: Sequence[MADE],
     global_models: Sequence[MADE],
     clients: Sequence[ClientDensityData],
@@ -351,9 +367,9 @@ def client_sample_weights(
     histories: list[ClassifierHistory] | None = None,
 ) -> list[np.ndarray]:
     """Steps 3-4 for each client of ``clients``: its classifier D on the features of its
-    inputs under its local MADE and its copy of the global one, and the normalised
-    weights of its samples. ``histories``, when given, receives each client's
-    :class:`ClassifierHistory`."""
+    inputs under its local MADE and its copy of the global one, and the raw density
+    ratios of its samples (:func:`normalised_weights` turns them into weights).
+    ``histories``, when given, receives each client's :class:`ClassifierHistory`."""
     local_features = [
         made_features(model, client.inputs, config.made_features)
         for model, client in zip(local_models, clients)
@@ -369,7 +385,7 @@ def client_sample_weights(
         [client.classifier_generator for client in clients],
         histories,
     )
-    return client_weights(classifiers, local_features, config)
+    return client_ratios(classifiers, local_features)
 
 
 WEIGHT_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -451,6 +467,7 @@ def compute_feddisk_ab_weights(
     log_classifier_training(
         [history.epochs for history in histories], [history.best_epoch for history in histories]
     )
-    weights = client_weights(classifiers, inputs, config)
     raw_bytes = total * input_dim * BYTES_PER_PARAMETER
-    return FedDiskWeights(weights=weights, cost=PhaseCost(0, raw_bytes, raw_bytes))
+    return FedDiskWeights.from_ratios(
+        client_ratios(classifiers, inputs), PhaseCost(0, raw_bytes, raw_bytes), config
+    )
