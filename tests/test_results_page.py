@@ -198,6 +198,34 @@ def test_a_verdict_can_ask_for_a_paired_comparison_the_table_does_not_show(tmp_p
     assert "| 0.1 | 3 | 0/1/2 | -0.0233 ± 0.0252 |" in page
 
 
+def test_a_paired_comparison_against_one_fixed_cell(tmp_path: Path) -> None:
+    # Two cells; FedAvg in cell 0.5 is FedAvg in cell 0.1 plus 0.01, except (1, 1): -0.02.
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.studies / "tiny.yaml").read_text())
+    spec["grid"]["alpha"]["0.5"] = {"data.partition.alpha": 0.5}
+    (layout.studies / "tiny.yaml").write_text(yaml.safe_dump(spec))
+    records = tiny_records()
+    shifted = {(0, 0): 0.01, (0, 1): 0.01, (1, 0): 0.01, (1, 1): -0.02}
+    for record in [r for r in records if r["algorithm"] == "fedavg"]:
+        moved = dict(record, cell={"alpha": "0.5"}, run=record["run"].replace("0.1__", "0.5__"))
+        moved["final_accuracy"] = record["final_accuracy"] + shifted[(record["draw"], record["seed"])]
+        records.append(moved)
+    write_jsonl(layout.results / "tiny.jsonl", records)
+    (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedavg@0.1}}\n")
+
+    page = renderer.render_page(layout)
+
+    assert "**fedavg against fedavg in cell 0.1**" in page
+    assert "| 0.1 | 4 | 0/4/0 | +0.0000 ± 0.0000 |" in page
+    # +0.01 three times and -0.02 once: mean (0.03 - 0.02) / 4 = 0.0025,
+    # sample std sqrt((3 * 0.0075^2 + 0.0225^2) / 3) = 0.015.
+    assert "| 0.5 | 4 | 3/0/1 | +0.0025 ± 0.0150 |" in page
+
+    (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedavg@0.3}}\n")
+    with pytest.raises(ConfigError, match=r"'0\.3' is not one of the cells of pipelines/studies/tiny\.yaml \(0\.1, 0\.5\)"):
+        renderer.render_page(layout)
+
+
 def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedprx}}\n")
@@ -207,7 +235,7 @@ def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) ->
 
     (layout.verdicts / "tiny.md").write_text("{{paired fedavg}}\n")
     with pytest.raises(ConfigError, match=r"unknown placeholder \{\{paired fedavg\}\}; known: \{\{plan\}\}, "
-                                          r"\{\{results\}\}, \{\{paired A vs B\}\}"):
+                                          r"\{\{results\}\}, \{\{paired A vs B\}\}, \{\{paired A vs B@CELL\}\}"):
         renderer.render_page(layout)
 
 
