@@ -104,6 +104,10 @@ class PlotSpec(StrictConfig):
     """Grid axis that splits a heatmap into panels (default None: one panel)."""
     log_x: bool = False
     """Logarithmic x axis for ``vs_axis`` (default False)."""
+    log_y: bool = False
+    """Logarithmic y axis for ``dots`` (default False), for a metric whose values span
+    orders of magnitude (a CNN's cost-model seconds beside an MLP's). Not for ``bars``,
+    which start at zero."""
 
 
 class HeadlineSpec(StrictConfig):
@@ -214,6 +218,8 @@ def parse_study(data: Any, source: str = "study") -> StudySpec:
             raise ConfigError(f"{source}: plots: a vs_axis plot needs `axis:` (a grid axis with numeric labels)")
         if plot.kind == "heatmap" and (plot.rows is None or plot.columns is None):
             raise ConfigError(f"{source}: plots: a heatmap needs `rows:` and `columns:` (grid axes)")
+        if plot.log_y and plot.kind != "dots":
+            raise ConfigError(f"{source}: plots: log_y is for `dots` plots only, not {plot.kind!r}")
     return spec
 
 
@@ -1117,28 +1123,50 @@ def plot_vs_axis(rows: Sequence[dict[str, Any]], axis: str, metric: str, path: s
     plt.close(figure)
 
 
+def spread_scale(values: Sequence[float], ratio: float = 20.0) -> tuple[str, float | None]:
+    """The axis scale for ``values`` (>= 0) and, for ``"symlog"``, its linear threshold:
+    ``"linear"`` unless the positive values span more than ``ratio`` (so that FedAvg's CPD
+    does not squash the grouped modes' boxes); then ``"log"``, or ``"symlog"`` linear up
+    to the smallest positive value when some values are 0."""
+    positive = [value for value in values if value > 0]
+    if not positive or max(positive) / min(positive) <= ratio:
+        return "linear", None
+    if len(positive) < len(values):
+        return "symlog", min(positive)
+    return "log", None
+
+
 def plot_cpd_box(records: Sequence[dict[str, Any]], path: str | Path, title: str, *,
                  labels: dict[str, str] | None = None) -> None:
-    """Box plot of the per-round median CPD values of each algorithm (all runs and cells
-    pooled); algorithms without CPD values are left out. The caption explains CPD."""
+    """Horizontal box plot of the per-round median CPD values of each algorithm, one box
+    per grid cell and algorithm when the study has several cells (runs pooled);
+    algorithms without CPD values are left out. The x axis is logarithmic when the values
+    span more than a factor 20 (symmetric-log, linear near 0, when some are 0). The
+    caption explains CPD."""
     plt = _pyplot()
-    values: dict[str, list[float]] = {}
+    values: dict[tuple[str, str], list[float]] = {}
     for record in records:
         cpds = [float(value) for value in record.get("cpd") or [] if _finite(value)]
         if cpds:
-            values.setdefault(record["algorithm"], []).extend(cpds)
+            values.setdefault((cell_id(record["cell"]), record["algorithm"]), []).extend(cpds)
     if not values:
         raise DataError("no run reported cpd_median values; a CPD box plot needs a grouper that computes them")
-    figure, axes = plt.subplots(figsize=(max(6.0, 1.8 * len(values) + 2), 4.8), constrained_layout=True)
-    axes.boxplot(list(values.values()), tick_labels=[display_name(name, labels) for name in values], showfliers=True)
-    low = min(min(series) for series in values.values())
-    high = max(max(series) for series in values.values())
-    if low > 0 and high / low > 20:  # FedAvg's CPD would squash the grouped modes' boxes
-        axes.set_yscale("log")
-    axes.set_ylabel("per-round median CPD between groups" + (" (log scale)" if axes.get_yscale() == "log" else ""))
-    axes.grid(True, axis="y", alpha=0.3)
+    several_cells = len({cell for cell, _ in values}) > 1
+    names = [display_name(algorithm, labels) + (f" [{cell}]" if several_cells else "") for cell, algorithm in values]
+    figure, axes = plt.subplots(figsize=(9.5, max(3.0, 0.38 * len(values) + 1.6)), constrained_layout=True)
+    series = list(values.values())
+    axes.boxplot(series[::-1], tick_labels=names[::-1], vert=False, showfliers=True)  # first on top
+    scale, threshold = spread_scale([value for serie in series for value in serie])
+    if scale == "symlog":
+        axes.set_xscale("symlog", linthresh=threshold)
+    elif scale == "log":
+        axes.set_xscale("log")
+    scale = {"log": " (log scale)", "symlog": " (log scale, linear near 0)"}.get(axes.get_xscale(), "")
+    axes.set_xlabel("per-round median CPD between groups" + scale)
+    axes.grid(True, axis="x", alpha=0.3)
     axes.set_title(title)
-    _caption(figure, CPD_NOTE + " One value per round and run; box = quartiles, whiskers = 1.5 IQR.")
+    note = " [cell]: the grid cell." if several_cells else ""
+    _caption(figure, CPD_NOTE + " One value per round and run; box = quartiles, whiskers = 1.5 IQR." + note)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -1199,9 +1227,11 @@ def plot_heatmap(rows: Sequence[dict[str, Any]], grid: dict[str, dict[str, Any]]
 
 
 def plot_dots(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]], axes_names: Sequence[str], metric: str,
-              path: str | Path, title: str, *, labels: dict[str, str] | None = None, bars: bool = False) -> None:
+              path: str | Path, title: str, *, labels: dict[str, str] | None = None, bars: bool = False,
+              log_y: bool = False) -> None:
     """``metric`` per grid cell and algorithm: the mean with ± 1 std error bars and every
-    run as a small dot beside it (``bars``: bars from zero instead of the mean's marker).
+    run as a small dot beside it (``bars``: bars from zero instead of the mean's marker;
+    ``log_y``: a logarithmic y axis, not with ``bars``).
     A target never reached is written as such instead of an empty slot, and a mean over
     only some runs (the target columns) says how many reached it (``k/n``)."""
     plt = _pyplot()
@@ -1250,9 +1280,11 @@ def plot_dots(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     axes.set_xticks(range(len(cells)), cells)
     axes.set_xlim(-0.5, len(cells) - 0.5)
     axes.set_xlabel(" / ".join(axes_names) if axes_names else "")
-    axes.set_ylabel(metric_name(metric))
+    axes.set_ylabel(metric_name(metric) + (" (log scale)" if log_y else ""))
     if bars:
         axes.set_ylim(bottom=0.0)
+    elif log_y:
+        axes.set_yscale("log")
     axes.grid(True, axis="y", alpha=0.3)
     figure.legend(handles=handles, loc="outside right upper", fontsize="small")
     axes.set_title(title)
@@ -1375,7 +1407,7 @@ def figure_plan(spec: StudySpec, records: Sequence[dict[str, Any]], prefix: str 
         elif plot.kind in ("dots", "bars"):
             plan.append((f"{prefix}{plot.metric}_{plot.kind}.png", lambda path, plot=plot: plot_dots(
                 rows, records, list(spec.grid), plot.metric, path, f"{base_title}: {metric_name(plot.metric)}",
-                labels=spec.labels, bars=plot.kind == "bars")))
+                labels=spec.labels, bars=plot.kind == "bars", log_y=plot.log_y)))
         elif plot.kind == "weight_histogram":
             plan.append((f"{prefix}weight_histogram.png", lambda path: plot_weight_histogram(
                 records, path, f"{base_title}: sample weights of the setup phase", labels=spec.labels)))

@@ -30,6 +30,7 @@ from fedplug.study import (
     run_folder_state,
     run_record,
     run_row,
+    spread_scale,
     summarise,
     summary_table,
     weight_record,
@@ -167,6 +168,7 @@ def test_a_run_that_does_not_validate_is_named() -> None:
         ({"algorithms": {"fed avg": {}}}, "label 'fed avg'"),
         ({"grid": {"alpha": {}}}, "grid.alpha: give at least one"),
         ({"plots": [{"kind": "vs_axis"}]}, "needs `axis:`"),
+        ({"plots": [{"kind": "bars", "log_y": True}]}, "log_y is for `dots` plots only, not 'bars'"),
         ({"plots": [{"kind": "heatmap", "rows": "alpha", "columns": "nope"}]}, "'nope' is not a grid axis"),
         ({"seed": [1]}, "seed: unknown key"),
         ({"base": {**BASE, "algorithms": {"x": {}}}}, "base.algorithms"),
@@ -434,6 +436,25 @@ def test_weight_histogram_plot_is_drawn_per_cell_and_algorithm(tmp_path: Path) -
     assert names == ["tiny-weight_histogram.png"] and (tmp_path / names[0]).stat().st_size > 5000
     with pytest.raises(DataError, match="no run has sample-weight summaries"):
         draw_figures(spec, [dict(record, weights=None) for record in records], tmp_path)
+
+
+def test_spread_scale_goes_logarithmic_only_for_a_wide_spread() -> None:
+    assert spread_scale([0.1, 0.5, 1.0]) == ("linear", None)  # a factor 10
+    assert spread_scale([0.001, 0.5]) == ("log", None)  # a factor 500
+    assert spread_scale([0.0, 0.001, 0.5]) == ("symlog", 0.001)  # log cannot show the 0
+    assert spread_scale([0.0, 0.0]) == ("linear", None)
+
+
+def test_cpd_box_and_log_dots_are_drawn(tmp_path: Path) -> None:
+    spec = parse_study(spec_dict(plots=[{"kind": "cpd_box"},
+                                        {"kind": "dots", "metric": "final_accuracy", "log_y": True}]))
+    records = [dict(run_record(run, {"history": history([0.4, 0.6])}, 0.5), cpd=[0.0, 0.002, 0.6])
+               for run in expand_study(spec)]
+
+    names = draw_figures(spec, records, tmp_path, prefix="tiny-")
+
+    assert names == ["tiny-cpd_box.png", "tiny-final_accuracy_dots.png"]
+    assert all((tmp_path / name).stat().st_size > 5000 for name in names)
 
 
 def test_heatmap_matrix_places_means_and_nan_for_missing() -> None:
