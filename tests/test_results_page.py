@@ -181,7 +181,7 @@ def test_an_unknown_placeholder_is_named(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     (layout.verdicts / "tiny.md").write_text("{{table}}\n")
 
-    with pytest.raises(ConfigError, match=r"tiny\.md: unknown placeholder \{\{table\}\}; known: \{\{plan\}\}, \{\{results\}\}"):
+    with pytest.raises(ConfigError, match=r"tiny\.md: unknown placeholder \{\{table\}\}; known: \{\{plan\}\}, \{\{results\}\}, \{\{cost\}\}"):
         renderer.render_page(layout)
 
 
@@ -226,6 +226,21 @@ def test_a_paired_comparison_against_one_fixed_cell(tmp_path: Path) -> None:
         renderer.render_page(layout)
 
 
+def test_the_cost_line_sums_the_measured_time_per_model(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.studies / "tiny.yaml").read_text())
+    spec["base"]["train"]["model"] = {"name": "mlp"}
+    spec["algorithms"]["fedprox"] = {"model": {"name": "cnn_mnist"}}
+    (layout.studies / "tiny.yaml").write_text(yaml.safe_dump(spec))
+    (layout.verdicts / "tiny.md").write_text("**Cost.** {{cost}}\n")
+    assert "**Cost.** 8 runs planned; none committed yet" in renderer.render_page(layout)
+
+    write_jsonl(layout.results / "tiny.jsonl", tiny_records())  # 60 s a run: 4 FedAvg, 3 FedProx
+
+    assert ("**Cost.** 7 of 8 runs committed; measured training time summed over them 7 min "
+            "(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min)") in renderer.render_page(layout)
+
+
 def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedprx}}\n")
@@ -235,7 +250,7 @@ def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) ->
 
     (layout.verdicts / "tiny.md").write_text("{{paired fedavg}}\n")
     with pytest.raises(ConfigError, match=r"unknown placeholder \{\{paired fedavg\}\}; known: \{\{plan\}\}, "
-                                          r"\{\{results\}\}, \{\{paired A vs B\}\}, \{\{paired A vs B@CELL\}\}"):
+                                          r"\{\{results\}\}, \{\{cost\}\}, \{\{paired A vs B\}\}, \{\{paired A vs B@CELL\}\}"):
         renderer.render_page(layout)
 
 
