@@ -150,6 +150,22 @@ def test_a_study_without_results_shows_no_numbers(tmp_path: Path) -> None:
     assert "| tiny | 0 / 8 | - | not yet re-run | - |" in page
     assert "2 partition draws (data.seed [0, 1]) × 2 training seeds (train.seed [0, 1])" in page
     assert "±" not in page and "**Verdict.** Prose." in page
+    assert "; 3 rounds; target 80%" in page
+
+
+def test_the_plan_counts_the_runs_whose_algorithm_or_cell_sets_other_rounds(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.root / "pipelines" / "studies" / "tiny.yaml").read_text())
+    spec["grid"]["alpha"]["0.1-long"] = {"data.partition.alpha": 0.1, "train.rounds": 30}
+    spec["algorithms"]["fedprox"] = {"rounds": 5}
+    (layout.root / "pipelines" / "studies" / "tiny.yaml").write_text(yaml.safe_dump(spec))
+
+    page = renderer.render_page(layout)
+
+    # 16 runs: the cell's rounds win over the algorithm's (fedavg and fedprox in 0.1-long:
+    # 30, 8 runs); fedavg in 0.1: the base's 3 (4 runs, first in plan order); fedprox in
+    # 0.1: 5 (4 runs).
+    assert "; 30 rounds (3 in 4 runs, 5 in 4 runs); target 80%" in page
 
 
 def test_a_study_with_results_cites_its_file_and_commit(tmp_path: Path) -> None:

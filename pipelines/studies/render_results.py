@@ -128,7 +128,7 @@ def plan_line(spec: Any) -> str:
         others = len(planned) - len(headline)
         pairs = spec.other_pairs if isinstance(spec.other_pairs, str) else f"pairs {spec.other_pairs}"
         parts.append(f"headline ({where}{algorithms}): {full}; the other {others} runs: (draw, seed) {pairs}")
-    parts.append(f"{base_train.get('rounds', '?')} rounds")
+    parts.append(rounds_text(spec, planned, base_train.get("rounds", "?")))
     target = (spec.base.get("study") or {}).get("target_accuracy", 0.9)
     parts.append(f"target {100 * float(target):g}%")
     parts.append(f"headline metric: {metric_name(spec.headline_metric)}")
@@ -142,6 +142,20 @@ def plan_line(spec: Any) -> str:
             f"{spec.labels.get(algorithm, algorithm)} against {spec.labels.get(reference, reference)}"
             for algorithm, reference in spec.baselines.items()))
     return "**Plan** (from `pipelines/studies/" + f"{spec.name}.yaml`): " + "; ".join(parts) + "."
+
+
+def rounds_text(spec: Any, planned: list[Any], default: Any) -> str:
+    """``"30 rounds"``, or, when an algorithm or a grid cell sets other rounds, the most
+    common number with the others and their run counts (most runs first, ties in plan
+    order): ``"30 rounds (300 in 12 runs)"``."""
+    from fedplug.study import run_document
+
+    counts = Counter((run_document(spec, run).get("train") or {}).get("rounds", default) for run in planned)
+    (common, _), *others = counts.most_common() or [(default, 0)]
+    text = f"{common} rounds"
+    if others:
+        text += " (" + ", ".join(f"{rounds} in {count} run{'s' if count != 1 else ''}" for rounds, count in others) + ")"
+    return text
 
 
 def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
