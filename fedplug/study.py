@@ -548,7 +548,9 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
     (fewer when the run has fewer); ``compute_seconds_model`` and
     ``communication_seconds_model`` are the cost model's totals over the rounds;
     ``compute_seconds_to_target`` is the cost model's compute time summed over the rounds
-    up to and including the one that reaches ``target`` (time to accuracy; None when none does).
+    up to and including the one that reaches ``target`` (time to accuracy; None when none does);
+    ``seconds`` and ``setup_seconds`` are the measured wall times of the rounds and of the
+    setup phase.
 
     Raises:
         DataError: ``summary`` has no ``history`` list.
@@ -586,6 +588,7 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
                                                  for record in history)),
         "cpd_median": float(np.median(cpds)) if cpds else None,
         "seconds": float(summary.get("total_seconds") or 0.0),
+        "setup_seconds": float(summary.get("setup_seconds") or 0.0),
     }
 
 
@@ -618,7 +621,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     the grouper reports one), ``compute_seconds`` each round's cost-model compute time
     (4 significant digits; only when the model reports one), ``weights`` the setup phase's
     sample-weight summary (:func:`weight_record`; only for runs whose loss transform reports
-    one, e.g. FedDisk), ``config_hash`` is :func:`config_hash` of the run's config.
+    one, e.g. FedDisk), ``setup_seconds`` the measured wall time of the run's setup phase
+    (only when it took any: a run that loads a cached setup takes about none),
+    ``config_hash`` is :func:`config_hash` of the run's config.
     """
     numbers = run_row(metrics, target)
     history = metrics["history"]
@@ -649,6 +654,8 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
         "cpd_median": _rounded(numbers["cpd_median"]),
         "accuracy": [_rounded(record.get("accuracy")) for record in history],
     }
+    if numbers["setup_seconds"] > 0:
+        record["setup_seconds"] = _rounded(numbers["setup_seconds"], 2)
     if any(_finite(record.get("cpd_median")) for record in history):
         record["cpd"] = [_rounded(record.get("cpd_median")) for record in history]
     if any(_finite(record.get("compute_seconds_model")) and record["compute_seconds_model"] > 0 for record in history):

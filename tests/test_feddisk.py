@@ -361,6 +361,13 @@ def test_the_run_reports_each_clients_weight_spread(tmp_path: Path) -> None:
     # The weights moved: D learned something about these clients (6 clients of a
     # Dirichlet label split, so their inputs differ).
     assert max(report["sample_weight.std"]) > 0.01
+    # The setup phase's wall time is measured apart from the rounds', and a run resumed
+    # from its checkpoint keeps it (no phase runs again).
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert summary["setup_seconds"] == result.setup_seconds > 0
+    assert summary["total_seconds"] == sum(record.seconds for record in result.history)
+    resumed, _ = run_experiment(config, tmp_path)
+    assert resumed.setup_seconds == result.setup_seconds
 
 
 def test_phase_one_is_a_function_of_its_rng_and_leaves_the_global_generator_alone() -> None:

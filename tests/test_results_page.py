@@ -254,7 +254,15 @@ def test_the_cost_line_sums_the_measured_time_per_model(tmp_path: Path) -> None:
     write_jsonl(layout.results / "tiny.jsonl", tiny_records())  # 60 s a run: 4 FedAvg, 3 FedProx
 
     assert ("**Cost.** 7 of 8 runs committed; measured training time summed over them 7 min "
-            "(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min)") in renderer.render_page(layout)
+            "(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min), on the machine") in renderer.render_page(layout)
+
+    # Two runs computed a setup phase (3 and 9 min), the others loaded it: 12 min more.
+    records = tiny_records()
+    records[0]["setup_seconds"], records[4]["setup_seconds"] = 180.0, 540.0
+    write_jsonl(layout.results / "tiny.jsonl", records)
+
+    assert ("(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min); setup phases 12 min more, in 2 runs (from 3.0 to "
+            "9.0 min each), on the machine") in renderer.render_page(layout)
 
 
 def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) -> None:

@@ -365,7 +365,8 @@ def test_run_record_is_one_compact_line_with_provenance() -> None:
     assert record["rounds_to_target"] == 2 and record["bytes_to_target"] == 200 and record["total_bytes"] == 300
     assert record["compute_seconds_model"] == 3.0 and record["train_seconds"] == 1.23
     assert record["compute_seconds_to_target"] == 1.5 and record["compute_seconds"] == [0.5, 1.0, 1.5]
-    assert "weights" not in record  # no setup phase
+    assert "weights" not in record and "setup_seconds" not in record  # no setup phase
+    assert run_record(run, dict(metrics, setup_seconds=512.345), 0.5)["setup_seconds"] == 512.35
     assert (record["commit"], record["dirty"], record["fedplug"]) == ("abc1234def", False, "0.1.0")
     assert record["config_hash"] == config_hash(run.config.model_dump(mode="json"))
     assert json.loads(json.dumps(record)) == record

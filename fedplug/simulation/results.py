@@ -74,6 +74,9 @@ class RunResult:
     setup_rounds: int = 0
     """Communication rounds spent before training (FedDisk's MADE phase)."""
     setup_bytes: int = 0
+    setup_seconds: float = 0.0
+    """Wall time of the loss transform's preparation and setup phase in this run (FedDisk's
+    density estimation; about 0 when it loads a cached result); not in ``total_seconds``."""
     derived_params: dict[str, Any] = field(default_factory=dict)
     """Values computed from the config that a reader wants to see (FedAvgM's effective
     learning rate)."""
@@ -114,6 +117,7 @@ class RunResult:
             "setup_rounds": self.setup_rounds,
             "total_bytes": self.total_bytes,
             "total_seconds": sum(record.seconds for record in self.history),
+            "setup_seconds": self.setup_seconds,
             "final_loss": _json_number(self.history[-1].loss) if self.history else None,
             "derived": self.derived_params,
             "setup_report": self.setup_report,

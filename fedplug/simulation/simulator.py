@@ -126,6 +126,8 @@ class Simulator:
         self.engine = self._choose_engine()
         self._start: tuple[Tensor, dict, list[RoundRecord], PhaseCost] | None = None
         """Where :meth:`run` starts, once :meth:`prepare` has found it."""
+        self._setup_seconds = 0.0
+        """Wall time of the setup in :meth:`prepare` (restored from a checkpoint when resuming)."""
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.fingerprint = config_fingerprint(train_config, federation)
         self.core = RoundCore(
@@ -174,6 +176,7 @@ class Simulator:
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
         setup_cost = PhaseCost(0, 0, 0)
+        setup_seconds = 0.0
         state = load_checkpoint(self.checkpoint_path, self.fingerprint) if (self.checkpoint_path and resume) else None
         if state is not None:
             global_vector = state["global_vector"].to(self.device)
@@ -183,11 +186,15 @@ class Simulator:
             client_states = move_tensors(state["client_states"], self.device)
             history = [RoundRecord.from_dict(record) for record in state["history"]]
             setup_cost = PhaseCost(**state["setup_cost"])
+            setup_seconds = float(state.get("setup_seconds", 0.0))
             logger.info("resuming from %s after round %d", self.checkpoint_path, len(history))
         else:
+            started = time.perf_counter()
             setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
+            setup_seconds = time.perf_counter() - started
             self.algorithm.aggregator.initialize(global_vector)
         self._start = (global_vector, client_states, history, setup_cost)
+        self._setup_seconds = setup_seconds
 
     def run(self, *, resume: bool = True) -> RunResult:
         """Train for ``rounds`` rounds (continuing from a checkpoint when there is one)."""
@@ -209,6 +216,7 @@ class Simulator:
             self.target_accuracy,
             setup_rounds=setup_cost.rounds,
             setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
+            setup_seconds=self._setup_seconds,
             derived_params=self.derived_params(),
             setup_report=self.algorithm.loss_transform.setup_report(),
         )
@@ -268,4 +276,5 @@ class Simulator:
             "client_states": move_tensors(client_states, "cpu"),
             "history": [vars(record) for record in history],
             "setup_cost": asdict(setup_cost),
+            "setup_seconds": self._setup_seconds,
         }

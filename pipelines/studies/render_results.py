@@ -160,8 +160,8 @@ def rounds_text(spec: Any, planned: list[Any], default: Any) -> str:
 
 def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
     """The measured cost of the committed runs: training time summed over the runs, in
-    total and per model (an algorithm's ``model`` override, else the base's), or what is
-    planned when no run is committed."""
+    total and per model (an algorithm's ``model`` override, else the base's), and the setup
+    phases' time (:func:`setup_text`), or what is planned when no run is committed."""
     from fedplug.study import planned_runs
 
     planned = {run.run_id for run in planned_runs(spec)}
@@ -176,8 +176,19 @@ def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
     total = sum(sum(values) for values in minutes.values())
     parts = [f"{model}: {len(values)} runs, {sum(values):.0f} min" for model, values in minutes.items()]
     return (f"{len(records)} of {len(planned)} runs committed; measured training time summed over them "
-            f"{total:.0f} min ({'; '.join(parts)}), on the machine that ran them (2 cores; the times "
-            "grow when other work shares them).")
+            f"{total:.0f} min ({'; '.join(parts)}){setup_text(records)}, on the machine that ran them (2 cores; "
+            "the times grow when other work shares them).")
+
+
+def setup_text(records: list[dict[str, Any]]) -> str:
+    """The measured setup phases of the records (``setup_seconds``: only runs whose setup
+    took time, e.g. FedDisk's density estimation; runs that load a cached setup take none):
+    "" when no record has one."""
+    seconds = [float(record["setup_seconds"]) for record in records if record.get("setup_seconds")]
+    if not seconds:
+        return ""
+    return (f"; setup phases {sum(seconds) / 60:.0f} min more, in {len(seconds)} runs (from {min(seconds) / 60:.1f} "
+            f"to {max(seconds) / 60:.1f} min each)")
 
 
 def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, Any]]) -> str:
