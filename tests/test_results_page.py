@@ -256,13 +256,14 @@ def test_the_cost_line_sums_the_measured_time_per_model(tmp_path: Path) -> None:
     assert ("**Cost.** 7 of 8 runs committed; measured training time summed over them 7 min "
             "(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min), on the machine") in renderer.render_page(layout)
 
-    # Two runs computed a setup phase (3 and 9 min), the others loaded it: 12 min more.
+    # Two runs computed a setup phase (3 and 9 min), one loaded its own from a cache (0.02 s):
+    # 12 min more.
     records = tiny_records()
-    records[0]["setup_seconds"], records[4]["setup_seconds"] = 180.0, 540.0
+    records[0]["setup_seconds"], records[4]["setup_seconds"], records[5]["setup_seconds"] = 180.0, 540.0, 0.02
     write_jsonl(layout.results / "tiny.jsonl", records)
 
-    assert ("(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min); setup phases 12 min more, in 2 runs (from 3.0 to "
-            "9.0 min each), on the machine") in renderer.render_page(layout)
+    assert ("(mlp: 4 runs, 4 min; cnn_mnist: 3 runs, 3 min); setup phases 12 min more, in 2 runs (3.0 to "
+            "9.0 min each); 1 run took under 1 s for theirs (a cached result), on the machine") in renderer.render_page(layout)
 
 
 def test_a_paired_comparison_of_an_unknown_algorithm_is_named(tmp_path: Path) -> None:

@@ -181,14 +181,22 @@ def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
 
 
 def setup_text(records: list[dict[str, Any]]) -> str:
-    """The measured setup phases of the records (``setup_seconds``: only runs whose setup
-    took time, e.g. FedDisk's density estimation; runs that load a cached setup take none):
-    "" when no record has one."""
+    """The measured setup phases of the records (``setup_seconds``, e.g. FedDisk's density
+    estimation): their total, the runs that spent at least a second on one (they computed
+    it) and the runs that spent less (they loaded it from a cache); "" when no record has
+    one."""
     seconds = [float(record["setup_seconds"]) for record in records if record.get("setup_seconds")]
     if not seconds:
         return ""
-    return (f"; setup phases {sum(seconds) / 60:.0f} min more, in {len(seconds)} runs (from {min(seconds) / 60:.1f} "
-            f"to {max(seconds) / 60:.1f} min each)")
+    computed = [value for value in seconds if value >= 1.0]
+    loaded = len(seconds) - len(computed)
+    text = f"; setup phases {sum(seconds) / 60:.0f} min more"
+    if computed:
+        text += (f", in {len(computed)} run{'s' if len(computed) != 1 else ''} ({min(computed) / 60:.1f} to "
+                 f"{max(computed) / 60:.1f} min each)")
+    if loaded:
+        text += f"; {loaded} run{'s' if loaded != 1 else ''} took under 1 s for theirs (a cached result)"
+    return text
 
 
 def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, Any]]) -> str:
