@@ -622,7 +622,8 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     (4 significant digits; only when the model reports one), ``weights`` the setup phase's
     sample-weight summary (:func:`weight_record`; only for runs whose loss transform reports
     one, e.g. FedDisk), ``setup_seconds`` the measured wall time of the run's setup phase
-    (only when it took any: a run that loads a cached setup takes about none),
+    (only when it took 0.01 s or more: a run without a setup phase takes none, one that
+    loads a cached setup about none),
     ``config_hash`` is :func:`config_hash` of the run's config.
     """
     numbers = run_row(metrics, target)
@@ -654,8 +655,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
         "cpd_median": _rounded(numbers["cpd_median"]),
         "accuracy": [_rounded(record.get("accuracy")) for record in history],
     }
-    if numbers["setup_seconds"] > 0:
-        record["setup_seconds"] = _rounded(numbers["setup_seconds"], 2)
+    setup_seconds = _rounded(numbers["setup_seconds"], 2)
+    if setup_seconds:
+        record["setup_seconds"] = setup_seconds
     if any(_finite(record.get("cpd_median")) for record in history):
         record["cpd"] = [_rounded(record.get("cpd_median")) for record in history]
     if any(_finite(record.get("compute_seconds_model")) and record["compute_seconds_model"] > 0 for record in history):

@@ -367,6 +367,7 @@ def test_run_record_is_one_compact_line_with_provenance() -> None:
     assert record["compute_seconds_to_target"] == 1.5 and record["compute_seconds"] == [0.5, 1.0, 1.5]
     assert "weights" not in record and "setup_seconds" not in record  # no setup phase
     assert run_record(run, dict(metrics, setup_seconds=512.345), 0.5)["setup_seconds"] == 512.35
+    assert "setup_seconds" not in run_record(run, dict(metrics, setup_seconds=0.0004), 0.5)  # a no-op setup
     assert (record["commit"], record["dirty"], record["fedplug"]) == ("abc1234def", False, "0.1.0")
     assert record["config_hash"] == config_hash(run.config.model_dump(mode="json"))
     assert json.loads(json.dumps(record)) == record

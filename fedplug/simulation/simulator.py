@@ -176,7 +176,6 @@ class Simulator:
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
         setup_cost = PhaseCost(0, 0, 0)
-        setup_seconds = 0.0
         state = load_checkpoint(self.checkpoint_path, self.fingerprint) if (self.checkpoint_path and resume) else None
         if state is not None:
             global_vector = state["global_vector"].to(self.device)
@@ -186,15 +185,14 @@ class Simulator:
             client_states = move_tensors(state["client_states"], self.device)
             history = [RoundRecord.from_dict(record) for record in state["history"]]
             setup_cost = PhaseCost(**state["setup_cost"])
-            setup_seconds = float(state.get("setup_seconds", 0.0))
+            self._setup_seconds = float(state.get("setup_seconds", 0.0))
             logger.info("resuming from %s after round %d", self.checkpoint_path, len(history))
         else:
             started = time.perf_counter()
             setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
-            setup_seconds = time.perf_counter() - started
+            self._setup_seconds = time.perf_counter() - started
             self.algorithm.aggregator.initialize(global_vector)
         self._start = (global_vector, client_states, history, setup_cost)
-        self._setup_seconds = setup_seconds
 
     def run(self, *, resume: bool = True) -> RunResult:
         """Train for ``rounds`` rounds (continuing from a checkpoint when there is one)."""
