@@ -35,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument("--algorithm", help="apply the params file's algorithms.<NAME> entry to train")
     run_parser.add_argument("--out", help="output folder (default: runs/<study>-<config hash>)")
     run_parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
+    run_parser.add_argument(
+        "--force", action="store_true",
+        help="overwrite a fedplug output folder of another config (deletes only the files fedplug wrote there)",
+    )
     run_parser.add_argument("--quiet", action="store_true", help="no progress bar")
     tracking = run_parser.add_mutually_exclusive_group()
     tracking.add_argument(
@@ -68,22 +72,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tqdm import tqdm
-
     from fedplug.config import load_experiment
-    from fedplug.experiment import checkpointed_rounds, default_output_dir, prepare_experiment, train_experiment
-    from fedplug.tracking import open_tracker
+    from fedplug.experiment import default_output_dir, output_fingerprint, prepare_experiment
+    from fedplug.output_folder import claim
 
     config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
     # MLflow logs its store migrations and requirement checks at INFO: not a user's concern.
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     out = Path(args.out) if args.out else default_output_dir(config)
-    check_output_folder(out)
-    resume = not args.no_resume
+    fingerprint = output_fingerprint(config)
+    # A folder fedplug did not write, another config's run (without --force) or a folder
+    # another run is writing is refused here, before any data is loaded.
+    status = check_output_folder(out, fingerprint, force=args.force)
+    resume = not args.no_resume and status != "replace"
     # Everything that can refuse the run (data, partition, model, checkpoint, tracking)
     # runs before anything is printed: a refused run shows its one error line only, never
     # a progress bar that started.
-    simulator = prepare_experiment(config, out, resume=resume)
+    simulator = prepare_experiment(config, out, resume=resume, force=args.force)
+    # From here on the folder is ours: locked against a second run, marked as this config's.
+    with claim(out, fingerprint, force=args.force):
+        return train_and_report(args, config, simulator, out, resume)
+
+
+def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out: Any, resume: bool) -> int:
+    """Track, train and print the result of a prepared run (see :func:`run_command`)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from fedplug.experiment import checkpointed_rounds, train_experiment
+    from fedplug.tracking import open_tracker
+
     # The config file's folder is the project: its local store is <project>/mlflow.db.
     project_root = Path(args.config).resolve().parent
     label = args.algorithm or config.train.aggregator.name
@@ -191,13 +210,20 @@ def ui_hint(uri: str | None, project_root: Any) -> str:
     return f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
 
 
-def check_output_folder(out: str | os.PathLike[str]) -> None:
-    """Refuse an output folder that cannot be created or written, before any work starts.
+def check_output_folder(out: str | os.PathLike[str], fingerprint: str | None = None, *, force: bool = False) -> str:
+    """Refuse an output folder that cannot be created or written, or that fedplug may not
+    write into, before any work starts; return its status (``"new"``, ``"own"``, or
+    ``"replace"``: another config's fedplug folder that ``force`` replaces).
 
     Raises :class:`ConfigError` when ``out`` is an existing file, when the nearest
-    existing folder above it is a file, or when that folder is not writable.
+    existing folder above it is a file, or when that folder is not writable; and, with a
+    ``fingerprint``, as :func:`fedplug.output_folder.inspect` (``/``, the home folder or the
+    project root; a non-empty folder fedplug did not write; another config's run without
+    ``force``; a folder another run holds, naming its PID).
     """
     from pathlib import Path
+
+    from fedplug.output_folder import inspect
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -215,6 +241,7 @@ def check_output_folder(out: str | os.PathLike[str]) -> None:
             f"--out {str(out)!r} cannot be created: no permission to write in {str(existing)!r}; "
             "choose another --out"
         )
+    return inspect(out, fingerprint, force=force) if fingerprint is not None else "new"
 
 
 def describe_os_error(error: OSError) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, get_args
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 import numpy as np
 import torch
@@ -112,6 +112,29 @@ REPLY_METRICS: dict[str, str] = {
 component may ask for these in :attr:`ClientNeeds.reply_metrics`."""
 
 
+MODEL_SHAPE: Literal["model"] = "model"
+"""A reply extra's declared shape when it is shaped like the flat model vector ``[P]``
+(SCAFFOLD's ``delta_c``)."""
+
+
+@dataclass(frozen=True)
+class ReplyExtra:
+    """How one tensor of a client's reply extras must look (:attr:`ClientNeeds.reply_extra_shapes`).
+
+    The round core drops a reply whose extra differs (:mod:`fedplug.screening`), before
+    the aggregator reads it: a component that declares its extras never sees one of the
+    wrong shape, dtype or range.
+    """
+
+    shape: Literal["model"] | tuple[int, ...] = MODEL_SHAPE
+    """``"model"`` (:data:`MODEL_SHAPE`, the flat model's ``[P]``) or an exact shape;
+    ``()`` is a scalar (FedNova's ``a``)."""
+    minimum: float | None = None
+    """Every entry must be at least this (None: no lower bound; FedNova's ``a``: 0)."""
+    maximum: float | None = None
+    """Every entry must be at most this (None: no upper bound)."""
+
+
 @dataclass(frozen=True)
 class ClientNeeds:
     """What a component needs from the clients beyond the model and ``num-examples``.
@@ -134,6 +157,13 @@ class ClientNeeds:
     reply_extras: tuple[str, ...] = ()
     """Tensors every client's reply carries besides the model (SCAFFOLD's ``delta_c``,
     FedNova's ``a_k``)."""
+    reply_extra_shapes: Mapping[str, ReplyExtra] = field(default_factory=dict, hash=False)
+    """How each of :attr:`reply_extras` must look, by name (its shape, and any range):
+    SCAFFOLD's ``{"delta_c": ReplyExtra("model")}``, FedNova's
+    ``{"a": ReplyExtra((), minimum=0.0)}``. The round core drops a reply whose extra has
+    another shape, a dtype other than a real float or integer, or an entry out of range
+    or not finite. An extra declared in :attr:`reply_extras` but not here may have any
+    shape of at most the model's number of elements."""
     pooled_data: str | None = None
     """Set when the component needs every client's raw data in one place, which only the
     simulator has: the text says why (FedDiskAb, an oracle ablation)."""
@@ -152,6 +182,7 @@ class ClientNeeds:
             client_state=self.client_state or other.client_state,
             server_payload=tuple(dict.fromkeys(self.server_payload + other.server_payload)),
             reply_extras=tuple(dict.fromkeys(self.reply_extras + other.reply_extras)),
+            reply_extra_shapes={**self.reply_extra_shapes, **other.reply_extra_shapes},
             pooled_data=self.pooled_data or other.pooled_data,
             reply_metrics=tuple(dict.fromkeys(self.reply_metrics + other.reply_metrics)),
         )
@@ -308,6 +339,10 @@ class ClientUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
     """The reply metrics the run's components ask for (:attr:`ClientNeeds.reply_metrics`,
     e.g. ``train_loss``), the chain's last member's; empty when none is asked for."""
+    num_examples: int | None = None
+    """The training samples the chain claims it trained on (the sum of its members'
+    ``num-examples``), screened against ``train.screening`` and the class counts the
+    server holds; ``None`` when the runtime does not know it."""
 
 
 class Aggregator(ABC):
@@ -353,6 +388,14 @@ class Aggregator(ABC):
         """After local training: update ``client_state`` in place and return the extras
         to send with the model."""
         return {}
+
+    def check_update(self, update: ClientUpdate) -> str | None:
+        """Why this aggregator cannot use ``update``, for relations between its fields
+        that only the algorithm knows (FedNova: ``a`` against ``num_steps``); ``None``
+        when it can (the default). The round core calls it after its own screen
+        (:mod:`fedplug.screening`: every field's type, dtype, shape, finiteness and
+        bounds), and drops the update with the returned reason."""
+        return None
 
     @abstractmethod
     def aggregate(self, global_vector: Tensor, updates: Iterable[ClientUpdate]) -> Tensor:

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_serializer, model_validator
 
 from fedplug.components import ComponentConfig, StrictConfig
+from fedplug.deadline import LONGEST_CLIENT_TIMEOUT_SECONDS
 from fedplug.errors import ConfigError
 from fedplug.faults import FaultsConfig
 from fedplug.registry import Registry
+from fedplug.screening import ScreeningConfig
 
 # Config field -> registry kind, for every field that selects a component by name.
 COMPONENT_FIELDS = {
@@ -41,6 +43,11 @@ COMPONENT_FIELDS = {
     "grouper": "groupers",
 }
 ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
+
+MAX_SEED = 2**32 - 1
+"""The largest seed (``train.seed``, ``data.seed``, ``study.seeds``): FedML seeds numpy's
+legacy generator with ``train.seed``, which takes 32 bits; torch takes 64."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 def component_entry(value: Any) -> Any:
@@ -73,8 +80,10 @@ class FailurePolicy(StrictModel):
     """If more than this fraction of a round's updates fail, the round is retried."""
     max_round_retries: int = Field(1, ge=0, le=10)
     """Retries of a round with too many failures before the run stops with an error."""
-    client_timeout_seconds: float | None = Field(None, gt=0)
-    """A client whose local training takes longer than this is dropped (None = no limit)."""
+    client_timeout_seconds: float | None = Field(None, gt=0, le=LONGEST_CLIENT_TIMEOUT_SECONDS)
+    """A client whose local training takes longer than this is dropped (None = no limit in
+    the simulator; Flower and FedML then wait an hour for a reply, see docs/reliability.md).
+    At most 1e6 s (:data:`fedplug.deadline.LONGEST_CLIENT_TIMEOUT_SECONDS`)."""
 
 
 class StudyConfig(StrictModel):
@@ -82,7 +91,7 @@ class StudyConfig(StrictModel):
 
     name: str = Field("fedplug", min_length=1)
     """MLflow experiment name."""
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1)
     """The pipeline runs every algorithm once per seed."""
     target_accuracy: float = Field(0.9, gt=0, le=1)
     """Accuracy for 'rounds to target' in the report."""
@@ -105,6 +114,12 @@ class TrackingConfig(StrictModel):
     fallback_to_local: bool = False
     """If the server does not answer: False = stop before training; True = log to the
     local store and say so."""
+    on_error: Literal["continue", "stop"] = "continue"
+    """If the tracking server stops answering *during* training: ``continue`` (default)
+    warns once, keeps the unsent metrics and sends them when it answers again (or when the
+    same command is run again); ``stop`` ends the run with one line (the checkpoint is
+    kept, so the same command resumes). Either way an unreachable server costs a bounded
+    wait, never MLflow's default minutes of retries."""
 
 
 class DataConfigBase(StrictModel):
@@ -116,8 +131,8 @@ class DataConfigBase(StrictModel):
     """K, the number of clients."""
     local_test_fraction: float = Field(0.2, ge=0, lt=1)
     """Share of each client's samples kept as its local test split."""
-    seed: int = Field(0, ge=0)
-    """Seed of the partition and the local train/test split."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of the partition and the local train/test split (at most 2**32 - 1)."""
     root: str = "data/raw"
     """Folder the datasets are read from (and downloaded to)."""
 
@@ -139,8 +154,8 @@ class TrainConfigBase(StrictModel):
     batch_size: int = Field(10, ge=1, le=1_000_000)
     """Local mini-batch size B."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    seed: int = Field(0, ge=0)
-    """Seed of model initialisation, client sampling and local shuffling."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seed of model initialisation, client sampling and local shuffling (at most 2**32 - 1)."""
     engine: Literal["auto", "sequential", "vectorized", "parallel"] = "auto"
     """``sequential`` (one client after another), ``vectorized`` (clients in lockstep with
     torch.func.vmap), ``parallel`` (the clients of a round spread over ``workers`` forked
@@ -157,6 +172,18 @@ class TrainConfigBase(StrictModel):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     """Faults injected on purpose (dropout, stragglers, corrupted updates; default none):
     see :mod:`fedplug.faults`."""
+    screening: ScreeningConfig = Field(default_factory=ScreeningConfig)
+    """Bounds on what one client's reply may claim (its update's norm, its share of the
+    aggregation weight, its sample count against the class counts): see
+    :mod:`fedplug.screening`. Left out of the resolved config while every bound is at its
+    default, so run folders, checkpoints and study records of earlier versions still match."""
+
+    @model_serializer(mode="wrap")
+    def _without_default_screening(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and self.screening == ScreeningConfig():
+            data.pop("screening", None)
+        return data
 
     @model_validator(mode="after")
     def _components_fit_together(self) -> "TrainConfigBase":
@@ -332,12 +359,28 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     """Apply one ``dotted.key=value`` (value parsed as YAML) to a nested dict."""
     key, separator, raw = assignment.partition("=")
     if not separator or not key.strip():
-        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value, e.g. train.rounds=5")
+        raise ConfigError(f"--set {_shown(assignment)}: expected dotted.key=value, e.g. train.rounds=5")
+    if key.count(".") >= MAX_NESTING:
+        raise ConfigError(
+            f"--set {_shown(assignment)}: the key has {key.count('.') + 1} parts, more than {MAX_NESTING}; "
+            "fedplug's keys have fewer than 10"
+        )
     try:
+        where = too_deep(raw)
+        if where is not None:
+            raise ConfigError(
+                f"--set {_shown(assignment)}: the value is nested more than {MAX_NESTING} levels deep "
+                f"(at column {where[1]}); fedplug's values nest fewer than 10"
+            )
         value = yaml.safe_load(raw)
     except yaml.YAMLError as error:
-        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({error})") from None
+        raise ConfigError(f"--set {_shown(assignment)}: the value is not valid YAML ({error})") from None
     return set_dotted(data, key.strip(), value)
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``repr(text)``, cut to about ``limit`` characters (a huge ``--set`` stays one line)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -357,6 +400,31 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------- loading
+
+MAX_NESTING = 50
+"""The deepest nesting of mappings and lists a config file or ``--set`` value may have
+(fedplug's own configs nest 6 levels). PyYAML builds a document recursively, so a few
+hundred levels would end in a ``RecursionError``; :func:`too_deep` checks first."""
+
+
+def too_deep(text: str) -> tuple[int, int] | None:
+    """``(line, column)`` (1-based) where ``text``'s YAML nests more than
+    :data:`MAX_NESTING` mappings or lists, or None. Reads PyYAML's event stream, which
+    is not recursive, and stops at the first level too many.
+
+    Raises:
+        yaml.YAMLError: ``text`` is not valid YAML before that point.
+    """
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_NESTING:
+                return event.start_mark.line + 1, event.start_mark.column + 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return None
+
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -394,17 +462,29 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     except OSError as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The YAML mapping in ``text`` (``source`` names it in errors: a file, a run-config
+    key), refused in one line when it is invalid, nested too deep, or not a mapping."""
     try:
+        where = too_deep(text)
+        if where is not None:
+            raise ConfigError(
+                f"{source}: nested more than {MAX_NESTING} levels deep at line {where[0]}, column {where[1]}; "
+                "a fedplug config nests fewer than 10 levels"
+            )
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (data:, train:, ...), got {type(data).__name__}")
+        raise ConfigError(f"{source}: expected a mapping of sections (data:, train:, ...), got {type(data).__name__}")
     return data
 
 

@@ -25,7 +25,9 @@ the handler is disarmed before the timer's previous owner is put back.
 Limits: :class:`ClientTimeout` is an ``Exception``, so client code that catches every
 exception and keeps going (``except Exception: pass`` in a loop) swallows it; the
 parallel engine's main process kills such a worker (its backstop), the other engines
-cannot. A handler of ``SIGALRM`` installed by the client's own code replaces ours.
+cannot. A handler of ``SIGALRM`` installed by the client's own code replaces ours. A
+deadline further away than :data:`LONGEST_TIMER_SECONDS` (years) is armed for that long:
+the platform's timers cannot hold more, and no run lasts that long.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ REPLY_MARGIN_SECONDS = 2.0
 sent at its deadline, must still reach it (Flower, FedML)."""
 MARGIN_FRACTION = 0.1
 """... or this fraction of the deadline's seconds, when larger."""
+LONGEST_CLIENT_TIMEOUT_SECONDS = 1_000_000.0
+"""The largest ``train.failures.client_timeout_seconds`` (about 11.6 days). The parallel
+engine waits for its workers with ``poll``, whose timeout is a C int of milliseconds
+(at most 2**31 - 1 ms, about 24.8 days): T plus its kill margin must stay below that."""
+LONGEST_TIMER_SECONDS = 100_000_000.0
+"""The longest a timer is armed for (about 3.2 years). ``setitimer`` and
+``threading.Event.wait`` overflow above about 9.2e9 s (``OverflowError: timestamp out of
+range``); a deadline further away than this (a vectorised block of many chains times T,
+or a T a Flower server sent) cannot fire within any run, so it is armed for this long."""
 
 
 def grace_period(seconds: float, least: float) -> float:
@@ -79,7 +90,7 @@ def deadline(seconds: float | None, what: str = "client") -> Iterator[None]:
     if seconds is None:
         yield
         return
-    if seconds <= 0:
+    if not seconds > 0:  # also NaN
         raise ValueError(f"a deadline must be positive, got {seconds}")
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         with _alarm(seconds, what):
@@ -89,11 +100,17 @@ def deadline(seconds: float | None, what: str = "client") -> Iterator[None]:
             yield
 
 
+def timer_seconds(seconds: float) -> float:
+    """``seconds`` as a timer can be armed with: at most :data:`LONGEST_TIMER_SECONDS`."""
+    return min(seconds, LONGEST_TIMER_SECONDS)
+
+
 @contextmanager
 def _alarm(seconds: float, what: str) -> Iterator[None]:
     outer_handler = signal.getsignal(signal.SIGALRM)
     outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL)
-    if outer_remaining and outer_remaining < seconds:
+    armed_seconds = timer_seconds(seconds)
+    if outer_remaining and outer_remaining < armed_seconds:
         yield  # the outer deadline comes first; it stays in charge
         return
     started = time.monotonic()
@@ -105,7 +122,7 @@ def _alarm(seconds: float, what: str) -> Iterator[None]:
             raise ClientTimeout(timeout_message(what, seconds), what=what, seconds=seconds)
 
     signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, armed_seconds)
     try:
         yield
     finally:
@@ -128,7 +145,7 @@ def _watchdog(seconds: float, what: str) -> Iterator[None]:
     lock = threading.Lock()
 
     def fire() -> None:
-        if done.wait(seconds):
+        if done.wait(timer_seconds(seconds)):
             return
         with lock:
             if done.is_set():

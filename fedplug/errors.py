@@ -27,3 +27,7 @@ class TrainingError(FedplugError):
 
 class TrackingError(FedplugError):
     """The experiment tracker (MLflow) cannot be reached or used."""
+
+
+class OutputError(FedplugError):
+    """An output file cannot be written (the disk is full); the previous version is kept."""

@@ -16,12 +16,17 @@ import torch
 import yaml
 
 from fedplug.data.build import build_federation
+from fedplug.output_folder import claim, files_named, inspect, write_atomically, write_text
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import read_checkpoint
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
 
+TRACKER_FILES = files_named(("mlflow_run.json",))
+"""A folder holding only the tracker's state is fedplug's: a library caller opens the tracker
+(:func:`fedplug.tracking.open_tracker`, which writes it) on ``out_dir`` before
+:func:`run_experiment` claims the folder."""
 REPORTED_PACKAGES = ("fedplug", "torch", "numpy", "pydantic", "pluggy", "ortools", "flwr", "mlflow", "dvc")
 
 
@@ -29,9 +34,17 @@ def default_output_dir(config: Any) -> Path:
     """``runs/<dataset>-<aggregator>-<hash of data+train>``: the same command finds its own
     checkpoint, and the name says what ran (not the study, whose dataset ``--set`` may
     have changed)."""
-    resolved = json.dumps({"data": config.data.model_dump(mode="json"), "train": config.train.model_dump(mode="json")}, sort_keys=True)
-    digest = hashlib.sha256(resolved.encode()).hexdigest()[:10]
+    digest = output_fingerprint(config)[:10]
     return Path("runs") / f"{config.data.dataset.name}-{config.train.aggregator.name}-{digest}"
+
+
+def output_fingerprint(config: Any) -> str:
+    """The hash of the resolved ``data`` and ``train`` sections: what an output folder's
+    marker says it holds (:mod:`fedplug.output_folder`), so a folder holding another
+    config's run is refused before it could be overwritten. It is computed before any
+    data is loaded, unlike the checkpoint's fingerprint, which also covers the federation."""
+    resolved = json.dumps({"data": config.data.model_dump(mode="json"), "train": config.train.model_dump(mode="json")}, sort_keys=True)
+    return hashlib.sha256(resolved.encode()).hexdigest()
 
 
 def run_experiment(
@@ -42,15 +55,30 @@ def run_experiment(
     observers: Iterable[RoundObserver] = (),
     resume: bool = True,
     federation: Any = None,
+    force: bool = False,
 ) -> tuple[RunResult, Simulator]:
     """Build the federation, train, and (when ``out_dir`` is given) write
     ``metrics.json``, ``config.yaml`` (the resolved config), ``run_info.json`` and a
     per-round ``checkpoint.pt`` there: :func:`prepare_experiment`, then
-    :func:`train_experiment`."""
+    :func:`train_experiment`. ``force`` (default False) replaces a fedplug folder of
+    another config (:func:`fedplug.output_folder.claim`); the run then starts over."""
+    resume = resume and not replaces_output(config, out_dir, force)
     simulator = prepare_experiment(
-        config, out_dir, registry=registry, observers=observers, resume=resume, federation=federation
+        config, out_dir, registry=registry, observers=observers, resume=resume, federation=federation, force=force
     )
-    return train_experiment(config, simulator, out_dir, resume=resume), simulator
+    return train_experiment(config, simulator, out_dir, resume=resume, force=force), simulator
+
+
+def replaces_output(config: Any, out_dir: str | os.PathLike[str] | None, force: bool) -> bool:
+    """Whether writing ``config``'s run to ``out_dir`` replaces another config's fedplug
+    folder (only with ``force``): its checkpoint is then not resumed but deleted.
+
+    Raises:
+        ConfigError: ``out_dir`` is refused (:func:`fedplug.output_folder.inspect`).
+    """
+    if out_dir is None:
+        return False
+    return inspect(out_dir, output_fingerprint(config), force=force, legacy=TRACKER_FILES) == "replace"
 
 
 def prepare_experiment(
@@ -61,13 +89,18 @@ def prepare_experiment(
     observers: Iterable[RoundObserver] = (),
     resume: bool = True,
     federation: Any = None,
+    force: bool = False,
 ) -> Simulator:
-    """Everything that can refuse a run, before anything is written: the federation,
-    the simulator, and the checkpoint in ``out_dir`` when resuming (a corrupt one, or
-    one of another config, is refused). More observers can join ``simulator.observers``
-    before :func:`train_experiment`."""
+    """Everything that can refuse a run, before anything is written: ``out_dir`` (a folder
+    fedplug did not write, or of another config without ``force``, or one another run
+    holds: :func:`fedplug.output_folder.inspect`), the federation, the simulator, and the
+    checkpoint in ``out_dir`` when resuming (a corrupt one, or one of another config, is
+    refused). More observers can join ``simulator.observers`` before
+    :func:`train_experiment`."""
     registry = registry or default_registry()
     out = Path(out_dir) if out_dir is not None else None
+    if replaces_output(config, out, force):
+        resume = False  # the other config's checkpoint is deleted when the folder is claimed
     checkpoint = out / "checkpoint.pt" if out is not None else None
     if federation is None:
         federation = build_federation(config.data, registry, resolve_device(config.train.device))
@@ -87,18 +120,26 @@ def prepare_experiment(
 
 
 def train_experiment(
-    config: Any, simulator: Simulator, out_dir: str | os.PathLike[str] | None, *, resume: bool = True
+    config: Any,
+    simulator: Simulator,
+    out_dir: str | os.PathLike[str] | None,
+    *,
+    resume: bool = True,
+    force: bool = False,
 ) -> RunResult:
-    """Train a prepared experiment and write its files to ``out_dir`` (when given)."""
-    out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+    """Train a prepared experiment and write its files to ``out_dir`` (when given), which
+    is claimed meanwhile (:func:`fedplug.output_folder.claim`: locked against a second run,
+    marked with :func:`output_fingerprint`; ``force`` as in :func:`run_experiment`)."""
+    if out_dir is None:
+        return simulator.run(resume=resume)
+    out = Path(out_dir)
+    with claim(out, output_fingerprint(config), force=force, legacy=TRACKER_FILES):
         write_yaml(out / "config.yaml", config.model_dump(mode="json"))
         write_json(out / "run_info.json", run_info())
-    result = simulator.run(resume=resume)
-    if out is not None:
+        result = simulator.run(resume=resume)
         write_json(out / "metrics.json", result.summary())
-        torch.save(simulator.model.state_dict(), out / "model.pt")
+        state = simulator.model.state_dict()
+        write_atomically(out / "model.pt", lambda handle: torch.save(state, handle), what="model")
     return result
 
 
@@ -149,10 +190,11 @@ def git_commit(folder: str | os.PathLike[str] | None = None) -> str | None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(temporary, path)
+    """Write ``data`` as JSON, atomically and never through a symlink
+    (:func:`fedplug.output_folder.write_atomically`)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_yaml(path: Path, data: Any) -> None:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    """Write ``data`` as YAML, like :func:`write_json`."""
+    write_text(path, yaml.safe_dump(data, sort_keys=False))

@@ -22,7 +22,8 @@ dropout x straggler grid). Every runtime injects the same faults, because the ro
   round screens it: ``nan`` (every parameter NaN) and ``shape`` (one parameter short) are
   dropped by the screen with its usual reason; ``scale`` multiplies the update's change
   to the global model by ``factor`` and passes the screen (that is the point: an update
-  that looks fine and is not).
+  that looks fine and is not) unless it is over a bound of ``train.screening``: the
+  default ``max_norm_ratio`` drops absurd scales (1e30), ``max_update_norm`` smaller ones.
 
 Every decision comes from its own random stream, ``numpy.random.default_rng([seed,
 round_index, tag])`` (the stragglers, fixed for the run: ``[seed, tag]``), drawn for all
@@ -111,7 +112,8 @@ class CorruptionConfig(StrictConfig):
     kind: Literal["nan", "shape", "scale"] = "nan"
     """``nan``: every parameter NaN; ``shape``: the last parameter missing (both are
     dropped by the screen and count as failures); ``scale``: the update's change to the
-    global model multiplied by ``factor`` (it passes the screen)."""
+    global model multiplied by ``factor`` (it passes the screen unless it is over a bound
+    of ``train.screening``)."""
     factor: float | None = None
     """The multiplier of ``kind: scale`` (required there, refused otherwise); e.g. -1
     flips the update's direction, 10 exaggerates it."""

@@ -15,10 +15,15 @@ they move models and messages. Everything else about a round lives here, once:
    straggler whose modelled time exceeds its deadline (``stragglers.deadline_seconds``,
    default ``train.failures.client_timeout_seconds``) into a timeout and corrupts the
    updates its corruption draw picks (:mod:`fedplug.faults`);
-   then a failed chain, a model of the wrong shape, non-finite parameters or extras, or a
-   chain over ``train.failures.client_timeout_seconds`` is dropped with a logged reason;
-   the rest stream on, in plan order;
-4. **aggregate or retry** (:meth:`RoundCore.run`): an attempt fails when no usable update
+   then a failed chain, and an update with any field out of bounds
+   (:mod:`fedplug.screening`: its counts, dtypes, shapes, finiteness, declared extras,
+   metrics, time over ``train.failures.client_timeout_seconds``, the poisoning bounds of
+   ``train.screening``; then the aggregator's own :meth:`~fedplug.components.Aggregator.check_update`)
+   is dropped with a logged reason; the rest stream on, in plan order (with
+   ``train.screening.max_weight_fraction``, once the round's updates are all in);
+4. **aggregate or retry** (:meth:`RoundCore.run`): an update the aggregator raises on is
+   dropped with the error as its reason (at once when the runtime handed a list of
+   outcomes, else in the next attempt); an attempt fails when no usable update
    reached the aggregator or more than ``max_failed_fraction`` of the chains failed; the
    aggregator's state is restored and the round replayed up to ``max_round_retries``
    times (a runtime that cannot replay a round stops instead, saying why); a non-finite
@@ -37,20 +42,22 @@ Nothing here names an algorithm: components describe themselves through
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.components import Aggregator, ClientNeeds, ClientUpdate, Grouper, RoundPlan
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
+from fedplug.screening import ScreeningConfig, ScreeningRules, l2_norm, over_weight_share, update_problem
 from fedplug.simulation.results import RoundRecord
 from fedplug.simulation.vectors import all_finite, tensors_num_bytes
 
@@ -197,6 +204,7 @@ def chain_update(
         chain=members,
         seconds=seconds,
         metrics=dict(metrics) if metrics else {},
+        num_examples=samples,
     )
 
 
@@ -222,25 +230,41 @@ def unusable(
     expected_shape: tuple[int, ...],
     timeout: float | None,
     required_metrics: tuple[str, ...] = (),
+    *,
+    rules: ScreeningRules | None = None,
+    global_vector: Tensor | None = None,
 ) -> str | None:
-    """Why ``update`` cannot be aggregated, or ``None`` when it can. ``required_metrics``:
-    the reply metrics the components ask for (:attr:`ClientNeeds.reply_metrics`), each of
-    which must be present and finite."""
-    if tuple(update.vector.shape) != tuple(expected_shape):
-        return f"returned {tuple(update.vector.shape)} parameters, expected {tuple(expected_shape)}"
-    if not all_finite(update.vector):
-        return "returned non-finite (NaN/Inf) parameters"
-    if any(extra.numel() and not all_finite(extra.reshape(-1)) for extra in update.extras.values()):
-        return "returned non-finite extras"
-    for name in required_metrics:
-        value = update.metrics.get(name)
-        if value is None:
-            return f"reported no {name!r} in its metrics"
-        if not math.isfinite(value):
-            return f"reported {name} = {value} (not finite; a client that trained no batch has none)"
-    if timeout is not None and update.seconds > timeout:
-        return f"took {update.seconds:.1f}s, over train.failures.client_timeout_seconds={timeout}"
-    return None
+    """Why ``update`` cannot be aggregated, or ``None`` when it can: every field screened
+    by :func:`fedplug.screening.update_problem`. ``required_metrics``: the reply metrics
+    the components ask for (:attr:`ClientNeeds.reply_metrics`), each of which must be
+    present and finite. ``rules``: the run's other bounds (declared extras,
+    ``train.screening``, the class counts; :attr:`RoundCore.screening_rules`), of which
+    ``expected_shape``, ``timeout`` and ``required_metrics`` replace the model's shape,
+    the timeout and (when given) the required metrics. ``global_vector``: the round's
+    global model, for the norm bounds (None: not checked)."""
+    rules = with_round_bounds(rules, expected_shape, timeout, required_metrics)
+    return update_problem(update, rules, global_vector)
+
+
+def with_round_bounds(
+    rules: ScreeningRules | None,
+    expected_shape: tuple[int, ...],
+    timeout: float | None,
+    required_metrics: tuple[str, ...],
+) -> ScreeningRules:
+    """``rules`` (default: none but the model's shape) with this round's model shape,
+    timeout and, when given, required metrics."""
+    base = rules if rules is not None else ScreeningRules(tuple(expected_shape))
+    return dataclasses.replace(
+        base,
+        model_shape=tuple(expected_shape),
+        timeout=timeout,
+        required_metrics=tuple(required_metrics) or base.required_metrics,
+    )
+
+
+UpdateCheck = Callable[[ClientUpdate], "str | None"]
+"""A component's own check of an update (:meth:`fedplug.components.Aggregator.check_update`)."""
 
 
 def screen(
@@ -252,22 +276,49 @@ def screen(
     round_number: int,
     tally: Tally,
     required_metrics: tuple[str, ...] = (),
+    rules: ScreeningRules | None = None,
+    global_vector: Tensor | None = None,
+    check: UpdateCheck | None = None,
+    excluded: dict[tuple[int, ...], str] | None = None,
 ) -> Iterator[ClientUpdate]:
     """Pass on the usable updates of ``outcomes``, in order; count and log the rest
-    (:func:`unusable` says why)."""
+    (:func:`unusable` says why, with ``rules`` and ``global_vector``; then ``check``, the
+    aggregator's own). ``excluded``: chains (as tuples) to drop with the given reason
+    (updates the aggregator failed on in an earlier pass of the round)."""
+    rules = with_round_bounds(rules, expected_shape, timeout, required_metrics)
+    global_norm = l2_norm(global_vector) if global_vector is not None else None
     for outcome in outcomes:
         if isinstance(outcome, ClientFailure):
-            reason = outcome.reason
+            drop(tally, list(outcome.chain), outcome.reason, round_number)
+            continue
+        key = chain_key(outcome) if excluded else None
+        if key is not None and excluded and key in excluded:
+            reason: str | None = excluded[key]
         else:
-            reason = unusable(outcome, expected_shape, timeout, required_metrics)
+            reason = update_problem(outcome, rules, global_vector, global_norm)
+            if reason is None and check is not None:
+                reason = _checked(check, outcome)
         if reason is not None:
-            tally.failures += 1
-            tally.dropped.append((list(outcome.chain), reason))
-            logger.warning("round %d: dropped client(s) %s: %s", round_number, list(outcome.chain), reason)
+            drop(tally, list(outcome.chain), reason, round_number)
             continue
         tally.accepted += 1
         tally.bytes_up += len(outcome.chain) * model_bytes + tensors_num_bytes(outcome.extras)
         yield outcome
+
+
+def drop(tally: Tally, chain: list[int], reason: str, round_number: int) -> None:
+    """Count a dropped chain in ``tally`` and log why."""
+    tally.failures += 1
+    tally.dropped.append((chain, reason))
+    logger.warning("round %d: dropped client(s) %s: %s", round_number, chain, reason)
+
+
+def _checked(check: UpdateCheck, update: ClientUpdate) -> str | None:
+    """``check(update)``; an exception it raises is a reason too (it read the update)."""
+    try:
+        return check(update)
+    except Exception as error:  # noqa: BLE001 - a bad update must not stop the server
+        return f"failed the aggregator's check ({type(error).__name__}: {str(error)[:200]})"
 
 
 # ------------------------------------------------------------------------- the round
@@ -344,8 +395,25 @@ class RoundCore:
         self.can_replay = can_replay
         self.runtime = runtime
         self.checkpoint = checkpoint
-        self.required_metrics = client_needs(aggregator, grouper).reply_metrics
+        needs = client_needs(aggregator, grouper)
+        self.required_metrics = needs.reply_metrics
         """The reply metrics the server-side components read; screening requires them."""
+        self.screening_rules = ScreeningRules(
+            model_shape=(),
+            timeout=train_config.failures.client_timeout_seconds,
+            required_metrics=needs.reply_metrics,
+            extras=dict(needs.reply_extra_shapes),
+            required_extras=needs.reply_extras,
+            num_clients=num_clients,
+            max_samples=(
+                np.asarray(class_counts, dtype=np.int64).sum(axis=1)
+                if class_counts is not None and np.size(class_counts)
+                else None
+            ),
+            config=screening_config(train_config),
+        )
+        """What every update is screened against (:func:`fedplug.screening.update_problem`;
+        the model's shape is the round's global model's)."""
         self.faults = Faults.for_run(train_config, num_clients)
         """The run's ``train.faults`` (the trace read, the stragglers drawn)."""
         self._dropouts: dict[int, RoundDropout] = {}
@@ -409,22 +477,16 @@ class RoundCore:
             return Attempt(global_vector, Tally(), 1)
         attempts = policy.max_round_retries + 1 if self.can_replay else 1
         members = participants(plan)
+        excluded: dict[tuple[int, ...], str] = {}
+        """Chains the aggregator failed on, dropped from every later pass of the round."""
         for attempt in range(attempts):
             saved_server = copy.deepcopy(self.aggregator.state_dict())
             saved_clients = client_states.save(members) if client_states is not None else None
-            tally = Tally()
             outcomes = train(attempt)
-            updates = screen(
-                self._inject(outcomes, round_index, global_vector, tally),
-                tuple(global_vector.shape),
-                timeout=policy.client_timeout_seconds,
-                model_bytes=self.model_bytes,
-                round_number=round_index + 1,
-                tally=tally,
-                required_metrics=self.required_metrics,
-            )
             try:
-                new_vector = self._aggregate(global_vector, updates, tally)
+                new_vector, tally = self._aggregate_attempt(
+                    round_index, global_vector, outcomes, excluded, saved_server
+                )
             finally:  # a lazy runtime stops its remaining work, even if aggregation stopped early
                 if isinstance(outcomes, Generator):
                     outcomes.close()
@@ -464,7 +526,7 @@ class RoundCore:
 
         def injected() -> Iterator[Outcome]:
             for outcome in outcomes:
-                if isinstance(outcome, ClientUpdate):
+                if isinstance(outcome, ClientUpdate) and self._injectable(outcome, global_vector):
                     chain = outcome.chain or [outcome.client_id]
                     reason = faults.straggler_timeout(chain, self.chain_seconds(chain))
                     if reason is not None:
@@ -477,16 +539,123 @@ class RoundCore:
 
         return injected()
 
-    def _aggregate(self, global_vector: Tensor, updates: Iterator[ClientUpdate], tally: Tally) -> Tensor | None:
+    def _injectable(self, update: ClientUpdate, global_vector: Tensor) -> bool:
+        """Whether ``train.faults`` can act on ``update``: its client ids index the
+        federation and its model is a dense float tensor of the global model's shape. Any other
+        update (only a hostile runtime or client sends one) is left to the screen."""
+        ids = [update.client_id, *(update.chain or [])]
+        return (
+            all(isinstance(client, (int, np.integer)) and not isinstance(client, bool) for client in ids)
+            and all(0 <= client < self.num_clients for client in ids)
+            and isinstance(update.vector, Tensor)
+            and update.vector.layout == torch.strided
+            and update.vector.is_floating_point()
+            and update.vector.shape == global_vector.shape
+        )
+
+    def _aggregate_attempt(
+        self,
+        round_index: int,
+        global_vector: Tensor,
+        outcomes: Iterable[Outcome],
+        excluded: dict[tuple[int, ...], str],
+        saved_server: dict[str, Any],
+    ) -> tuple[Tensor | None, Tally]:
+        """Screen and aggregate one attempt's ``outcomes``: the new model (``None`` when
+        the attempt failed) and what screening saw.
+
+        An update the aggregator raises on is added to ``excluded`` with the error; when
+        the outcomes are a list (Flower, FedML), the aggregator's state is restored and
+        they are aggregated again without it, at once; a runtime that trains lazily (the
+        simulator's engines) drops it from the next attempt instead.
+        """
+        reusable = isinstance(outcomes, Sequence)
+        while True:
+            tally = Tally()
+            updates = self._screened(outcomes, round_index, global_vector, tally, excluded)
+            new_vector, blamed = self._aggregate(global_vector, updates, tally, round_index)
+            if blamed is None:
+                return new_vector, tally
+            update, reason = blamed
+            key = chain_key(update)
+            if not reusable or key is None:
+                tally.accepted -= 1
+                tally.bytes_up -= len(update.chain) * self.model_bytes + tensors_num_bytes(update.extras)
+                drop(tally, list(update.chain), reason, round_index + 1)
+                if key is not None:
+                    excluded[key] = reason
+                return None, tally
+            excluded[key] = reason
+            logger.warning("round %d: client(s) %s: %s; aggregating again without it", round_index + 1, list(key), reason)
+            self.aggregator.load_state_dict(copy.deepcopy(saved_server))
+
+    def _screened(
+        self,
+        outcomes: Iterable[Outcome],
+        round_index: int,
+        global_vector: Tensor,
+        tally: Tally,
+        excluded: dict[tuple[int, ...], str],
+    ) -> Iterator[ClientUpdate]:
+        """The usable updates of ``outcomes`` (faults injected, every field screened, the
+        aggregator's own check, and ``train.screening.max_weight_fraction``)."""
+        updates = screen(
+            self._inject(outcomes, round_index, global_vector, tally),
+            tuple(global_vector.shape),
+            timeout=self.config.failures.client_timeout_seconds,
+            model_bytes=self.model_bytes,
+            round_number=round_index + 1,
+            tally=tally,
+            rules=self.screening_rules,
+            global_vector=global_vector,
+            check=self.aggregator.check_update,
+            excluded=excluded,
+        )
+        fraction = self.screening_rules.config.max_weight_fraction
+        if fraction is None:
+            return updates
+        gathered = list(updates)
+        kept = []
+        for update, reason in zip(gathered, over_weight_share(gathered, fraction)):
+            if reason is None:
+                kept.append(update)
+                continue
+            tally.accepted -= 1
+            tally.bytes_up -= len(update.chain) * self.model_bytes + tensors_num_bytes(update.extras)
+            drop(tally, list(update.chain), reason, round_index + 1)
+        return iter(kept)
+
+    def _aggregate(
+        self, global_vector: Tensor, updates: Iterator[ClientUpdate], tally: Tally, round_index: int
+    ) -> tuple[Tensor | None, tuple[ClientUpdate, str] | None]:
         """The aggregator's new model, or ``None`` when no usable update reached it (one
         rule for every runtime: an aggregator that receives no update raises
-        ``ValueError`` or :class:`TrainingError`)."""
+        ``ValueError`` or :class:`TrainingError`); and, when the aggregator raised while
+        it held an update, that update and why it is blamed.
+
+        Raises:
+            TrainingError: the aggregator failed after it had read every update (not the
+                fault of one of them).
+        """
+        handed = _Handed(updates)
         try:
-            return self.aggregator.aggregate(global_vector, updates)
-        except (ValueError, TrainingError):
-            if tally.accepted:
+            return self.aggregator.aggregate(global_vector, handed), None
+        except Exception as error:  # noqa: BLE001 - one client's update must not stop the server
+            if handed.last is not None and not handed.exhausted:
+                update = handed.last
+                reason = (
+                    f"its update made the {self.config.aggregator.name!r} aggregator fail "
+                    f"({type(error).__name__}: {str(error)[:200]})"
+                )
+                return None, (update, reason)
+            if isinstance(error, (ValueError, TrainingError)) and not tally.accepted:
+                return None, None
+            if isinstance(error, TrainingError):
                 raise
-            return None
+            raise TrainingError(
+                f"round {round_index + 1}: the {self.config.aggregator.name!r} aggregator failed after reading "
+                f"every update ({type(error).__name__}: {error})"
+            ) from error
 
     def _check_finite(self, vector: Tensor, round_index: int) -> None:
         if not all_finite(vector):
@@ -586,3 +755,42 @@ def client_needs(*components: Any) -> ClientNeeds:
     for component in components:
         needs = needs | component.client_needs()
     return needs
+
+
+class _Handed:
+    """The updates an aggregator reads, remembering the last one handed out and whether
+    it read them all (so that an error it raises can be traced to one update)."""
+
+    def __init__(self, updates: Iterable[ClientUpdate]) -> None:
+        self.updates = updates
+        self.last: ClientUpdate | None = None
+        self.exhausted = False
+
+    def __iter__(self) -> Iterator[ClientUpdate]:
+        iterator = iter(self.updates)
+        while True:
+            self.last = None  # an error while the next update is fetched is no update's fault
+            try:
+                update = next(iterator)
+            except StopIteration:
+                self.exhausted = True
+                return
+            self.last = update
+            yield update
+
+
+def chain_key(outcome: Outcome) -> tuple[Any, ...] | None:
+    """The chain of ``outcome`` as a dictionary key (None when it holds something
+    unhashable, which screening drops anyway)."""
+    key = tuple(outcome.chain or [getattr(outcome, "client_id", None)])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def screening_config(train_config: Any) -> ScreeningConfig:
+    """``train.screening`` (its defaults for a config that has none)."""
+    config = getattr(train_config, "screening", None)
+    return config if isinstance(config, ScreeningConfig) else ScreeningConfig()

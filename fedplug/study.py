@@ -56,7 +56,7 @@ from typing import Any, Iterable, Literal, NamedTuple, Sequence
 
 import numpy as np
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from fedplug.components import StrictConfig
 from fedplug.config import apply_override, deep_merge, format_validation_error, set_dotted, validate_experiment
@@ -123,8 +123,10 @@ class HeadlineSpec(StrictConfig):
 class StudySpec(StrictConfig):
     """A study file (see the module docstring)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    """Study name: the report folder, the results file and (prefixed ``study-``) the MLflow experiment."""
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Study name: the report folder, the results file and (prefixed ``study-``) the MLflow
+    experiment. A plain name: letters, digits, ``-``, ``_`` and ``.``, not only dots (``..``
+    would name the folder above ``reports/studies/``)."""
     description: str = ""
     """What the paper claims and what the study checks."""
     base: dict[str, Any]
@@ -164,6 +166,13 @@ class StudySpec(StrictConfig):
     model's training time)."""
     plots: list[PlotSpec] = Field(default_factory=lambda: [PlotSpec(kind="curves")])
     """Figures of the report (default: the learning curves)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if set(name) == {"."}:
+            raise ValueError(f"{name!r} is not a plain name; use letters, digits, '-', '_' and '.', not only dots")
+        return name
 
 
 def parse_study(data: Any, source: str = "study") -> StudySpec:

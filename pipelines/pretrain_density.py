@@ -18,16 +18,26 @@ transform's ``cache_dir`` there, so it trains on exactly these weights. The DVC 
 ``persist``: a weights file whose key still matches is kept rather than recomputed when some
 other algorithm's params change; files whose key no longer matches, and folders of labels no
 longer in ``algorithms``, are removed.
+
+It deletes only files it wrote: the folder's marker (:mod:`fedplug.output_folder`) lists
+them, and a stale weights file or label folder is removed only when listed (a file the user
+put in a label folder stays, and so does that folder). An ``--out`` that is not empty and
+holds no marker (``--out data``, a folder of your own) is refused with one line and left
+as it was, unless it has exactly the layout this stage wrote before markers existed (label
+folders holding an ``info.json`` of that label and ``.npz`` weights), which is adopted. The
+marker (``.fedplug-output.json``) is part of the DVC output; the lock file next to it is in
+``.dvcignore``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +57,9 @@ from common import (
 )
 
 INFO_NAME = "info.json"
+PURPOSE = "fedplug pipeline stage pretrain_density"
+"""The fingerprint in this stage's output marker: what the folder is for (its content
+changes with the params; the stage itself replaces what is stale)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,44 +93,71 @@ def main(argv: list[str] | None = None) -> int:
             )
             needing[label] = (loss_transform, device)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    existing = {path.name: path for path in out.glob("*/*.npz")}
-    federations: dict[str, Any] = {}
-    if needing:
-        set_torch_threads()
-        data_config = validate_section("data", section(params, "data"), registry)
-    for label in labels:
-        folder = out / label
-        folder.mkdir(parents=True, exist_ok=True)
-        if label not in needing:
-            info: dict[str, Any] = {
-                "algorithm": label,
-                "loss_transform": names[label],
-                "needs_density": False,
-            }
-            keep = {INFO_NAME}
-        else:
-            loss_transform, device = needing[label]
-            if device not in federations:
-                from fedplug.simulation.simulator import resolve_device
+    from fedplug.output_folder import claim, write_text
 
-                federations[device] = load_federation(
-                    data_config, registry, resolve_device(device), args.partition
+    # Refuses a folder this stage did not write (its files stay untouched), or one another
+    # process is writing; held until every file is written.
+    with claim(args.out, PURPOSE, legacy=legacy_layout, force_option=None) as owned:
+        out = owned.path
+        existing = {
+            PurePosixPath(name).name: out / name for name in owned.files if name.endswith(".npz")
+        }
+        federations: dict[str, Any] = {}
+        if needing:
+            set_torch_threads()
+            data_config = validate_section("data", section(params, "data"), registry)
+        for label in labels:
+            folder = out / label
+            folder.mkdir(parents=True, exist_ok=True)
+            if label not in needing:
+                info: dict[str, Any] = {
+                    "algorithm": label,
+                    "loss_transform": names[label],
+                    "needs_density": False,
+                }
+                keep = {INFO_NAME}
+            else:
+                loss_transform, device = needing[label]
+                if device not in federations:
+                    from fedplug.simulation.simulator import resolve_device
+
+                    federations[device] = load_federation(
+                        data_config, registry, resolve_device(device), args.partition
+                    )
+                info = ensure_weights(
+                    label, loss_transform, federations[device], folder, existing, registry, owned
                 )
-            info = ensure_weights(
-                label, loss_transform, federations[device], folder, existing, registry
-            )
-            keep = {INFO_NAME, info["file"]}
-        for stale in folder.iterdir():
-            if stale.name not in keep:
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        (folder / INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
-    for folder in out.iterdir():
-        if folder.name not in labels:
-            shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
+                keep = {INFO_NAME, info["file"]}
+            for stale in [name for name in owned.files if name.startswith(f"{label}/")]:
+                if stale[len(label) + 1 :] not in keep:
+                    owned.remove(stale)
+            write_text(folder / INFO_NAME, json.dumps(info, indent=2) + "\n")
+        for stale in [name for name in owned.files if PurePosixPath(name).parts[0] not in labels]:
+            owned.remove(stale)  # a label no longer in `algorithms`: its emptied folder goes too
     print(f"pretrain_density: density weights for {sorted(needing) or 'no algorithm'}")
     return 0
+
+
+def legacy_layout(folder: Path) -> list[str] | None:
+    """The files of a density folder written before output markers existed (label folders
+    holding their ``info.json`` and ``.npz`` weights, nothing else), or None when the
+    folder holds anything else: it is then not this stage's and is refused."""
+    found = []
+    for entry in os.scandir(folder):
+        if entry.name.startswith(".fedplug-output"):
+            continue
+        if not entry.is_dir(follow_symlinks=False):
+            return None
+        info = _read_info(Path(entry.path))
+        if info is None or info.get("algorithm") != entry.name:
+            return None
+        for item in os.scandir(entry.path):
+            if not item.is_file(follow_symlinks=False) or not (
+                item.name == INFO_NAME or item.name.endswith(".npz")
+            ):
+                return None
+            found.append(f"{entry.name}/{item.name}")
+    return found
 
 
 def ensure_weights(
@@ -127,9 +167,13 @@ def ensure_weights(
     folder: Path,
     existing: dict[str, Path],
     registry: Any,
+    owned: Any,
 ) -> dict[str, Any]:
     """Make ``folder/<cache_key>.npz`` exist (kept, copied from another label's folder with
-    the same key, or computed) and return the label's ``info.json`` content."""
+    the same key, or computed), list it in the output marker (``owned``) and return the
+    label's ``info.json`` content."""
+    from fedplug.output_folder import write_through_path
+
     from fedplug.algorithms.feddisk import cache_key, load_weights, partition_fingerprint
     from fedplug.setup_phase import prepare_loss_transform
 
@@ -146,19 +190,20 @@ def ensure_weights(
     if target.exists() and previous.get("cache_key") == key:
         seconds, status = previous.get("seconds"), "kept"
     elif source is not None and source.exists() and source != target:
-        shutil.copy2(source, target)
+        write_through_path(target, lambda temporary: shutil.copyfile(source, temporary))
         seconds, status = (
             (_read_info(source.parent) or {}).get("seconds"),
             f"copied from {source.parent.name}",
         )
     else:
-        target.unlink(missing_ok=True)
+        owned.remove(f"{folder.name}/{file_name}")
         started = time.perf_counter()
         transform = registry.build(
             "loss_transforms", loss_transform.model_copy(update={"cache_dir": str(folder)})
         )
         prepare_loss_transform(transform, federation)  # FedDisk's phase 1 runs here, once
         seconds, status = time.perf_counter() - started, "computed"
+    owned.record(f"{folder.name}/{file_name}")
     cost = load_weights(target, loss_transform).cost
     print(f"pretrain_density: {label}: {loss_transform.name} weights {status} ({key})")
     return {

@@ -29,6 +29,11 @@ stage is re-run, training continues after the last checkpointed round and the sa
 run receives only the rounds it lacks. A checkpoint of a different config (the params
 changed since) is discarded and training starts over.
 
+The folder is claimed for the run (:mod:`fedplug.output_folder`): locked against a second
+process and marked with the config's fingerprint. The stage owns it like DVC owns its
+outputs: a fedplug run folder of other params is replaced (only the files its marker lists
+are deleted), but a folder holding files fedplug did not write is refused with one line.
+
 FedDisk (any loss transform with a ``cache_dir``): ``cache_dir`` is set to
 ``data/density/<algorithm>``, where the ``pretrain_density`` stage left the weights.
 """
@@ -53,6 +58,12 @@ from common import (
 
 CHECKPOINT_NAME = "checkpoint.pt"
 TRACKING_STATE_NAME = "mlflow_run.json"
+RUN_FILES = (
+    "metrics.json", "rounds.csv", "curves.png", "model.pt", "config.yaml", "run_info.json",
+    CHECKPOINT_NAME, TRACKING_STATE_NAME,
+)
+"""What this stage writes into a run folder: a folder holding only these (written before
+output markers existed) is adopted as this stage's."""
 
 
 def run_folder(runs: Path, algorithm: str, seed: int) -> Path:
@@ -179,17 +190,41 @@ def train(
     """Train, log to MLflow, write the run's outputs (see the module docstring)."""
     from common import load_federation
 
-    from fedplug.experiment import run_experiment
-    from fedplug.report import plot_run_curves, write_curve_csv
-    from fedplug.simulation.checkpoint import load_checkpoint
-    from fedplug.simulation.results import RoundRecord
-    from fedplug.simulation.simulator import config_fingerprint, resolve_device
+    from fedplug.experiment import output_fingerprint
+    from fedplug.output_folder import claim, files_named
+    from fedplug.simulation.simulator import resolve_device
 
     federation = load_federation(
         config.data, registry, resolve_device(config.train.device), partition_path
     )
     check_density_weights(config, federation)
-    out.mkdir(parents=True, exist_ok=True)
+    with claim(
+        out, output_fingerprint(config), force=True, legacy=files_named(RUN_FILES),
+        option="run folder", force_option=None,
+    ) as owned:
+        train_claimed(config, algorithm, seed, partition_path, owned, target, registry, root, federation)
+
+
+def train_claimed(
+    config: Any,
+    algorithm: str,
+    seed: int,
+    partition_path: Path,
+    owned: Any,
+    target: Any,
+    registry: Any,
+    root: Path,
+    federation: Any,
+) -> None:
+    """:func:`train` in the claimed run folder ``owned``."""
+    from fedplug.experiment import run_experiment
+    from fedplug.output_folder import write_through_path
+    from fedplug.report import plot_run_curves, write_curve_csv
+    from fedplug.simulation.checkpoint import load_checkpoint
+    from fedplug.simulation.results import RoundRecord
+    from fedplug.simulation.simulator import config_fingerprint
+
+    out = owned.path
     checkpoint = out / CHECKPOINT_NAME
     fingerprint = config_fingerprint(config.train, federation)
     done_before = discard_foreign_checkpoint(checkpoint, fingerprint, load_checkpoint)
@@ -219,10 +254,9 @@ def train(
         history = [record.as_dict() for record in result.history]
         # Every key of every round, so the metrics a component reports (cpd_median) get a column.
         columns = list(dict.fromkeys(key for row in history for key in row))
-        write_curve_csv(history, out / "rounds.csv", columns)
-        plot_run_curves(
-            history, out / "curves.png", f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
-        )
+        write_through_path(out / "rounds.csv", lambda path: write_curve_csv(history, path, columns))
+        title = f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
+        write_through_path(out / "curves.png", lambda path: plot_run_curves(history, path, title))
         tracker.log_result(result)
         artifacts = {"curves": out / "curves.png"}
         heatmap = partition_path.parent / "heatmap.png"
@@ -236,7 +270,7 @@ def train(
         tracker.fail()
         raise
     tracker.finish()
-    checkpoint.unlink(missing_ok=True)
+    owned.remove(CHECKPOINT_NAME)
     summary = result.summary()
     print(
         f"train: {algorithm} seed {seed}: final accuracy {summary['final_accuracy']:.4f}, "

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,3 +54,15 @@ SMALL_EXPERIMENT: dict[str, Any] = {
 def small_experiment() -> dict[str, Any]:
     """A deep copy of a tiny synthetic experiment (6 clients, 3 rounds)."""
     return copy.deepcopy(SMALL_EXPERIMENT)
+
+
+def in_process(call: Callable[[], int]) -> tuple[int, str]:
+    """Exit code and stderr of ``call``, as the shell would see them."""
+    stderr, stdout = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        try:
+            code = call()
+        except Exception:  # noqa: BLE001 (what the interpreter would print)
+            traceback.print_exc(file=stderr)
+            code = 1
+    return code, stderr.getvalue()

@@ -47,12 +47,10 @@ def _healthy(base: str) -> bool:
         return False
 
 
-@contextmanager
-def running_mlflow_server(folder: Path) -> Iterator[str]:
-    """Start ``mlflow server`` (this interpreter's) on a free loopback port with a sqlite
-    store and an artifact folder in ``folder``; yield its base URL; stop it."""
-    port = free_port()
-    command = [
+def server_command(port: int, folder: Path) -> list[str]:
+    """``mlflow server`` (this interpreter's) on ``127.0.0.1:port``, one worker, with its
+    sqlite store and artifacts in ``folder``."""
+    return [
         str(Path(sys.executable).parent / "mlflow"),
         "server",
         "--host",
@@ -66,6 +64,14 @@ def running_mlflow_server(folder: Path) -> Iterator[str]:
         "--workers",
         "1",
     ]
+
+
+@contextmanager
+def running_mlflow_server(folder: Path) -> Iterator[str]:
+    """Start ``mlflow server`` (this interpreter's) on a free loopback port with a sqlite
+    store and an artifact folder in ``folder``; yield its base URL; stop it."""
+    port = free_port()
+    command = server_command(port, folder)
     log_path = folder / "server.log"
     # Its own process group: `mlflow server` starts uvicorn workers, and stopping the group
     # by our child's PID stops exactly what this test started.

@@ -162,13 +162,24 @@ def _out_is_a_file(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (folder / "out").write_text("my notes\n")
 
 
+def _fedplug_out(folder: Path) -> None:
+    """``out`` as a run of the base config marks it (fedplug.output_folder), empty: a
+    checkpoint planted there is what fedplug finds when it resumes, not a folder it refuses
+    as someone else's."""
+    from fedplug.config import validate_experiment
+    from fedplug.experiment import output_fingerprint
+    from fedplug.output_folder import claim
+
+    claim(folder / "out", output_fingerprint(validate_experiment(copy.deepcopy(BASE)))).release()
+
+
 def _checkpoint_garbage(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (folder / "out").mkdir()
+    _fedplug_out(folder)
     (folder / "out" / "checkpoint.pt").write_bytes(b"\x80\x02 half a checkpoint")
 
 
 def _checkpoint_not_a_dict(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (folder / "out").mkdir()
+    _fedplug_out(folder)
     torch.save([1, 2, 3], folder / "out" / "checkpoint.pt")
 
 
@@ -185,7 +196,7 @@ class _OpensFile:
 def _checkpoint_crafted(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint whose pickle creates ``out/payload-ran`` if loaded unsafely (the row
     then fails: --out changed)."""
-    (folder / "out").mkdir()
+    _fedplug_out(folder)
     payload = _OpensFile(folder / "out" / "payload-ran")
     state = {"version": 2, "fingerprint": "0" * 16, "history": [payload]}
     torch.save(state, folder / "out" / "checkpoint.pt")
@@ -277,6 +288,20 @@ def _checkpoint_of_base(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fedplug.experiment import run_experiment
 
     run_experiment(validate_experiment(copy.deepcopy(BASE)), folder / "out")
+
+
+def _sixteen_gigabytes(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has 16 GB available, as far as fedplug asks (the message is the same
+    on every machine)."""
+    import fedplug.memory
+
+    monkeypatch.setattr(fedplug.memory, "available_bytes", lambda: 16_000_000_000)
+
+
+NESTED_5000 = (
+    yaml.safe_dump(BASE, sort_keys=False) + "algorithms:\n  deep: " + "[" * 5000 + "]" * 5000 + "\n"
+)
+"""The base config with an ``algorithms`` entry nested 5,000 lists deep."""
 
 
 # ------------------------------------------------------------------------------ cases
@@ -821,6 +846,42 @@ CASES: tuple[BadInput, ...] = (
         edits=(("train.rounds", 2), ("train.faults", {"dropout": {"trace": "trace.csv"}})),
         setup=_trace_file("round,clients\n1,0 1 2\n"),
         setup_doc="`printf 'round,clients\\n1,0 1 2\\n' > trace.csv`",
+    ),
+    # --- values inside their types that the machine or the platform cannot take (issue 29)
+    BadInput(
+        "client-timeout-beyond-timers",
+        "client timeout of 1e10 s (past what the platform's timers hold)",
+        "train.failures.client_timeout_seconds: Input should be less than or equal to 1000000",
+        edits=(("train.failures", {"client_timeout_seconds": 1.0e10}),),
+    ),
+    BadInput(
+        "seed-beyond-32-bits",
+        "a training seed of 10**23",
+        "train.seed: Input should be less than or equal to 4294967295",
+        edits=(("train.seed", 10**23),),
+    ),
+    BadInput(
+        "config-nested-too-deep",
+        "params.yaml nested 5,000 levels deep",
+        "params.yaml: nested more than 50 levels deep at line 20, column 57",
+        text=NESTED_5000,
+        setup_doc="params.yaml: the base config plus `algorithms: {deep: [[[...]]]}`, 5,000 lists deep",
+    ),
+    BadInput(
+        "model-larger-than-memory",
+        "a model whose training needs more memory than the machine has",
+        "8.59e+09 parameters: needs about 137 GB of memory, more than the 16 GB this machine has available",
+        edits=(("train.model", {"hidden": [65536, 65536, 65536]}),),
+        setup=_sixteen_gigabytes,
+        setup_doc="16 GB available",
+    ),
+    BadInput(
+        "synthetic-larger-than-memory",
+        "a synthetic dataset larger than the machine's memory",
+        "num_train + num_test = 10000040 samples x num_features = 100000: needs about 24 TB of memory",
+        edits=(("data.dataset", {"num_train": 10_000_000, "num_features": 100_000}),),
+        setup=_sixteen_gigabytes,
+        setup_doc="16 GB available",
     ),
 )
 

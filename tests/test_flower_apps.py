@@ -86,7 +86,8 @@ def test_path_wins_over_inline_yaml_and_overrides_apply(
     [
         ({}, "names no experiment"),
         ({"fedplug-config-yaml": "data: ["}, "not valid YAML"),
-        ({"fedplug-config-yaml": "- a list"}, "must be a YAML mapping"),
+        ({"fedplug-config-yaml": "- a list"}, "expected a mapping of sections"),
+        ({"fedplug-config-yaml": "train: " + "[" * 5000 + "]" * 5000}, "nested more than 50 levels deep"),
         ({"fedplug-config": "/nonexistent/params.yaml"}, "does not exist"),
         (
             {"fedplug-config-yaml": "data: {}\ntrain: {}\n", "fedplug-algorithm": "nope"},

@@ -80,3 +80,22 @@ def test_every_cited_bad_input_row_exists() -> None:
 def test_the_claim_reader_sees_bullets_rows_and_citations() -> None:
     text = "intro\n- a claim\n  that goes on. Test: `tests/test_x.py::test_y`.\n- bare\n\n| a | b |\n|---|---|\n| c | d |\n"
     assert claims(text) == ["- a claim that goes on. Test: `tests/test_x.py::test_y`.", "- bare", "| c | d |"]
+
+
+def test_the_attack_count_is_the_number_of_attack_rows() -> None:
+    # Prepare: section 8's tables, each headed "| attack | behaviour now | test |".
+    text = PAGE.read_text()
+    section = text[text.index("## 8. Attacks tried"):]
+    stated = re.search(r"\*\*(\d+) attacks tried\*\*", section)
+    # Execute: count the body rows of every attack table.
+    rows, in_table = 0, False
+    for line in section.splitlines():
+        if line.startswith("| attack |"):
+            in_table = True
+        elif in_table and line.startswith("|") and not line.startswith("|---"):
+            rows += 1
+        elif not line.startswith("|"):
+            in_table = False
+    # Assert
+    assert stated is not None and rows > 50
+    assert int(stated.group(1)) == rows

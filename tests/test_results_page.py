@@ -311,3 +311,83 @@ def test_restricted_cells_and_variant_baselines_reach_the_page(tmp_path: Path) -
     assert "| 0.1 | fedprox-cnn | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in page
     assert "| 2/1/0 of 3 vs fedavg-cnn | +0.0233 ± 0.0252 |" in page
     assert "vs baseline (fedavg unless named): wins/ties/losses" in page
+
+
+# ------------------------------------------------ record fields are data, not Markdown (issue 29)
+
+INJECTION = "<img src=x onerror=alert(1)> | injected | [click](javascript:alert(1))"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("fedplug", INJECTION, "fedplug version '<img src=x onerror=alert(1)> | injected | [click](javascrip... "
+                               "is not a PEP 440 version (such as 0.1.0)"),
+        ("commit", "abc`def`1234", "commit 'abc`def`1234' is not a git commit (7 to 40 lowercase hex digits)"),
+        ("commit", "abcdef1\n| forged | row |", "is not a git commit"),
+        ("cell", {"alpha": "<b>0.1</b>"}, "its cell is not the cell of run 0.1__fedavg__d0s0 in the spec"),
+        ("algorithm", "[click](javascript:alert(1))", "its algorithm is not the algorithm of run"),
+        ("train_seconds", "<img src=x>", "train_seconds '<img src=x>' is not a number"),
+        ("dirty", "yes", "dirty 'yes' is not true or false"),
+    ],
+)
+def test_a_record_field_the_page_cannot_show_safely_stops_the_renderer_in_one_line(
+    tmp_path: Path, field: str, value: Any, problem: str
+) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    records = tiny_records()
+    records[0][field] = value
+    write_jsonl(layout.results / "tiny.jsonl", records)
+
+    with pytest.raises(DataError) as error:
+        renderer.render_page(layout)
+
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("pipelines/studies/results/tiny.jsonl: run '0.1__fedavg__d0s0': ")
+    assert problem in message
+    assert message.endswith("; restore the file from git or re-run the study")
+
+
+def test_valid_commits_and_versions_pass_the_check(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    records = tiny_records()
+    for record, (commit, version) in zip(records, [
+        ("abcdef1", "0.1.0"), ("a" * 40, "1.0.0rc1"), ("0123456789", "2!1.0.post2.dev3+g1a2b.dirty"),
+        (None, None), ("abcdef1", "v0.2"), ("abcdef1", "0.1.0"), ("abcdef1", "0.1.0"),
+    ]):
+        record.update(commit=commit, fedplug=version)
+    write_jsonl(layout.results / "tiny.jsonl", records)
+
+    page = renderer.render_page(layout)
+
+    assert r"(fedplug 0.1.0, 1.0.0rc1, 2\!1.0.post2.dev3\+g1a2b.dirty, v0.2)" in page and "`unknown` (1 runs)" in page
+
+
+def test_every_record_field_that_reaches_the_page_is_escaped(tmp_path: Path) -> None:
+    # Overrides are free text by design (the runner's --set arguments): shown, never rendered.
+    renderer, layout = tiny_layout(tmp_path)
+    records = tiny_records()
+    override = "train.x=`a` | " + INJECTION + "\n| forged | row |"
+    for record in records:
+        record["overrides"] = [override]
+    write_jsonl(layout.results / "tiny.jsonl", records)
+
+    page = renderer.render_page(layout)
+
+    results_line = next(line for line in page.splitlines() if line.startswith("**Results**"))
+    assert results_line.endswith(
+        " Run with ``--set train.x=`a` | " + INJECTION + " | forged | row |``. **Incomplete: 1 planned runs are "
+        "missing** (resume with `python pipelines/studies/run_study.py pipelines/studies/tiny.yaml`); the table "
+        "shows the runs that finished.")
+    assert "\n| forged | row |" not in page
+
+
+def test_markdown_text_and_code_span_escape_what_markdown_would_render() -> None:
+    renderer = load_renderer()
+
+    assert renderer.markdown_text(INJECTION + "\n`x`") == (
+        r"&lt;img src=x onerror=alert\(1\)&gt; \| injected \| \[click\]\(javascript\:alert\(1\)\) \`x\`")
+    assert renderer.markdown_text("0.1.0") == "0.1.0"
+    assert renderer.code_span("a``b") == "```a``b```"
+    assert renderer.code_span("`x|y`", in_table=True) == r"`` `x\|y` ``"

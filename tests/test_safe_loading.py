@@ -18,13 +18,10 @@ refuse is caught when saving, not when resuming.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gzip
-import io
 import pickle
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +32,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SMALL_EXPERIMENT
+from conftest import SMALL_EXPERIMENT, in_process
 from fedplug.config import validate_experiment
 from fedplug.errors import DataError, FedplugError, PluginError, TrainingError
 from fedplug.plugins import default_registry
@@ -98,18 +95,6 @@ def small_experiment(**train: Any) -> dict[str, Any]:
     return data
 
 
-def in_process(call: Callable[[], int]) -> tuple[int, str]:
-    """Exit code and stderr of ``call``, as the shell would see them."""
-    stderr, stdout = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
-        try:
-            code = call()
-        except Exception:  # noqa: BLE001 (what the interpreter would print)
-            traceback.print_exc(file=stderr)
-            code = 1
-    return code, stderr.getvalue()
-
-
 @pytest.fixture
 def marker(tmp_path: Path) -> Path:
     return tmp_path / "payload-ran"
@@ -149,6 +134,14 @@ def test_fedplug_run_refuses_a_crafted_checkpoint_in_out(
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(small_experiment()))
+    from fedplug.config import load_experiment
+    from fedplug.experiment import output_fingerprint
+    from fedplug.output_folder import claim
+
+    # Planted in a folder that a run of this config marked as its own (an unmarked folder
+    # is refused before any checkpoint in it is read: tests/test_output_folders.py).
+    config = load_experiment("params.yaml", [], None, check_every_algorithm=False)
+    claim(tmp_path / "out", output_fingerprint(config)).release()
     crafted_checkpoint(tmp_path / "out" / "checkpoint.pt", marker)
 
     code, stderr = in_process(lambda: main(["run", "params.yaml", "--out", "out", "--quiet"]))

@@ -200,6 +200,25 @@ def test_bad_specs_say_what_to_fix(changes: dict[str, Any], message: str) -> Non
         parse_study(spec_dict(**changes))
 
 
+@pytest.mark.parametrize("name", ["..", ".", "...", "../x", "a/b", "a\\b", "/tmp", "x" * 101, ""])
+def test_a_study_name_must_be_a_plain_name(name: str) -> None:
+    # The name is a folder under reports/studies/ and a file under results/: `..` would
+    # write the study into reports/ (issue 29).
+    with pytest.raises(ConfigError) as error:
+        parse_study(spec_dict(name=name), "tiny.yaml")
+
+    assert str(error.value).startswith("tiny.yaml: invalid study:\nname: ")
+    if set(name) == {"."}:
+        assert str(error.value).endswith(
+            f"name: {name!r} is not a plain name; use letters, digits, '-', '_' and '.', not only dots"
+        )
+
+
+@pytest.mark.parametrize("name", ["fedshift", "fedgsp_femnist", "v1.2", ".hidden-ok", "a..b"])
+def test_plain_study_names_pass(name: str) -> None:
+    assert parse_study(spec_dict(name=name)).name == name
+
+
 def test_an_algorithm_restricted_to_cells_runs_only_there() -> None:
     spec = parse_study(spec_dict(cells={"fedprox": ["1_0.5"]}))
 

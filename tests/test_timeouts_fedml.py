@@ -36,7 +36,7 @@ pytest.importorskip("mpi4py", reason="FedML's MPI backend needs mpi4py: run `mak
 import timeout_plugins
 
 from fedplug.adapters.fedml.coordinator import Coordinator
-from fedplug.adapters.fedml.deadlines import StepDeadlines, reply_margin
+from fedplug.adapters.fedml.deadlines import DEFAULT_STEP_WAIT_SECONDS, StepDeadlines, reply_margin
 from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer
 from fedplug.adapters.fedml.launcher import run_fedml
 from fedplug.adapters.fedml.protocol import plan_rounds, reply
@@ -212,14 +212,22 @@ def test_the_server_stands_in_for_a_silent_worker_and_discards_its_late_reply(dr
     assert deadlines.abandoned([0, 1]) == []
 
 
-def test_without_a_timeout_the_server_waits_as_fedml_does(small_experiment) -> None:
+def test_without_a_timeout_the_server_waits_an_hour_for_a_step(small_experiment) -> None:
+    # Without T a hung worker would stall FedML's server forever: it waits
+    # DEFAULT_STEP_WAIT_SECONDS (Flower's hour) for a step, then stands in for it.
     config = validate_experiment(small_experiment)
     coordinator, _ = server_and_workers(config)
-    deadlines = StepDeadlines(coordinator, clock=lambda: 1e9)
+    now = [5.0]
+    deadlines = StepDeadlines(coordinator, clock=lambda: now[0])
     deadlines.start_step()
-    assert not deadlines.active
-    assert deadlines.due_at() is None
+    assert deadlines.active
+    assert deadlines.due_at() == 5.0 + DEFAULT_STEP_WAIT_SECONDS
+    now[0] = 5.0 + DEFAULT_STEP_WAIT_SECONDS - 0.01
     assert deadlines.overdue(WORKERS) == []
+    now[0] = 5.0 + DEFAULT_STEP_WAIT_SECONDS
+    assert deadlines.overdue(WORKERS) == list(range(WORKERS))
+    errors = [result.error for result in deadlines.timeout_reply(0)["results"]]
+    assert errors and all("client_timeout_seconds is unset" in error for error in errors)
 
 
 # ------------------------------------------------------------------ a real MPI run

@@ -371,3 +371,29 @@ def test_a_hung_client_in_a_ray_actor_is_interrupted_and_the_run_goes_on(
     torch.testing.assert_close(
         strategy.final_vector, reference_strategy.final_vector, rtol=0, atol=1e-6
     )
+
+
+class _RecordingGrid(LoopbackGrid):
+    """A LoopbackGrid that records the ``timeout`` of every exchange."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeouts: list[float | None] = []
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_without_a_client_timeout_every_exchange_waits_at_most_an_hour() -> None:
+    # Prepare: no train.failures.client_timeout_seconds (the default).
+    data = copy.deepcopy(SMALL_EXPERIMENT)
+    data["data"]["num_clients"] = NUM_CLIENTS
+    data["train"].update({"rounds": 2, "client_fraction": 1.0})
+    config = validate_experiment(data)
+    assert config.train.failures.client_timeout_seconds is None
+    grid = _RecordingGrid(make_client_app(), NUM_CLIENTS)
+    # Execute
+    run_on_grid(grid, config, federated_evaluation=False)
+    # Assert: every exchange (class counts, rounds) is bounded by Flower's default hour.
+    assert grid.timeouts and set(grid.timeouts) == {3600}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from fedplug.errors import TrainingError
 from fedplug.federated_round import ClientFailure, Outcome, RoundCore, chain_update
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
+from fedplug.screening import ScreeningConfig, count_problem, number_problem
 from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.results import RoundRecord, RunResult
@@ -155,16 +156,23 @@ class Coordinator:
         }
         results: list[TaskResult] = []
         for slot, message in enumerate(replies):
+            if not isinstance(message, Mapping) or not isinstance(message.get("results"), list):
+                # Not a reply of fedplug's worker: its tasks fail, the round goes on.
+                results.extend(self._malformed(slot, message))
+                continue
             if message.get("fedplug_step") != self.step:
                 raise TrainingError(
-                    f"worker {slot} replied for step {message.get('fedplug_step')} while the server "
+                    f"worker {slot} replied for step {message.get('fedplug_step')!r:.40} while the server "
                     f"is at step {self.step}; the ranks are out of step"
                 )
-            results.extend(message["results"])
+            results.extend(
+                result if isinstance(result, TaskResult) else self._not_a_result(slot, result)
+                for result in message["results"]
+            )
         received = [(result.client_id, result.chain_index) for result in results]
-        if sorted(received) != sorted(expected):
+        if sorted(received, key=repr) != sorted(expected, key=repr):
             raise TrainingError(
-                f"step {self.step}: the workers answered for tasks {sorted(received)} instead of "
+                f"step {self.step}: the workers answered for tasks {sorted(received, key=repr)!s:.300} instead of "
                 f"{sorted(expected)}"
             )
         for result in results:
@@ -189,11 +197,12 @@ class Coordinator:
         """The reply that stands for worker ``slot``'s to the current step when none came
         within ``waited`` seconds: every one of its tasks failed, saying so."""
         tasks = self.message[slot].tasks
-        reason = (
-            f"worker {slot} (MPI rank {slot + 1}) sent no reply within {waited:g}s "
-            f"({len(tasks)} task(s) x train.failures.client_timeout_seconds={self.timeout:g} "
-            f"plus a margin)"
+        bound = (
+            f"{len(tasks)} task(s) x train.failures.client_timeout_seconds={self.timeout:g} plus a margin"
+            if self.timeout is not None
+            else "the server's wait for a step; train.failures.client_timeout_seconds is unset"
         )
+        reason = f"worker {slot} (MPI rank {slot + 1}) sent no reply within {waited:g}s ({bound})"
         return reply(
             self.step,
             [TaskResult(task.client_id, task.chain_index, error=reason) for task in tasks],
@@ -235,15 +244,33 @@ class Coordinator:
             for slot in range(self.workers)
         }
 
+    def _malformed(self, slot: int, message: Any) -> list[TaskResult]:
+        """Worker ``slot``'s tasks of this step, failed: its reply is not
+        :func:`.protocol.reply`'s ``{"fedplug_step", "results": [...]}``."""
+        reason = f"worker {slot} sent a malformed reply ({type(message).__name__}, not fedplug's step reply)"
+        return [TaskResult(task.client_id, task.chain_index, error=reason) for task in self.message[slot].tasks]
+
+    def _not_a_result(self, slot: int, result: Any) -> TaskResult:
+        """A result of worker ``slot`` that is not a :class:`TaskResult`: failed, for the
+        task it names (if it names one of the slot's tasks)."""
+        reason = f"worker {slot} sent a {type(result).__name__} as a task result, not fedplug's TaskResult"
+        client_id = getattr(result, "client_id", None)
+        chain_index = getattr(result, "chain_index", None)
+        return TaskResult(client_id, chain_index, error=reason)  # type: ignore[arg-type]
+
     def _record(self, result: TaskResult) -> None:
         chain = self.chains[result.chain_index]
         if result.error is not None or result.vector is None:
-            chain.error = f"client {result.client_id}: {result.error or 'sent no model'}"
+            chain.error = f"client {result.client_id}: {str(result.error or 'sent no model')[:300]}"
+            return
+        reason = result_problem(result, self.core.screening_rules.config)
+        if reason is not None:
+            chain.error = f"client {result.client_id}: {reason}"
             return
         chain.vector = result.vector.to(self.federation.device)
-        chain.samples += result.num_samples
-        chain.steps += result.num_steps
-        chain.seconds += result.seconds
+        chain.samples += int(result.num_samples)
+        chain.steps += int(result.num_steps)
+        chain.seconds += float(result.seconds)
         chain.extras = {
             key: value.to(self.federation.device) for key, value in result.extras.items()
         }
@@ -285,3 +312,25 @@ class Coordinator:
         self.result.history.append(record)
         if self.on_round is not None:
             self.on_round(record)
+
+
+def result_problem(result: TaskResult, config: ScreeningConfig) -> str | None:
+    """Why one member's :class:`TaskResult` cannot be added to its chain, or None: the
+    fields that a chain sums or moves must be what they say (counts in range, a finite
+    time, tensors); the chain's model, extras and metrics are then screened whole by the
+    round core (:func:`fedplug.screening.update_problem`)."""
+    if reason := count_problem("num_samples", result.num_samples, config.max_num_examples):
+        return reason
+    if reason := count_problem("num_steps", result.num_steps, config.max_num_steps):
+        return reason
+    if reason := number_problem("seconds", result.seconds, 0.0):
+        return reason
+    if not isinstance(result.vector, Tensor):
+        return f"sent its model as {type(result.vector).__name__}, expected a tensor"
+    if not isinstance(result.extras, Mapping) or not all(
+        isinstance(value, Tensor) for value in result.extras.values()
+    ):
+        return "sent extras that are not a mapping of names to tensors"
+    if not isinstance(result.metrics, Mapping):
+        return f"sent metrics as {type(result.metrics).__name__}, expected a mapping"
+    return None

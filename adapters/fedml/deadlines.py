@@ -20,6 +20,12 @@ step. When the run has ended and a worker that missed a deadline still has not
 finished within the margin, the server gives up on it (the run's result is complete;
 see :mod:`.rank`).
 
+Without T the workers interrupt nothing, but the server still waits at most
+:data:`DEFAULT_STEP_WAIT_SECONDS` (an hour, as Flower's strategies bound an exchange:
+``Strategy.start(timeout=3600)``) for a step's replies; a worker silent that long fails
+the step's tasks as above. The default lives here, not in ``train.failures``, so that
+the config (and the fingerprint of every checkpoint and study result) is unchanged.
+
 No FedML import here: the tests drive this class with their own clock.
 """
 
@@ -33,6 +39,9 @@ from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 
 from .coordinator import Coordinator
 
+DEFAULT_STEP_WAIT_SECONDS = 3600.0
+"""How long the server waits for a step's replies when ``client_timeout_seconds`` is
+unset (Flower's default bound of one exchange)."""
 
 
 def reply_margin(training_seconds: float) -> float:
@@ -63,8 +72,8 @@ class StepDeadlines:
 
     @property
     def active(self) -> bool:
-        """Whether the run has a timeout at all (``client_timeout_seconds`` is set)."""
-        return self.coordinator.timeout is not None
+        """Whether the server bounds its wait: always (T, else :data:`DEFAULT_STEP_WAIT_SECONDS`)."""
+        return True
 
     def start_step(self) -> None:
         """The current step's instructions went out: start its clock."""
@@ -73,12 +82,16 @@ class StepDeadlines:
         self.answered = set()
 
     def seconds_allowed(self) -> float | None:
-        """How long after the instructions the current step's replies are due (``None``:
-        no bound). After the last step: the margin, for the workers' final status."""
+        """How long after the instructions the current step's replies are due: ``tasks x
+        T`` plus a margin, or :data:`DEFAULT_STEP_WAIT_SECONDS` without T. After the last
+        step: the margin, for the workers' final status."""
         timeout = self.coordinator.timeout
-        if timeout is None:
-            return None
-        training = 0.0 if self.coordinator.finished else self.coordinator.most_tasks() * timeout
+        if self.coordinator.finished:
+            training = 0.0
+        elif timeout is None:
+            return DEFAULT_STEP_WAIT_SECONDS
+        else:
+            training = self.coordinator.most_tasks() * timeout
         return training + reply_margin(training)
 
     def due_at(self) -> float | None:

@@ -49,8 +49,11 @@ from fedplug.federated_round import (
     client_needs,
 )
 from fedplug.registry import Registry
+from fedplug.screening import count_problem, dtype_problem
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.vectors import model_to_vector, vector_to_model
+
+from .protocol import steps_of
 
 ClientReply = tuple[float, Mapping[str, Tensor]]
 """What FedML's server hands ``aggregate`` per silo: ``(sample count, state dict)``."""
@@ -178,7 +181,7 @@ class FedplugAggregator(ServerAggregator):
     def comm_round(self) -> int:
         """The FedML rounds the run takes (``args.comm_round``): one per chain position
         of every fedplug round."""
-        return sum(max(len(chain) for chain in plan.chains) for plan in self.plans)
+        return sum(steps_of(plan) for plan in self.plans)
 
     @property
     def result(self) -> RunResult:
@@ -218,7 +221,11 @@ class FedplugAggregator(ServerAggregator):
             )
         for chain in self._chains:
             if self._position < len(chain.members):
-                chain.take(replies[chain.members[self._position]], self.model)
+                chain.take(
+                    replies[chain.members[self._position]],
+                    self.model,
+                    self.core.screening_rules.config.max_num_examples,
+                )
         self._position += 1
         if any(self._position < len(chain.members) for chain in self._chains):
             return self._per_silo_models()
@@ -304,18 +311,37 @@ class _Chain:
         self.samples = 0
         self.failure: str | None = None
 
-    def take(self, reply: ClientReply, model: nn.Module) -> None:
-        samples, state = reply
+    def take(self, reply: ClientReply, model: nn.Module, max_samples: int) -> None:
+        """Take one member's ``(sample count, state dict)``; a reply that is not one (a
+        sample count that is not an integer in ``[0, max_samples]``, a state dict of other
+        keys, shapes or dtypes) fails the chain with the reason, as the round core's
+        screen would (which then screens the chain's model and total count)."""
         if self.failure is not None:
             return
+        self.failure = self._take(reply, model, max_samples)
+
+    def _take(self, reply: ClientReply, model: nn.Module, max_samples: int) -> str | None:
+        try:
+            samples, state = reply
+        except (TypeError, ValueError):
+            return f"its reply is not FedML's (sample count, state dict) but {type(reply).__name__}"
+        if reason := count_problem("a sample count", samples, max_samples):
+            return reason
+        if not isinstance(state, Mapping):
+            return f"its reply is not the model's state dict but {type(state).__name__}"
+        for key, value in state.items():
+            if not isinstance(value, Tensor):
+                return f"its state dict holds {type(value).__name__} at {str(key)[:60]!r}, expected tensors"
+            if reason := dtype_problem(f"state dict entry {str(key)[:60]!r}", value.dtype, "real"):
+                return reason
         try:
             scratch = copy.deepcopy(model)
             scratch.load_state_dict(state)
-        except (RuntimeError, TypeError, KeyError) as error:
-            self.failure = f"its reply is not the model's state dict ({error})"
-            return
+        except Exception as error:  # noqa: BLE001 - a silo's reply must not stop the server
+            return f"its reply is not the model's state dict ({type(error).__name__}: {str(error)[:200]})"
         self.vector = model_to_vector(scratch).detach().clone()
         self.samples += int(samples)
+        return None
 
     def outcome(self, plan: RoundPlan) -> Outcome:
         if self.failure is not None:

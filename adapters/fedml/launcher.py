@@ -293,7 +293,8 @@ def _run_mpi(
     if abandoned:
         logger.warning(
             "the FedML run finished without worker rank(s) %s, which missed a "
-            "train.failures.client_timeout_seconds deadline and did not finish; their clients' "
+            "train.failures.client_timeout_seconds deadline (or, without one, the server's "
+            "one-hour wait for a step) and did not finish; their clients' "
             "updates were dropped (see %s)",
             abandoned,
             log_path,

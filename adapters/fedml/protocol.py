@@ -108,8 +108,8 @@ class Schedule:
 
     @property
     def steps_per_round(self) -> list[int]:
-        """FedML rounds each fedplug round takes: its longest chain (at least one)."""
-        return [max((len(chain) for chain in plan.chains), default=1) for plan in self.plans]
+        """FedML rounds each fedplug round takes (:func:`steps_of`)."""
+        return [steps_of(plan) for plan in self.plans]
 
     @property
     def fedml_rounds(self) -> int:
@@ -122,6 +122,14 @@ class Schedule:
                 return round_index, step
             step -= steps
         return len(self.plans), 0
+
+
+def steps_of(plan: RoundPlan) -> int:
+    """FedML rounds a fedplug round of ``plan`` takes: its longest chain, and one for a
+    round that nobody is left to train (every sampled client dropped out,
+    ``train.faults.dropout``): FedML's server still runs that round, and the global model
+    stays as it was."""
+    return max((len(chain) for chain in plan.chains), default=1)
 
 
 def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray) -> Schedule:

@@ -123,6 +123,7 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
     dataset = fedml_dataset(federation, workers, config.train.eval_batch_size)
     if rank == 0:
         from fedplug.experiment import write_json
+        from fedplug.output_folder import write_atomically
 
         def save(_record: Any) -> None:
             write_json(out / "metrics.json", coordinator.result.summary())
@@ -144,7 +145,8 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
             raise RuntimeError(
                 f"FedML stopped after {len(coordinator.result.history)} of {config.train.rounds} rounds"
             )
-        torch.save(coordinator.model.state_dict(), out / "model.pt")
+        state = coordinator.model.state_dict()
+        write_atomically(out / "model.pt", lambda handle: torch.save(state, handle), what="model")
         return abandoned
     else:
         model = build_model(config.train, registry, federation, device)
@@ -155,10 +157,10 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2) + "\n")
-    temporary.replace(path)
+    """Atomically through a unique temporary name: every rank writes into ``out``."""
+    from fedplug.output_folder import write_text
+
+    write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":

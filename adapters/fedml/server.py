@@ -18,8 +18,9 @@
   margin is given up on: the loop stops, and :func:`run_server` returns its rank so that
   :mod:`.rank` can save the result and end the MPI job.
 
-With ``train.failures.client_timeout_seconds`` unset nothing changes: no thread, and
-every reply is FedML's to count.
+With ``train.failures.client_timeout_seconds`` unset the same holds with a step's wait of
+:data:`.deadlines.DEFAULT_STEP_WAIT_SECONDS` (an hour): a worker silent that long no
+longer stalls the run.
 """
 
 from __future__ import annotations

@@ -55,12 +55,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import yaml
 from flwr.app import ConfigRecord, Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from fedplug.config import apply_override, read_yaml, validate_experiment, with_algorithm
+from fedplug.config import apply_override, parse_yaml, read_yaml, validate_experiment, with_algorithm
 from fedplug.data.build import load_dataset
 from fedplug.errors import ConfigError, FedplugError
 from fedplug.experiment import run_info, write_json, write_yaml
@@ -167,16 +166,7 @@ def experiment_from_run_config(
     if path:
         data = read_yaml(path)
     else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ConfigError(
-                f"run config {RUN_CONFIG_YAML!r} is not valid YAML: {error}"
-            ) from None
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"run config {RUN_CONFIG_YAML!r} must be a YAML mapping (data:, train:, ...)"
-            )
+        data = parse_yaml(text, f"run config {RUN_CONFIG_YAML!r}")
     for assignment in str(run_config.get(RUN_CONFIG_OVERRIDES, "") or "").split(";"):
         if assignment.strip():
             data = apply_override(data, assignment.strip())

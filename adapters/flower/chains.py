@@ -17,8 +17,17 @@ A stock ClientApp's reply (``arrays`` and ``metrics`` with ``num-examples``, non
 fedplug's keys) is a full answer: the client id defaults to the one asked, steps and
 seconds to 0. A reply that lacks the client extras a component needs (SCAFFOLD's
 ``delta_c``) or a reply metric it reads (QFedAvg's ``train_loss``, which Flower's
-quickstart ClientApp reports) stops the run with the line saying what the ClientApp must
-add.
+quickstart ClientApp reports) drops that client; when no reply of the round carried them,
+the ClientApp cannot provide them (a misconfiguration, not one bad node), and the run
+stops with the line saying what the ClientApp must add.
+
+Every field of a reply is decoded defensively (:mod:`.decoding`): ``num-examples`` an
+integer in ``[0, train.screening.max_num_examples]``, ``fedplug.num-steps`` in ``[0,
+train.screening.max_num_steps]``, ``fedplug.client-id`` the client asked,
+``fedplug.seconds`` finite and non-negative, every array a ``numpy.ndarray`` of a real
+dtype and the expected shape; of the extras only the keys the components need are decoded,
+each of its declared shape (or at most the model's size), other keys are ignored. A
+violation drops the client with the reason logged; the round goes on.
 
 Timeouts (``train.failures.client_timeout_seconds`` = T): every train message carries T
 (:data:`~.records.CLIENT_TIMEOUT`), and :class:`~.trainer.FedplugTrainer` interrupts its own
@@ -39,6 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from torch import Tensor
@@ -48,6 +59,7 @@ from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
 from fedplug.federated_round import ClientFailure, Outcome, chain_update, unusable
 
+from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
 from .records import (
     CLIENT_ID,
     EXTRAS_KEY,
@@ -58,7 +70,6 @@ from .records import (
     SECONDS,
     integer,
     number,
-    record_to_tensors,
     record_to_vector,
 )
 
@@ -212,9 +223,22 @@ class RoundInProgress:
     required_extras: tuple[str, ...] = ()
     requirement: str | None = None
     required_metrics: tuple[str, ...] = ()
+    extras_shapes: Mapping[str, tuple[int, ...] | None] = field(default_factory=dict)
+    """The shape each required extra must have (absent or ``None``: any shape of at most
+    the model's size)."""
+    max_num_examples: int = MAX_NUM_EXAMPLES
+    """The largest ``num-examples`` one reply may state (``train.screening``)."""
+    max_num_steps: int = MAX_NUM_STEPS
+    """The largest ``fedplug.num-steps`` one reply may state (``train.screening``)."""
     chains: list[ChainProgress] = field(default_factory=list)
     replies: list[RecordDict] = field(default_factory=list)
     """The content of every member's usable reply, for the clients' metrics."""
+    reply_clients: list[int] = field(default_factory=list)
+    """The client of each entry of :attr:`replies`."""
+    provided: bool = False
+    """Whether some reply carried every required extra and metric."""
+    unprovided: list[str] = field(default_factory=list)
+    """Which replies lacked a required extra or metric (one line each)."""
 
     def __post_init__(self) -> None:
         self.chains = [ChainProgress(list(chain), self.global_vector) for chain in self.plan.chains]
@@ -255,12 +279,19 @@ class RoundInProgress:
                 chain.fail(f"client {client_id} {reason}")
             else:
                 self.replies.append(reply.content)
+                self.reply_clients.append(client_id)
         for client_id, chain in waiting.items():
             if client_id not in answered:
                 chain.fail(f"client {client_id} {no_reply_reason(self.timeout)}")
 
     def _advance(self, chain: ChainProgress, client_id: int, reply: Message) -> str | None:
-        """Take one member's reply into the chain; return why it is unusable, or None."""
+        """Take one member's reply into the chain; return why it is unusable, or None.
+
+        Every field is decoded defensively (:mod:`.decoding`): a malformed one is the
+        reason, never an exception. A reply without the extras or metrics a component
+        needs is unusable too; :meth:`outcomes` stops the run only when no reply of the
+        round carried them (a ClientApp that cannot provide them, not one bad node).
+        """
         if reply.has_error():
             return f"raised during training: {reply.error.reason}"
         content = reply.content
@@ -269,41 +300,32 @@ class RoundInProgress:
         if model is None or metrics is None:
             return f"replied without {MODEL_KEY!r} and {METRICS_KEY!r} records"
         try:
-            answered_as = integer(metrics, CLIENT_ID, client_id)
-            samples = integer(metrics, NUM_EXAMPLES, -1)
-            steps = integer(metrics, NUM_STEPS, 0)
-            seconds = number(metrics, SECONDS, 0.0)
+            answered_as = integer(metrics, CLIENT_ID, client_id, low=0, high=2**31 - 1)
+            samples = self._samples(metrics)
+            steps = integer(metrics, NUM_STEPS, 0, low=0, high=self.max_num_steps)
+            seconds = finite_number(metrics.get(SECONDS, 0.0), SECONDS, 0.0, MAX_SECONDS)
             reported = {
                 name: number(metrics, name) for name in self.required_metrics if name in metrics
             }
         except ValueError as error:
             return f"sent malformed metrics: {error}"
-        if samples < 0:
-            if self.plan.weighting == "samples":
-                return f"sent no {NUM_EXAMPLES!r} in its metrics (the weight of its model)"
-            samples = 0
+        if samples is None:
+            return f"sent no {NUM_EXAMPLES!r} in its metrics (the weight of its model)"
         if answered_as != client_id:
             return f"answered as client {answered_as}, not as client {client_id}"
         try:
             vector = record_to_vector(model, self.layout)
+            extras = self._extras(content.array_records.get(EXTRAS_KEY), vector.numel(), client_id)
         except ValueError as error:
             return str(error)
-        extras = record_to_tensors(content.array_records.get(EXTRAS_KEY))
-        missing = [key for key in self.required_extras if key not in extras]
-        if missing:
-            # Not a transient failure: every retry would fail alike, so stop with the fix.
-            raise TrainingError(
+        lacking = self._lacking(extras, reported)
+        if lacking is not None:
+            self.unprovided.append(
                 f"round {self.server_round}: client {client_id} "
-                f"(node {reply.metadata.src_node_id}) "
-                f"replied without {EXTRAS_KEY!r} {missing}; {self.requirement}"
+                f"(node {reply.metadata.src_node_id}) replied without {lacking}"
             )
-        unreported = [name for name in self.required_metrics if name not in reported]
-        if unreported:
-            raise TrainingError(
-                f"round {self.server_round}: client {client_id} "
-                f"(node {reply.metadata.src_node_id}) "
-                f"replied without {unreported} in its {METRICS_KEY!r}; {self.requirement}"
-            )
+            return f"replied without {lacking}"
+        self.provided = True
         chain.vector = vector
         chain.extras = extras
         chain.metrics = reported
@@ -314,6 +336,50 @@ class RoundInProgress:
         if chain.position < len(chain.chain):  # the last member's model is screened by the core
             # Only the last member's metrics are the chain's, screened by the core.
             return unusable(self._update(chain), tuple(self.global_vector.shape), self.timeout)
+        return None
+
+    def _samples(self, metrics: Mapping[str, Any]) -> int | None:
+        """The reply's ``num-examples`` in ``[0, max_num_examples]``; ``None`` when absent
+        under sample weighting (0 when absent under uniform weighting, which ignores it)."""
+        if NUM_EXAMPLES not in metrics:
+            return None if self.plan.weighting == "samples" else 0
+        return integer(metrics, NUM_EXAMPLES, low=0, high=self.max_num_examples)
+
+    def _extras(self, record: Any, model_size: int, client_id: int) -> dict[str, Tensor]:
+        """The reply's extras the components need, decoded (:func:`.decoding.decode_array`):
+        each of its declared shape (``extras_shapes``), or else of at most the model's
+        size. Other keys are never decoded: no component reads them."""
+        if record is None:
+            return {}
+        ignored = sorted(str(key) for key in record.keys() if key not in self.required_extras)
+        if ignored:
+            logger.warning(
+                "round %d: client %d sent %s %s, which no component reads; ignored",
+                self.server_round,
+                client_id,
+                EXTRAS_KEY,
+                ignored,
+            )
+        extras: dict[str, Tensor] = {}
+        for key in self.required_extras:
+            if key in record:
+                array = decode_array(
+                    record[key],
+                    key,
+                    shape=self.extras_shapes.get(key),
+                    max_elements=max(model_size, 1),
+                )
+                extras[key] = torch.from_numpy(np.array(array, dtype=np.float32))
+        return extras
+
+    def _lacking(self, extras: Mapping[str, Tensor], reported: Mapping[str, float]) -> str | None:
+        """What of the components' needs the reply lacks, in words (``None``: nothing)."""
+        missing = [key for key in self.required_extras if key not in extras]
+        if missing:
+            return f"{EXTRAS_KEY!r} {missing}"
+        unreported = [name for name in self.required_metrics if name not in reported]
+        if unreported:
+            return f"{unreported} in its {METRICS_KEY!r}"
         return None
 
     def _update(self, chain: ChainProgress) -> ClientUpdate:
@@ -330,7 +396,15 @@ class RoundInProgress:
 
     def outcomes(self) -> list[Outcome]:
         """One outcome per chain, in plan order (the simulator's order, so a running sum
-        adds the same numbers in the same order)."""
+        adds the same numbers in the same order).
+
+        Raises:
+            TrainingError: replies lacked the extras or metrics a component needs and no
+                reply of the round carried them: the ClientApp cannot provide them, and
+                every retry would fail alike, so the run stops with the fix.
+        """
+        if self.unprovided and not self.provided:
+            raise TrainingError(f"{self.unprovided[0]}; {self.requirement}")
         return [
             ClientFailure(list(chain.chain), chain.failure)
             if chain.failure is not None

@@ -5,12 +5,14 @@ their metrics, and the simulator's per-client accuracy spread."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
+from .decoding import MAX_NUM_EXAMPLES, finite_number
 from .records import (
     ACCURACY,
     CONFIG_KEY,
@@ -21,7 +23,6 @@ from .records import (
     NUM_EXAMPLES,
     PAYLOAD_KEY,
     integer,
-    number,
 )
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
@@ -31,6 +32,9 @@ MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 replies' contents and the weighting key -> one MetricRecord."""
 FEDPLUG_PREFIX = "fedplug."
 """fedplug's own bookkeeping entries (client id, steps, seconds), never averaged."""
+METRIC_RANGES: dict[str, tuple[float, float]] = {ACCURACY: (0.0, 1.0)}
+"""The values a reply's metric may take, where its meaning bounds them; a value outside
+is left out of every average (other metrics need only be finite)."""
 
 
 def train_message(
@@ -73,28 +77,37 @@ def weighted_metrics(
     ``FedAvg`` does (``aggregate_metricrecords``): the weighting key itself and fedplug's
     ``fedplug.*`` entries are left out, lists are averaged element-wise. Unlike Flower's,
     a reply without the weight, or a metric that only some replies carry, is tolerated:
-    each metric is averaged over the replies that carry it and a positive weight."""
+    each metric is averaged over the replies that carry it and a positive weight.
+
+    A reply is another party's: its weight counts only when it is a number in
+    ``(0, MAX_NUM_EXAMPLES]``, and a value only when it is finite (an ``accuracy`` also
+    in ``[0, 1]``, a list only when all its items are); anything else is left out, so
+    one client cannot make the mean NaN, infinite or absurd."""
     sums: dict[str, Any] = {}
     totals: dict[str, float] = {}
     for content in contents:
         weight = _weight(content, weighted_by_key)
-        if weight <= 0:
+        if weight is None:
             continue
         for record in content.metric_records.values():
             for key, value in record.items():
                 if key == weighted_by_key or key.startswith(FEDPLUG_PREFIX):
                     continue
-                if isinstance(value, list):
-                    scaled: Any = [float(item) * weight for item in value]
+                usable = _usable_value(key, value)
+                if usable is None:
+                    continue
+                if isinstance(usable, list):
+                    scaled: Any = [item * weight for item in usable]
                     current = sums.get(key)
                     if isinstance(current, list) and len(current) == len(scaled):
                         scaled = [a + b for a, b in zip(current, scaled, strict=True)]
                     elif current is not None:
                         continue  # a shape that disagrees with the other replies'
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    scaled = float(value) * weight + float(sums.get(key, 0.0))
                 else:
-                    continue
+                    current = sums.get(key, 0.0)
+                    if isinstance(current, list):
+                        continue  # a number where the other replies sent a list
+                    scaled = usable * weight + float(current)
                 sums[key] = scaled
                 totals[key] = totals.get(key, 0.0) + weight
     return MetricRecord(
@@ -107,12 +120,29 @@ def weighted_metrics(
     )
 
 
-def _weight(content: RecordDict, weighted_by_key: str) -> float:
+def _weight(content: RecordDict, weighted_by_key: str) -> float | None:
+    """The reply's weight when it is a number in ``(0, MAX_NUM_EXAMPLES]``, else ``None``."""
     for record in content.metric_records.values():
-        value = record.get(weighted_by_key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return 0.0
+        if weighted_by_key not in record:
+            continue
+        try:
+            weight = finite_number(record[weighted_by_key], weighted_by_key, 0.0, MAX_NUM_EXAMPLES)
+        except ValueError:
+            return None
+        return weight if weight > 0 else None
+    return None
+
+
+def _usable_value(key: str, value: Any) -> float | list[float] | None:
+    """``value`` as a finite float (or a list of them) within ``key``'s known range, else
+    ``None``."""
+    low, high = METRIC_RANGES.get(key, (-math.inf, math.inf))
+    items = value if isinstance(value, list) else [value]
+    try:
+        numbers = [finite_number(item, key, low, high) for item in items]
+    except ValueError:
+        return None
+    return numbers if isinstance(value, list) else numbers[0]
 
 
 def client_accuracy(
@@ -120,7 +150,9 @@ def client_accuracy(
 ) -> MetricRecord | None:
     """Mean and (population) spread of the per-client accuracies, over the clients with
     a non-empty local test split that report ``accuracy`` (the simulator's definition);
-    ``None`` when none does."""
+    ``None`` when none does. A client whose ``num-examples`` is not an integer in
+    ``[0, MAX_NUM_EXAMPLES]`` or whose ``accuracy`` is not a number in ``[0, 1]`` is
+    left out, with a warning."""
     accuracies: dict[int, float] = {}
     for reply in replies:
         client = client_of_node.get(reply.metadata.src_node_id)
@@ -134,10 +166,16 @@ def client_accuracy(
         if client is None or metrics is None or ACCURACY not in metrics:
             continue  # a ClientApp of its own may name its metrics otherwise
         try:
-            if integer(metrics, NUM_EXAMPLES, 0) > 0:
-                accuracies[client] = number(metrics, ACCURACY)
+            if integer(metrics, NUM_EXAMPLES, 0, low=0, high=MAX_NUM_EXAMPLES) > 0:
+                low, high = METRIC_RANGES[ACCURACY]
+                accuracies[client] = finite_number(metrics[ACCURACY], ACCURACY, low, high)
         except ValueError as error:
-            logger.warning("round %d: client %s %s", server_round, client, error)
+            logger.warning(
+                "round %d: client %s %s; left out of the client accuracy",
+                server_round,
+                client,
+                error,
+            )
     if not accuracies:
         return None
     values = np.array([accuracies[client] for client in sorted(accuracies)])

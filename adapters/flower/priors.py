@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 
 from fedplug.errors import TrainingError
 
+from .decoding import MAX_NUM_EXAMPLES, MalformedReply, parse_integer
 from .records import (
     CLASS_COUNTS,
     CONFIG_KEY,
@@ -39,6 +40,9 @@ from .records import (
 )
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
+
+MAX_NODES = 2**31 - 1
+"""Largest ``partition-id`` / ``num-partitions`` a node may report."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ def gather_class_counts(
             node has no query handler (default: a generic hint).
 
     Raises:
-        TrainingError: a node failed to answer, or the partition ids do not cover
+        TrainingError: a node failed to answer or answered malformed (its counts not
+            C integers in ``[0, 10**9]``, its ids not integers), or the partition ids do not cover
             0..K-1 exactly once; the message names the node and says what to fix.
     """
     if node_ids is None:
@@ -190,20 +195,36 @@ def gather_class_counts(
             raise TrainingError(
                 f"node {node} answered the class-count query without {CLASS_COUNTS!r}; {hint}"
             )
-        values = metrics[CLASS_COUNTS]
-        counts = [int(value) for value in values] if isinstance(values, list) else []
-        if len(counts) != num_classes or min(counts, default=0) < 0:
-            raise TrainingError(
-                f"node {node} reports {len(counts)} non-negative class counts, the experiment "
-                f"has {num_classes} classes"
-            )
         try:
-            partition = integer(metrics, PARTITION_ID, -1)
-            partitions = integer(metrics, NUM_PARTITIONS, -1)
+            counts = _class_counts(metrics[CLASS_COUNTS], num_classes)
+            partition = integer(metrics, PARTITION_ID, -1, low=-1, high=MAX_NODES)
+            partitions = integer(metrics, NUM_PARTITIONS, -1, low=-1, high=MAX_NODES)
         except ValueError as error:
-            raise TrainingError(f"node {node} {error} in its class-count reply") from None
+            raise TrainingError(
+                f"node {node} {error} in its class-count reply; the server needs every "
+                "client's counts, so the run stops (fix or remove that node)"
+            ) from None
         reports[node] = (partition, partitions, counts)
     return _directory(reports, num_clients, num_classes)
+
+
+def _class_counts(values: Any, num_classes: int) -> list[int]:
+    """A node's reported class counts: a list of ``num_classes`` integers, each in
+    ``[0, MAX_NUM_EXAMPLES]`` (:mod:`.decoding`).
+
+    Raises:
+        ValueError: anything else (a number, a list of another length, ``inf``, ``NaN``,
+            a negative or fractional count); the text says which.
+    """
+    if not isinstance(values, list):
+        raise MalformedReply(
+            f"sent {CLASS_COUNTS!r} as {type(values).__name__}, not a list of counts"
+        )
+    if len(values) != num_classes:
+        raise MalformedReply(
+            f"sent {len(values)} class counts, the experiment has {num_classes} classes"
+        )
+    return [parse_integer(value, CLASS_COUNTS, 0, MAX_NUM_EXAMPLES) for value in values]
 
 
 def _directory(

@@ -39,6 +39,8 @@ from torch import Tensor, nn
 
 from fedplug.errors import ConfigError
 
+from .decoding import decode_array, parse_integer, parse_number
+
 MODEL_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
@@ -95,18 +97,21 @@ def model_record(model: nn.Module) -> ArrayRecord:
 def record_to_vector(record: ArrayRecord, layout: list[tuple[str, tuple[int, ...]]]) -> Tensor:
     """The flat float32 vector held in ``record``, by entry name.
 
+    Entries of ``record`` outside ``layout`` (integer buffers) are not decoded.
+
     Raises:
-        ValueError: an entry of ``layout`` is missing from ``record`` or has another
-            shape; the message says which (it becomes the logged reason of a rejection).
+        ValueError: an entry of ``layout`` is missing from ``record``, or is not a
+            ``numpy.ndarray`` of a real dtype and that shape
+            (:func:`.decoding.decode_array`); the message says which (it becomes the
+            logged reason of a rejection).
     """
     pieces = []
     for name, shape in layout:
         if name not in record:
             raise ValueError(f"returned no array {name!r}")
-        array = record[name]
-        if tuple(array.shape) != shape:
-            raise ValueError(f"returned {name!r} of shape {tuple(array.shape)}, expected {shape}")
-        pieces.append(torch.from_numpy(np.asarray(array.numpy(), dtype=np.float32).reshape(-1)))
+        # Checked before it is converted: stype, a real dtype, this shape, the byte count.
+        values = decode_array(record[name], name, shape=shape)
+        pieces.append(torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1)))
     return torch.cat(pieces) if pieces else torch.zeros(0)
 
 
@@ -199,12 +204,26 @@ def number(record: Mapping[str, Any], key: str, default: float | None = None) ->
     value = record.get(key, default)
     if value is None:
         raise ValueError(f"sent no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        # One error type for every malformed value, so callers reject a reply in one place.
-        raise ValueError(f"sent {key!r} as {type(value).__name__}, not a number")  # noqa: TRY004
-    return float(value)
+    # One error type for every malformed value, so callers reject a reply in one place.
+    return parse_number(value, key)
 
 
-def integer(record: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """:func:`number`, as an int."""
-    return int(number(record, key, default))
+def integer(
+    record: Mapping[str, Any],
+    key: str,
+    default: int | None = None,
+    *,
+    low: int = -(2**63),
+    high: int = 2**63 - 1,
+) -> int:
+    """The integer under ``key`` (``default`` when absent), in ``[low, high]`` (default:
+    the int64 range).
+
+    Raises:
+        ValueError: absent without a default, or not a finite, integral number in range
+            (``inf`` or ``2.5``): a malformed message, rejected with this reason.
+    """
+    value = record.get(key, default)
+    if value is None:
+        raise ValueError(f"sent no {key!r}")
+    return parse_integer(value, key, low, high)

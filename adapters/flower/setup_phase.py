@@ -24,15 +24,20 @@ context for every later train message. Nothing here knows which phase it runs.
 
 A node that fails (raises, sends no reply, replies malformed) stops the run with a
 :class:`~fedplug.errors.TrainingError` naming the step, the client and the node: a phase
-needs every client, and a client without its result could not train afterwards.
+needs every client, and a client without its result could not train afterwards. Replies
+are decoded defensively (:func:`decode_setup_reply`): a tensor of another stype, of a
+dtype other than a real float or integer, too large or not finite, or a value that is
+not a finite number, a string or a bool is such a malformed reply, never a traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
@@ -44,6 +49,7 @@ from fedplug.errors import ConfigError, TrainingError
 from fedplug.registry import Registry
 from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, Value
 
+from .decoding import MalformedReply, decode_array, to_tensor
 from .records import CLIENT_ID, CONFIG_KEY, record_to_tensors, tensors_to_record
 
 logger = logging.getLogger("fedplug.adapters.flower")
@@ -52,6 +58,9 @@ STEP = "fedplug.setup-step"
 """The ``config`` entry naming the step."""
 VALUES_KEY = "fedplug.setup-values"
 TENSORS_KEY = "fedplug.setup-tensors"
+MAX_SETUP_ELEMENTS = 10**8
+"""The most elements one tensor of a node's setup reply may hold (400 MB of float32; a
+phase's messages carry small models such as FedDisk's MADEs)."""
 
 
 def message_type(phase: SetupPhase) -> str:
@@ -92,7 +101,16 @@ def run_setup_phase(
         step = next(conversation)
         while True:
             replies = _exchange(grid, node_of, phase, step, message_config, timeout)
-            step = conversation.send(replies)
+            try:
+                step = conversation.send(replies)
+            except (ValueError, TypeError, RuntimeError, KeyError, IndexError) as error:
+                # Well-typed replies the phase still cannot combine (tensors of shapes
+                # that disagree, say): one line, not the phase's traceback.
+                raise TrainingError(
+                    f"setup phase {phase.name!r}, step {step.name!r}: the server could not "
+                    f"use the nodes' replies ({type(error).__name__}: {error}); a node "
+                    "replied malformed, so the run stops"
+                ) from error
     except StopIteration as stop:
         cost = stop.value
     return cost if cost is not None else PhaseCost(0, 0, 0)
@@ -143,11 +161,11 @@ def _exchange(
         elif VALUES_KEY not in reply.content.config_records:
             reason = f"replied without a {VALUES_KEY!r} record"
         else:
-            replies[client] = SetupReply(
-                tensors=record_to_tensors(reply.content.array_records.get(TENSORS_KEY)),
-                values=dict(reply.content.config_records[VALUES_KEY]),
-            )
-            continue
+            try:
+                replies[client] = decode_setup_reply(reply.content)
+                continue
+            except ValueError as error:
+                reason = f"replied malformed: {error}"
         raise TrainingError(
             f"setup phase {phase.name!r}, step {step.name!r}: client {client} (node {node}) "
             f"{reason}. The phase needs every client, so the run stops. (A ClientApp answers "
@@ -155,6 +173,33 @@ def _exchange(
             "trainer.setup_phase(data, message, context); the ready client_app does.)"
         )
     return replies
+
+
+def decode_setup_reply(content: RecordDict) -> SetupReply:
+    """A node's answer to a step, decoded defensively (:mod:`.decoding`): every tensor a
+    ``numpy.ndarray`` of a real dtype, at most :data:`MAX_SETUP_ELEMENTS` elements and
+    finite; every value an int, float, str or bool, numbers finite.
+
+    Raises:
+        ValueError: the first field that breaks these rules (the text says which).
+    """
+    tensors: dict[str, Tensor] = {}
+    arrays = content.array_records.get(TENSORS_KEY)
+    for key in arrays.keys() if arrays is not None else []:
+        array = decode_array(arrays[key], key, max_elements=MAX_SETUP_ELEMENTS)
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise MalformedReply(f"sent tensor {key!r} with non-finite (NaN/Inf) values")
+        tensors[key] = to_tensor(array)
+    values: dict[str, Value] = {}
+    for key, value in content.config_records[VALUES_KEY].items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise MalformedReply(f"sent value {key!r} = {value}, not finite")
+        if not isinstance(value, (int, float, str, bool)):
+            raise MalformedReply(
+                f"sent value {key!r} as {type(value).__name__}, not an int, float, str or bool"
+            )
+        values[key] = value
+    return SetupReply(tensors=tensors, values=values)
 
 
 # --------------------------------------------------------------------------- node

@@ -26,7 +26,9 @@ wrappers) can wrap it. It moves models and messages; the round itself is
    ``ClientFailure``, and :meth:`RoundCore.run` screens them, aggregates, and retries
    the round under ``train.failures``; clients that trained in a failed attempt start
    again from the state they had (see :func:`.trainer.load_client_state`). The clients'
-   own metrics are averaged weighted by ``num-examples``, as Flower's strategies do.
+   own metrics are averaged weighted by ``num-examples``, as Flower's strategies do,
+   over the clients the core accepted; every reply field is decoded defensively first
+   (:mod:`.decoding`), so a malformed reply drops its client, never the server.
 4. **evaluate and record**: ``evaluate_fn`` (central, on the server's test set; also at
    round 0, as Flower calls it) and, optionally, an ``evaluate`` message to every node
    for its local test split; the core writes the round's record, and with
@@ -55,7 +57,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from torch import Tensor, nn
 
-from fedplug.components import PhaseCost, RoundPlan
+from fedplug.components import MODEL_SHAPE, PhaseCost, RoundPlan
 from fedplug.config import validate_section
 from fedplug.cost_model import LinkAndDevice
 from fedplug.errors import ConfigError, TrainingError
@@ -69,6 +71,8 @@ from fedplug.federated_round import (
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
+from fedplug.simulation.checkpoint_bounds import checkpoint_size_bound
+from fedplug.simulation.resume import restore_run
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model, resolve_device
 from fedplug.simulation.vectors import move_tensors, tensors_num_bytes, vector_to_model
@@ -502,17 +506,28 @@ class FedplugStrategy(Strategy):
         self._began = True
         self._total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
         state = None
+        initial = record_to_vector(arrays, self.layout)
         if self.checkpoint_path is not None:
             assert self.fingerprint is not None  # set by setup()
-            state = load_checkpoint(self.checkpoint_path, self.fingerprint)
+            clients = self.directory.num_clients if self.directory is not None else 1
+            size_bound = checkpoint_size_bound(
+                initial.numel() * initial.element_size(), clients, rounds=self.config.rounds
+            )
+            state = load_checkpoint(self.checkpoint_path, self.fingerprint, size_bound)
         if state is None:
-            self.aggregator.initialize(record_to_vector(arrays, self.layout))
+            self.aggregator.initialize(initial)
             return arrays
-        vector = state["global_vector"].cpu()
-        self.aggregator.load_state_dict(move_tensors(state["aggregator"], "cpu"))
-        self.grouper.load_state_dict(state["grouper"])
-        self.history = [RoundRecord.from_dict(record) for record in state["history"]]
-        self.setup_cost = PhaseCost(**state["setup_cost"])
+        assert self.checkpoint_path is not None
+        # Checked (keys, types, a finite global model of this size) before anything uses it.
+        restored = restore_run(
+            self.checkpoint_path,
+            state,
+            model_size=initial.numel(),
+            components={"aggregator": self.aggregator, "grouper": self.grouper},
+        )
+        vector = restored.global_vector
+        self.history = restored.history
+        self.setup_cost = restored.setup_cost
         self._offset = len(self.history)
         if self.history:
             self._total_bytes = self.history[-1].cumulative_bytes
@@ -615,6 +630,7 @@ class FedplugStrategy(Strategy):
             required_extras=self.needs.reply_extras,
             requirement=self.client_requirements,
             required_metrics=self.needs.reply_metrics,
+            **self._reply_bounds(),
         )
         self._exchange_config = dict(config)
         payload = self.aggregator.server_payload()
@@ -666,13 +682,40 @@ class FedplugStrategy(Strategy):
             round_number, plan, attempt, self._payload_bytes, self._round_started
         )
         self.final_vector = attempt.vector
-        metrics = self.train_metrics_aggr_fn(list(self._require_round().replies), NUM_EXAMPLES)
+        metrics = self.train_metrics_aggr_fn(self._accepted_replies(attempt), NUM_EXAMPLES)
         tally = attempt.tally
         metrics["accepted"] = tally.accepted
         metrics["failures"] = tally.failures
         metrics["bytes-up"] = tally.bytes_up
         metrics["attempts"] = attempt.attempts
         return self._vector_record(attempt.vector), metrics
+
+    def _reply_bounds(self) -> dict[str, Any]:
+        """What one reply may hold (:class:`.chains.RoundInProgress`): each required
+        extra's declared shape (``"model"``: the flat model's), and the caps of
+        ``train.screening`` on ``num-examples`` and ``fedplug.num-steps``."""
+        model_size = sum(math.prod(shape) for _, shape in self.layout)
+        shapes = {
+            name: (model_size,) if extra.shape == MODEL_SHAPE else tuple(extra.shape)
+            for name, extra in self.needs.reply_extra_shapes.items()
+        }
+        screening = self.config.screening
+        return {
+            "extras_shapes": shapes,
+            "max_num_examples": screening.max_num_examples,
+            "max_num_steps": screening.max_num_steps,
+        }
+
+    def _accepted_replies(self, attempt: Attempt) -> list[Any]:
+        """The contents of the replies whose chain the round core accepted: a client it
+        dropped (a NaN model, say) must not enter the averaged metrics either."""
+        round_ = self._require_round()
+        dropped = {client for chain, _ in attempt.tally.dropped for client in chain}
+        return [
+            content
+            for content, client in zip(round_.replies, round_.reply_clients, strict=True)
+            if client not in dropped
+        ]
 
     def _exchange(self, messages: list[Message]) -> None:
         """Send ``messages`` and every hand-off they lead to, until the round's chains are
@@ -803,7 +846,12 @@ class FedplugStrategy(Strategy):
         evaluation is still to come."""
         replies = list(replies)
         round_number = server_round + self._offset
-        usable = [reply.content for reply in replies if not reply.has_error()]
+        # Only the nodes asked: a reply from any other is not one of this run's clients.
+        usable = [
+            reply.content
+            for reply in replies
+            if not reply.has_error() and reply.metadata.src_node_id in self._evaluating
+        ]
         metrics = self.evaluate_metrics_aggr_fn(usable, NUM_EXAMPLES) if usable else None
         spread = client_accuracy(replies, self._evaluating, round_number)
         if spread is not None:

@@ -38,12 +38,15 @@ from fedplug.components import (
     ClientUpdate,
     ComponentConfig,
     LocalTraining,
+    ReplyExtra,
     WeightedMean,
 )
 from fedplug.hookspecs import Register, hookimpl
 
 NORM_KEY = "a"
 """Key of a_k in :attr:`ClientUpdate.extras`."""
+ROUNDING = 1e-5
+"""Relative slack of :meth:`FedNova.check_update`'s bounds on a_k: a_k travels as float32."""
 
 
 def normalizing_factor(num_steps: int, momentum: float) -> float:
@@ -90,8 +93,31 @@ class FedNova(Aggregator):
         self.config = config
 
     def client_needs(self) -> ClientNeeds:
-        """Each client reports its normalising factor a_k with its model."""
-        return ClientNeeds(client_side=True, reply_extras=(NORM_KEY,))
+        """Each client reports its normalising factor a_k (a non-negative scalar) with
+        its model."""
+        return ClientNeeds(
+            client_side=True,
+            reply_extras=(NORM_KEY,),
+            reply_extra_shapes={NORM_KEY: ReplyExtra((), minimum=0.0)},
+        )
+
+    def check_update(self, update: ClientUpdate) -> str | None:
+        """``a_k`` must be one that the reported ``num_steps`` can give: 0 (no step), or
+        at least 1 (one step, whatever the momentum) and at most ``tau (tau + 1) / 2``
+        (the limit of :func:`normalizing_factor` as the momentum goes to 1; ``tau`` is the
+        chain's ``num_steps``, an upper bound on its last member's). A client that inflates
+        ``a_k`` inflates the server's step ``tau_eff``; one that sends a tiny positive
+        ``a_k`` inflates its own normalised update ``d_k``: either would blow up the
+        global model."""
+        factor = float(update.extras[NORM_KEY])
+        steps = int(update.num_steps)
+        most = steps * (steps + 1) / 2 * (1 + ROUNDING)
+        if factor == 0.0 or 1.0 - ROUNDING <= factor <= most:
+            return None
+        return (
+            f"sent extras[{NORM_KEY!r}] = {factor:.6g}, which {steps} local SGD steps cannot give "
+            f"(FedNova's a_k is 0 or in [1, {steps * (steps + 1) / 2:g}])"
+        )
 
     def client_finish(
         self,

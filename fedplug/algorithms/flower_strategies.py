@@ -118,6 +118,9 @@ REPLY_METRICS: dict[str, tuple[str, ...]] = {
     "QFedAvg": (TRAIN_LOSS,),  # Flower's default train_loss_key is fedplug's TRAIN_LOSS
 }
 """The client reply metrics a strategy reads (none unless listed)."""
+METRIC_MINIMUM: dict[str, float] = {TRAIN_LOSS: 0.0}
+"""The least value a reply metric can take by its meaning (a mean cross-entropy is not
+negative); Flower's QFedAvg raises a negative loss to the power q, which is NaN."""
 DP_WRAPPER = "DifferentialPrivacyServerSideFixedClipping"
 WRAPPER_PARAMETERS = (
     "noise_multiplier",
@@ -368,6 +371,21 @@ class FlowerStrategyAggregator(Aggregator):
         """The reply metrics the strategy reads (QFedAvg: ``train_loss``); the others need
         nothing beyond the model and ``num-examples``."""
         return ClientNeeds(reply_metrics=REPLY_METRICS.get(self.config.aggregating_strategy, ()))
+
+    def check_update(self, update: ClientUpdate) -> str | None:
+        """A reply metric the strategy reads below its least meaningful value (a negative
+        ``train_loss``, from a broken or hostile client) makes the update unusable: the
+        round core drops it before Flower turns it into a NaN model. (The core has
+        already checked that every metric is present and finite.)"""
+        for name in self.client_needs().reply_metrics:
+            value = update.metrics.get(name)
+            least = METRIC_MINIMUM.get(name)
+            if value is not None and least is not None and value < least:
+                return (
+                    f"reported {name} = {value:g}, below {least:g}, which Flower's "
+                    f"{self.config.aggregating_strategy} cannot weigh"
+                )
+        return None
 
     def initialize(self, global_vector: Tensor) -> None:
         self.rounds_aggregated = 0

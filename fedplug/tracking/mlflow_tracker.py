@@ -57,6 +57,7 @@ from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 
 logger = logging.getLogger("fedplug.tracking")
 
@@ -265,7 +266,10 @@ class MlflowTracker:
     Use :meth:`open`; then :meth:`log_params`, :meth:`log_round` (an observer for
     ``run_experiment(..., observers=[tracker.log_round])``), :meth:`log_history`,
     :meth:`log_result`, :meth:`log_artifacts` and :meth:`finish` (or :meth:`fail`).
-    Every MLflow failure surfaces as :class:`~fedplug.errors.TrackingError`.
+    A server that stops answering costs a bounded wait and, with ``tracking.on_error:
+    continue`` (the default), never stops training: the calls are kept and sent when it
+    answers again (:mod:`fedplug.tracking.outage`). Any other MLflow failure surfaces as
+    :class:`~fedplug.errors.TrackingError`.
     """
 
     def __init__(
@@ -275,9 +279,13 @@ class MlflowTracker:
         state_path: Path | None,
         resumed: bool,
         logged_rounds: set[int],
+        on_error: OnError = "continue",
     ) -> None:
         self.client = client
         self.run_id = run_id
+        self.outbox = Outbox(str(client.tracking_uri), run_id, on_error)
+        """Sends every logging call, keeping them through an outage of the server
+        (:mod:`fedplug.tracking.outage`)."""
         self.state_path = state_path
         self.resumed = resumed
         """True when an earlier, interrupted MLflow run was re-opened."""
@@ -296,6 +304,7 @@ class MlflowTracker:
         fingerprint: str | None = None,
         parent_run_id: str | None = None,
         resume: bool = True,
+        on_error: OnError = "continue",
     ) -> MlflowTracker:
         """Start a run in ``experiment_name`` (created if missing), or re-open the run
         recorded in ``state_path`` when its fingerprint and URI match.
@@ -312,54 +321,84 @@ class MlflowTracker:
                 it names is marked KILLED.
             parent_run_id: start a nested run under this run (default None: top level).
             resume: False never re-opens the recorded run (it is marked KILLED).
+            on_error: ``tracking.on_error``, what a server that stops answering later
+                does to the run (:mod:`fedplug.tracking.outage`; default ``"continue"``).
+
+        Opening waits a bounded time for the server (:func:`bounded_http_requests`).
         """
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         state_file = Path(state_path) if state_path is not None else None
         try:
-            client = MlflowClient(tracking_uri=uri)
-            previous = _read_state(state_file)
-            if previous and previous.get("tracking_uri") == uri:
-                run_id: str | None = previous["run_id"]
-                try:
-                    client.get_run(run_id)
-                except MlflowException:
-                    run_id = None
-                if run_id is not None and resume and previous.get("fingerprint") == fingerprint:
-                    client.update_run(run_id, status="RUNNING")
-                    steps = {
-                        int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")
-                    }
-                    return cls(client, run_id, state_file, resumed=True, logged_rounds=steps)
-                if run_id is not None:
-                    # An interrupted run of another config: it will never be continued.
-                    client.set_terminated(run_id, "KILLED")
-            experiment = client.get_experiment_by_name(experiment_name)
-            if experiment is None:
-                experiment_id = client.create_experiment(
-                    experiment_name, artifact_location=local_artifact_location(uri)
+            with bounded_http_requests():
+                return cls._open(
+                    MlflowClient(tracking_uri=uri),
+                    uri,
+                    experiment_name,
+                    run_name,
+                    tags,
+                    state_file,
+                    fingerprint,
+                    parent_run_id,
+                    resume,
+                    on_error,
                 )
-            elif experiment.lifecycle_stage == "deleted":
-                raise TrackingError(
-                    f"MLflow experiment {experiment_name!r} was deleted; restore it "
-                    "(`mlflow experiments restore`) or choose another study.name"
-                )
-            else:
-                experiment_id = experiment.experiment_id
-            run = client.create_run(
-                experiment_id, run_name=run_name, tags=start_run_tags(tags, parent_run_id)
-            )
         except MlflowException as error:
             raise TrackingError(
                 f"MLflow at {uri} refused to start the run: {error.message}"
             ) from None
+
+    @classmethod
+    def _open(
+        cls,
+        client: Any,
+        uri: str,
+        experiment_name: str,
+        run_name: str,
+        tags: Mapping[str, str] | None,
+        state_file: Path | None,
+        fingerprint: str | None,
+        parent_run_id: str | None,
+        resume: bool,
+        on_error: OnError,
+    ) -> MlflowTracker:
+        """The body of :meth:`open`, whose MLflow errors it reports."""
+        from mlflow.exceptions import MlflowException
+
+        previous = _read_state(state_file)
+        if previous and previous.get("tracking_uri") == uri:
+            run_id: str | None = previous["run_id"]
+            try:
+                client.get_run(run_id)
+            except MlflowException:
+                run_id = None
+            if run_id is not None and resume and previous.get("fingerprint") == fingerprint:
+                client.update_run(run_id, status="RUNNING")
+                steps = {int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")}
+                return cls(client, run_id, state_file, resumed=True, logged_rounds=steps, on_error=on_error)
+            if run_id is not None:
+                # An interrupted run of another config: it will never be continued.
+                client.set_terminated(run_id, "KILLED")
+        experiment = client.get_experiment_by_name(experiment_name)
+        if experiment is None:
+            experiment_id = client.create_experiment(
+                experiment_name, artifact_location=local_artifact_location(uri)
+            )
+        elif experiment.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"MLflow experiment {experiment_name!r} was deleted; restore it "
+                "(`mlflow experiments restore`) or choose another study.name"
+            )
+        else:
+            experiment_id = experiment.experiment_id
+        run = client.create_run(experiment_id, run_name=run_name, tags=start_run_tags(tags, parent_run_id))
         run_id = run.info.run_id
         if state_file is not None:
             _write_state(
                 state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri}
             )
-        return cls(client, run_id, state_file, resumed=False, logged_rounds=set())
+        return cls(client, run_id, state_file, resumed=False, logged_rounds=set(), on_error=on_error)
 
     @property
     def uri(self) -> str:
@@ -441,11 +480,8 @@ class MlflowTracker:
         Returns:
             The model URI ``runs:/<run id>/<name>``.
         """
-        import mlflow
-        import mlflow.pytorch
         import numpy as np
         import torch
-        from mlflow.exceptions import MlflowException
         from mlflow.models import infer_signature
 
         example = (
@@ -462,6 +498,32 @@ class MlflowTracker:
             for package in ("torch", "numpy", "fedplug")
             if (version := _package_version(package))
         ]
+        # Through the outbox: a model the server cannot take now is sent when it answers.
+        self._call(
+            "log the model",
+            self._upload_model,
+            model,
+            name=name,
+            example=example,
+            signature=infer_signature(example, output),
+            registered_model_name=registered_model_name,
+            requirements=requirements,
+        )
+        return f"runs:/{self.run_id}/{name}"
+
+    def _upload_model(
+        self,
+        model: Any,
+        *,
+        name: str,
+        example: Any,
+        signature: Any,
+        registered_model_name: str | None,
+        requirements: list[str],
+    ) -> None:
+        """``mlflow.pytorch.log_model`` into this run, the process-wide URI left as it was."""
+        import mlflow
+        import mlflow.pytorch
         from mlflow.tracking._tracking_service import utils as tracking_utils
 
         # set_tracking_uri pins a process-wide URI and sets $MLFLOW_TRACKING_URI: put both
@@ -472,22 +534,19 @@ class MlflowTracker:
         # mlflow.pytorch.log_model writes through the fluent API, which reads the global URI
         # and, without an active run, puts the LoggedModel in the *active* experiment (the
         # Default one): then runs:/<id>/model does not resolve. Name the run's experiment.
+        experiment_id = self.client.get_run(self.run_id).info.experiment_id
         mlflow.set_tracking_uri(self.uri)
-        os.environ["MLFLOW_EXPERIMENT_ID"] = self.client.get_run(self.run_id).info.experiment_id
+        os.environ["MLFLOW_EXPERIMENT_ID"] = experiment_id
         try:
             mlflow.pytorch.log_model(
                 pytorch_model=model,
                 name=name,
                 input_example=example,
-                signature=infer_signature(example, output),
+                signature=signature,
                 registered_model_name=registered_model_name,
                 pip_requirements=requirements,  # explicit: inferring them spawns a process
                 run_id=self.run_id,
             )
-        except MlflowException as error:
-            raise TrackingError(
-                f"MLflow could not log the model for run {self.run_id}: {error.message}"
-            ) from None
         finally:
             tracking_utils._tracking_uri = previous_global_uri
             if previous_env_uri is None:
@@ -498,7 +557,6 @@ class MlflowTracker:
                 os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
             else:
                 os.environ["MLFLOW_EXPERIMENT_ID"] = previous_experiment
-        return f"runs:/{self.run_id}/{name}"
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set tags on the run (overwriting tags of the same name)."""
@@ -508,9 +566,11 @@ class MlflowTracker:
         self._call("set tags", self.client.log_batch, self.run_id, tags=items)
 
     def finish(self) -> None:
-        """Mark the run FINISHED and forget the resume state."""
+        """Mark the run FINISHED and forget the resume state; while calls are still unsent
+        (the server is down), keep the state, so that running the same command again
+        re-opens this run and sends what it lacks."""
         self._call("finish the run", self.client.set_terminated, self.run_id, "FINISHED")
-        if self.state_path is not None:
+        if self.outbox.close() and self.state_path is not None:
             self.state_path.unlink(missing_ok=True)
 
     def fail(self) -> None:
@@ -519,19 +579,21 @@ class MlflowTracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.set_terminated(self.run_id, "FAILED")
-        except (MlflowException, OSError) as error:  # the original error matters more
+            if self.outbox.pending and not self.outbox.flush(now=True):
+                return  # the server is down: the resumed run sends what it lacks
+            with bounded_http_requests():
+                self.client.set_terminated(self.run_id, "FAILED")
+        except (MlflowException, OSError, TrackingError) as error:  # the original error matters more
             logger.warning("could not mark MLflow run %s as FAILED: %s", self.run_id, error)
 
     def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
-        from mlflow.exceptions import MlflowException
+        """``method(*args, **kwargs)`` through :attr:`outbox` (None when kept for later).
 
-        try:
-            return method(*args, **kwargs)
-        except MlflowException as error:
-            raise TrackingError(
-                f"MLflow could not {what} for run {self.run_id}: {error.message}"
-            ) from None
+        Raises:
+            TrackingError: MLflow refused the call, or did not answer and
+                ``tracking.on_error`` is ``"stop"``.
+        """
+        return self.outbox.send(what, method, *args, **kwargs)
 
 
 def local_artifact_location(uri: str) -> str | None:
@@ -577,7 +639,8 @@ def _read_state(path: Path | None) -> dict[str, Any] | None:
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(temporary, path)
+    """Atomically, through a unique temporary name, never through a symlink
+    (:func:`fedplug.output_folder.write_text`)."""
+    from fedplug.output_folder import write_text
+
+    write_text(path, json.dumps(state, indent=2) + "\n")

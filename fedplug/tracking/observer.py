@@ -368,6 +368,7 @@ def open_mlflow(context: TrackerContext) -> TrackerBackend:
         fingerprint=context.fingerprint,
         parent_run_id=context.parent,
         resume=context.resume,
+        on_error=getattr(context.config.tracking, "on_error", "continue"),
     )
     if fallback_from:
         tracker.set_tags({"fedplug.tracking_fallback_from": fallback_from})

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +55,11 @@ from common import run_main, set_torch_threads  # noqa: E402
 CHECKPOINT_NAME = "checkpoint.pt"
 TRACKING_STATE_NAME = "mlflow_run.json"
 PROVENANCE_NAME = "provenance.json"
+RUN_FILES = (CHECKPOINT_NAME, TRACKING_STATE_NAME, PROVENANCE_NAME, "config.yaml", "metrics.json", "run_info.json",
+             "model.pt")
+"""What the runner writes into a run folder. Folders are claimed and marked
+(:mod:`fedplug.output_folder`), and only the files their marker lists are ever deleted; a
+folder written before markers existed counts as the runner's when it holds only these."""
 RESULTS_DIR = ROOT / "pipelines" / "studies" / "results"
 NEUTRAL_OVERRIDES = ("data.dataset", "data.root", "train.engine", "train.workers", "tracking")
 """``--set`` keys after which the runner still writes the default results file: the
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.mismatched and not args.redo_mismatched:
             raise_mismatch(plan.mismatched, out)
         for run, reason in plan.mismatched:
-            shutil.rmtree(out / run.run_id)
+            remove_run_folder(out / run.run_id)
             print(f"study {spec.name}: deleted {out / run.run_id} ({reason}); training it again", flush=True)
         parent = train_all(spec, plan.todo + [run for run, _ in plan.mismatched], out, registry,
                            mlflow=not args.no_mlflow, redo=args.redo_mismatched, runs=runs)
@@ -320,8 +324,21 @@ def check_checkpoint(run: Any, folder: Path, federation: Any, *, redo: bool) -> 
         if not redo:
             raise ConfigError(f"run {run.run_id}: {reason}; delete {folder} or pass --redo-mismatched to train it "
                               "again") from None
-        shutil.rmtree(folder)
+        remove_run_folder(folder)
         print(f"deleted {folder} ({reason}); training it again", flush=True)
+
+
+def remove_run_folder(folder: Path) -> None:
+    """Delete the files the runner wrote in ``folder`` (its marker's list), then the folder;
+    a folder holding anything else is refused with one line (its files stay)."""
+    from fedplug.output_folder import files_named, remove_owned_folder
+
+    remove_owned_folder(folder, legacy=files_named(RUN_FILES))
+    if folder.exists():
+        from fedplug.errors import ConfigError
+
+        raise ConfigError(f"run folder {folder} holds files the study runner did not write; move them away, "
+                          "or delete the folder yourself, and run the study again")
 
 
 def git_dirty(root: Path = ROOT) -> bool | None:
@@ -338,11 +355,23 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
               parent: StudyParent | None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
     of ``parent`` (nothing logged when ``parent`` is None)."""
+    from fedplug.experiment import output_fingerprint
+    from fedplug.output_folder import claim, files_named
+
+    # Locked against a second runner, marked as this run's (a folder of files the runner
+    # did not write is refused).
+    with claim(folder, output_fingerprint(run.config), legacy=files_named(RUN_FILES), option="run folder",
+               force_option=None):
+        return train_claimed(spec, run, folder, registry, federation, parent)
+
+
+def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
+                  parent: StudyParent | None) -> dict[str, Any]:
+    """:func:`train_one` in the claimed ``folder``."""
     from fedplug.experiment import git_commit, run_experiment, write_json
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 
-    folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / PROVENANCE_NAME, {"git_commit": git_commit(ROOT), "git_dirty": git_dirty()})
     tags = {f"study.{axis}": label for axis, label in run.cell.items()}
     tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed),
@@ -366,7 +395,7 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
         tracker.fail()
         raise
     tracker.finish()
-    (folder / CHECKPOINT_NAME).unlink(missing_ok=True)
+    (folder / CHECKPOINT_NAME).unlink(missing_ok=True)  # a name the runner owns: resume state, now done
     return result.summary()
 
 

@@ -1,0 +1,216 @@
+"""A tracking server that stops answering never stops training (``tracking.on_error``).
+
+MLflow's REST client retries a failed request with exponential backoff: by default 7
+retries of up to 120 s each, so a server that dies mid-run held training for 493 s per
+call before the run stopped with a :class:`~fedplug.errors.TrackingError`. Here:
+
+- every request fedplug makes runs under :func:`bounded_http_requests`: at most
+  :data:`HTTP_MAX_RETRIES` retries with a :data:`HTTP_TIMEOUT_SECONDS` timeout each (set
+  in the environment for the call only; values the user exported win);
+- :class:`Outbox` sends each call; when the store does not answer (no connection, a
+  timeout, an HTTP 5xx), ``on_error: "stop"`` raises one line,
+  and ``"continue"`` (the default) warns once, keeps the call and every later one in order
+  in memory, and, at most every :data:`PROBE_SECONDS`, probes the server's ``/health``
+  (:data:`~fedplug.tracking.mlflow_tracker.HEALTH_TIMEOUT_SECONDS`) and sends them all when
+  it answers again. The round metrics are also in the run's checkpoint: a run that ends
+  while the server is still down keeps its MLflow resume state, and running the same
+  command again re-opens the same MLflow run and sends every round it lacks, the summary
+  and the model.
+
+A store that answers and refuses a call (an HTTP 4xx: an invalid value, a deleted run)
+still raises :class:`~fedplug.errors.TrackingError` at once, in either mode: waiting would
+not change its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fedplug.errors import TrackingError
+
+logger = logging.getLogger("fedplug.tracking")
+
+HTTP_MAX_RETRIES = 2
+"""Retries of one request (MLflow's default: 7, with a backoff that grows to minutes)."""
+HTTP_BACKOFF_FACTOR = 1
+"""Seconds before the first retry, doubled for each further one."""
+HTTP_TIMEOUT_SECONDS = 10
+"""Seconds to wait for one answer (MLflow's default: 120)."""
+PROBE_SECONDS = 30.0
+"""While the server is unreachable, how often a logging call checks whether it is back."""
+
+OnError = Literal["continue", "stop"]
+
+_BOUNDS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(HTTP_MAX_RETRIES),
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": str(HTTP_BACKOFF_FACTOR),
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_SECONDS),
+}
+
+
+@contextmanager
+def bounded_http_requests() -> Iterator[None]:
+    """MLflow's HTTP retries and timeout bounded for the calls inside (the variables the
+    user set are left as they are), restored afterwards."""
+    added = [name for name in _BOUNDS if name not in os.environ]
+    for name in added:
+        os.environ[name] = _BOUNDS[name]
+    # urllib3 warns once per retry ("Retrying (Retry(total=1, ...))"): the outage gets
+    # fedplug's one warning instead.
+    retries = logging.getLogger("urllib3.connectionpool")
+    level = retries.level
+    retries.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        retries.setLevel(level)
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def failures() -> tuple[type[BaseException], ...]:
+    """What a call to an unreachable or failing tracking store raises."""
+    from mlflow.exceptions import MlflowException
+
+    return (MlflowException, OSError)  # requests' connection errors are OSErrors
+
+
+def refused(error: BaseException) -> bool:
+    """True when the store answered and refused the call (an HTTP 4xx: an invalid value,
+    a deleted run), as opposed to not answering or failing inside (5xx, no connection)."""
+    status = getattr(error, "get_http_status_code", None)
+    return status is not None and 400 <= int(status()) < 500
+
+
+def reason_of(error: BaseException) -> str:
+    """A short, one-line reason for ``error`` (MLflow's messages quote whole URLs)."""
+    text = str(getattr(error, "message", None) or error)
+    lowered = text.lower()
+    for marker, reason in (
+        ("connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("name or service not known", "unknown host"),
+        ("max retries exceeded", "no answer"),
+    ):
+        if marker in lowered:
+            return reason
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return first[:160]
+
+
+@dataclass
+class _Call:
+    what: str
+    method: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class Outbox:
+    """Sends a run's tracking calls, in order, through an outage of the tracking store.
+
+    Args:
+        uri: the tracking URI (probed at ``/health`` when it is a server).
+        run_id: for messages.
+        on_error: ``"continue"`` keeps failed calls and sends them later; ``"stop"`` raises.
+    """
+
+    uri: str
+    run_id: str
+    on_error: OnError = "continue"
+    pending: list[_Call] = field(default_factory=list)
+    """Calls not sent yet, oldest first."""
+    _next_probe: float = 0.0
+
+    def send(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)``, or None when it is kept for later.
+
+        Raises:
+            TrackingError: the call failed and ``on_error`` is ``"stop"`` (one line).
+        """
+        call = _Call(what, method, args, kwargs)
+        if self.pending and not self.flush():
+            self.pending.append(call)
+            return None
+        try:
+            with bounded_http_requests():
+                return method(*args, **kwargs)
+        except failures() as error:
+            if refused(error):  # the store answered "no": waiting would not change that
+                raise TrackingError(
+                    f"MLflow could not {what} for run {self.run_id}: {reason_of(error)}"
+                ) from None
+            self._failed(call, error)
+            return None
+
+    def flush(self, *, now: bool = False) -> bool:
+        """Send the kept calls if the store answers again (probed at most every
+        :data:`PROBE_SECONDS`, or at once with ``now``); True when none is left."""
+        if not self.pending:
+            return True
+        if not now and time.monotonic() < self._next_probe:
+            return False
+        from fedplug.tracking.mlflow_tracker import check_server
+
+        try:
+            check_server(self.uri)
+        except TrackingError:
+            self._next_probe = time.monotonic() + PROBE_SECONDS
+            return False
+        sent = 0
+        while self.pending:
+            call = self.pending[0]
+            try:
+                with bounded_http_requests():
+                    call.method(*call.args, **call.kwargs)
+            except failures() as error:
+                if not refused(error):
+                    self._next_probe = time.monotonic() + PROBE_SECONDS
+                    return False
+                logger.warning("MLflow refused to %s for run %s: %s", call.what, self.run_id, reason_of(error))
+            else:
+                sent += 1
+            self.pending.pop(0)
+        logger.info("MLflow at %s answers again: sent the %d tracking calls kept meanwhile", self.uri, sent)
+        return True
+
+    def close(self) -> bool:
+        """One last try to send what is kept; True when nothing is left unsent (else a
+        warning says how to send the rest)."""
+        if self.flush(now=True):
+            return True
+        logger.warning(
+            "MLflow at %s still does not answer: %d tracking calls of run %s are unsent; "
+            "training finished and its results are on disk; run the same command again once "
+            "the server answers to send them",
+            self.uri,
+            len(self.pending),
+            self.run_id,
+        )
+        return False
+
+    def _failed(self, call: _Call, error: BaseException) -> None:
+        reason = reason_of(error)
+        if self.on_error == "stop":
+            raise TrackingError(
+                f"MLflow at {self.uri} could not {call.what} for run {self.run_id} ({reason}) "
+                "and tracking.on_error is 'stop'; the checkpoint is kept: run the same command "
+                "again to resume, or set tracking.on_error: continue"
+            ) from None
+        self.pending.append(call)
+        self._next_probe = time.monotonic() + PROBE_SECONDS
+        logger.warning(
+            "MLflow at %s could not %s for run %s (%s); training goes on, and the metrics "
+            "are kept and sent when it answers again (or when the same command runs again)",
+            self.uri,
+            call.what,
+            self.run_id,
+            reason,
+        )
