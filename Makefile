@@ -89,4 +89,4 @@ $(FEDML_STAMP): pyproject.toml constraints-fedml.txt
 	touch $(FEDML_STAMP)
 
 test-fedml: fedml-venv
-	$(FEDML_BIN)/python -m pytest tests/test_fedml.py tests/test_conformance_fedml.py tests/test_timeouts_fedml.py -p no:cacheprovider
+	$(FEDML_BIN)/python -m pytest tests/test_fedml.py tests/test_conformance_fedml.py tests/test_timeouts_fedml.py tests/test_screening_fedml.py -p no:cacheprovider

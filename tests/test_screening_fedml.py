@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from conftest import SMALL_EXPERIMENT
@@ -120,6 +122,56 @@ def test_fednova_a_of_1e30_from_a_worker_is_dropped_and_round_2_trains() -> None
     first, second = coordinator.result.history
     assert "sent extras['a'] = 1e+30" in first.dropped[0]["reason"]
     assert second.failures == 0 and math.isfinite(second.accuracy)
+
+
+
+# ------------------------------------------------------- fuzzing the worker replies
+
+FIELD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.floats(), max_size=3),
+    st.sampled_from(
+        [
+            torch.zeros(3, dtype=torch.complex64),
+            torch.full((2,), math.inf),
+            torch.zeros(7, dtype=torch.bool),
+            torch.tensor(1e30),
+            {"a": "text"},
+            {"delta_c": torch.zeros(5)},
+        ]
+    ),
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    aggregator=st.sampled_from(["fedavg", "scaffold", "fednova"]),
+    client=st.integers(min_value=0, max_value=5),
+    fields=st.dictionaries(
+        st.sampled_from(["num_samples", "num_steps", "seconds", "vector", "extras", "metrics"]),
+        FIELD_VALUES,
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_no_worker_result_crashes_the_coordinator_or_the_model(
+    aggregator: str, client: int, fields: dict[str, Any]
+) -> None:
+    # Prepare: one round on two workers; one client's result mutated at random.
+    coordinator, workers = coordinator_and_workers(experiment(rounds=1, aggregator=aggregator))
+    replies = step_replies(coordinator, workers)
+    tamper(replies, client, **fields)
+    # Execute: the coordinator takes the replies (it must not raise).
+    coordinator.handle_replies(replies)
+    # Assert: the round is recorded, at most the mutated client is dropped, the model is finite.
+    (record,) = coordinator.result.history
+    assert {c for entry in record.dropped for c in entry["clients"]} <= {client}
+    assert bool(coordinator.global_vector.isfinite().all())
 
 
 # ------------------------------------------------------------------ the drop-in
