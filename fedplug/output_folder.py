@@ -272,6 +272,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], N
     folder.mkdir(parents=True, exist_ok=True)
     existed = os.path.lexists(target)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMPORARY_SUFFIX, dir=folder)
+    os.fchmod(fd, default_file_mode())
     raw = _RecordingFile(fd)
     try:
         try:
@@ -294,6 +295,28 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], N
     _record(target)
 
 
+def default_file_mode() -> int:
+    """The mode ``open()`` would give a new file (``0o666`` less the umask): ``mkstemp``
+    creates its files ``0o600``, and outputs must stay readable to whoever could read them
+    before (a DVC cache, a shared results folder)."""
+    umask = _umask()
+    return 0o666 & ~umask
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it
+    (``/proc/self/status``), else set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
 def write_bytes(path: str | os.PathLike[str], data: bytes, *, what: str | None = None) -> None:
     """:func:`write_atomically` of ``data``."""
     write_atomically(path, lambda handle: handle.write(data), what=what)
@@ -314,6 +337,7 @@ def write_through_path(path: str | os.PathLike[str], produce: Callable[[Path], N
     existed = os.path.lexists(target)
     suffix = TEMPORARY_SUFFIX + target.suffix
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    os.fchmod(fd, default_file_mode())
     os.close(fd)
     temporary = Path(name)
     try:
@@ -466,6 +490,7 @@ def _write_marker(path: Path, fingerprint: str, files: list[str]) -> None:
     # Not write_text: that would list the marker in itself.
     data = (json.dumps(content, indent=2) + "\n").encode()
     fd, temporary = tempfile.mkstemp(prefix=f".{MARKER_NAME}.", suffix=TEMPORARY_SUFFIX, dir=path)
+    os.fchmod(fd, default_file_mode())
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

@@ -14,6 +14,7 @@ import errno
 import io
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,8 @@ from fedplug.output_folder import (
     inspect,
     remove_owned_folder,
     write_atomically,
+    write_bytes,
+    write_through_path,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -478,3 +481,19 @@ def test_disk_full_during_a_run_is_one_line_and_the_run_resumes(tmp_path: Path, 
     code, stderr = run_cli("run", str(config), "--out", str(out), "--quiet")
     assert code == 0, stderr
     assert json.loads((out / "metrics.json").read_text())["rounds"] == 3
+
+
+def test_outputs_get_the_mode_open_would_give_them_not_mkstemps(tmp_path: Path) -> None:
+    # Prepare: a umask of 027 (group may read, others nothing); mkstemp alone gives 0600.
+    previous = os.umask(0o027)
+    try:
+        # Execute
+        write_bytes(tmp_path / "metrics.json", b"{}")
+        write_through_path(tmp_path / "curves.csv", lambda name: name.write_text("a\n"))
+        with claim(tmp_path / "run", "fingerprint"):
+            pass
+    finally:
+        os.umask(previous)
+    # Assert: 0666 less the umask, as open() would create them (the marker too).
+    for name in ("metrics.json", "curves.csv", f"run/{MARKER_NAME}"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640

@@ -53,6 +53,7 @@ from pydantic import Field
 from fedplug.components import ComponentConfig
 from fedplug.errors import DataError
 from fedplug.hookspecs import Register, hookimpl
+from fedplug.output_folder import default_file_mode
 
 # ------------------------------------------------------------------------------ result
 
@@ -779,6 +780,7 @@ def save_partition(path: str | os.PathLike[str], partition: Partition) -> None:
         arrays["noise_std"] = np.asarray(partition.noise_std, dtype=np.float64)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(handle, default_file_mode())
     try:
         with os.fdopen(handle, "wb") as file:
             np.savez(file, **arrays)  # type: ignore[arg-type]

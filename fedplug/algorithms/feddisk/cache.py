@@ -30,6 +30,7 @@ import torch
 from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import DataError
+from fedplug.output_folder import default_file_mode
 
 from .weights import FedDiskWeights
 
@@ -107,6 +108,7 @@ def save_weights(path: str | Path, result: FedDiskWeights) -> None:
         [result.cost.rounds, result.cost.bytes_up, result.cost.bytes_down], dtype=np.int64
     )
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.fchmod(handle, default_file_mode())
     try:
         with os.fdopen(handle, "wb") as stream:
             np.savez(stream, **arrays)  # type: ignore[arg-type]  # numpy stubs reject **dict
