@@ -52,7 +52,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence
 
 import numpy as np
 import yaml
@@ -1432,12 +1432,23 @@ def figure_plan(spec: StudySpec, records: Sequence[dict[str, Any]], prefix: str 
     return plan
 
 
-def draw_figures(spec: StudySpec, records: Sequence[dict[str, Any]], folder: str | Path, prefix: str = "") -> list[str]:
-    """Draw every figure of :func:`figure_plan` into ``folder``; returns the file names, in order."""
+def draw_figures(
+    spec: StudySpec,
+    records: Sequence[dict[str, Any]],
+    folder: str | Path,
+    prefix: str = "",
+    save: Callable[[Path, Callable[[Path], None]], None] | None = None,
+) -> list[str]:
+    """Draw every figure of :func:`figure_plan` into ``folder``; returns the file names, in
+    order. ``save(path, draw)`` (default: ``draw(path)``) lets the caller write each one its
+    way (:func:`fedplug.output_folder.write_through_path`: atomically, never through a link)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     names = []
     for name, draw in figure_plan(spec, records, prefix):
-        draw(folder / name)
+        if save is None:
+            draw(folder / name)
+        else:
+            save(folder / name, draw)
         names.append(name)
     return names

@@ -137,6 +137,8 @@ def test_run_on_grid_writes_what_fedplug_run_writes(
     experiment = validate_experiment(small_experiment)
     result, _ = run_on_grid(LoopbackGrid(make_client_app(), 6), experiment, out_dir=tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [
+        ".fedplug-output.json",
+        ".fedplug-output.lock",
         "checkpoint.pt",
         "config.yaml",
         "metrics.json",
@@ -285,3 +287,26 @@ def test_a_server_app_run_resumes_from_its_last_round(
     assert torch.allclose(resumed_strategy.final_vector, whole_strategy.final_vector, atol=1e-6)
     assert resumed.final_accuracy == pytest.approx(whole.final_accuracy, abs=1e-9)
     assert (out / "metrics.json").exists()
+
+
+def test_the_server_apps_out_is_claimed_like_fedplug_runs(
+    tmp_path: Path, small_experiment: dict[str, Any]
+) -> None:
+    # Prepare: a folder of the user's files, and a finished run of another experiment.
+    small_experiment["train"]["rounds"] = 1
+    experiment = validate_experiment(small_experiment)
+    other = validate_experiment({**small_experiment, "train": {**small_experiment["train"], "seed": 1}})
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("mine")
+    finished = tmp_path / "finished"
+    run_on_grid(LoopbackGrid(make_client_app(), 6), other, out_dir=finished, federated_evaluation=False)
+    before = {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()}
+    # Execute / Assert: both are refused in one line and left as they were.
+    with pytest.raises(ConfigError, match="fedplug-out .* is not empty and was not written by fedplug"):
+        run_on_grid(LoopbackGrid(make_client_app(), 6), experiment, out_dir=notes, federated_evaluation=False)
+    assert [path.name for path in notes.iterdir()] == ["thesis.tex"]
+    with pytest.raises(ConfigError, match="fedplug-out .* belongs to a different config"):
+        run_on_grid(LoopbackGrid(make_client_app(), 6), experiment, out_dir=finished, federated_evaluation=False)
+    assert {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()} == before
+

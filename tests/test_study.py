@@ -599,6 +599,34 @@ def test_runs_of_other_settings_are_not_reused(tmp_path: Path, capsys: pytest.Ca
     assert [row["runs"] for row in summary] == [1, 1]
 
 
+def test_the_study_folder_is_refused_when_it_holds_other_files_or_another_study(tmp_path: Path) -> None:
+    from fedplug.errors import ConfigError as Error
+
+    # Prepare: a folder of the user's files, and the finished folder of study 'tiny'.
+    runner = load_runner()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "summary.md").write_text("my own summary")
+    (notes / "thesis.tex").write_text("mine")
+    finished = tmp_path / "finished"
+    tiny = tiny_spec_file(tmp_path, algorithms={"fedavg": {}})
+    assert runner.main([str(tiny), "--no-mlflow", "--out", str(finished), "--no-results"]) == 0
+    other = tmp_path / "other" / "spec.yaml"
+    other.parent.mkdir()
+    other.write_text(tiny.read_text().replace("name: tiny", "name: other"))
+    before = sorted(path.relative_to(finished).as_posix() for path in finished.rglob("*"))
+    # Execute / Assert: both are refused in one line before anything is trained or written.
+    with pytest.raises(Error, match="is not empty and was not written by fedplug") as refused:
+        runner.main([str(tiny), "--no-mlflow", "--out", str(notes), "--no-results"])
+    assert "\n" not in str(refused.value)
+    assert (notes / "summary.md").read_text() == "my own summary" and len(list(notes.iterdir())) == 2
+    with pytest.raises(Error, match="belongs to a different config"):
+        runner.main([str(other), "--no-mlflow", "--out", str(finished), "--no-results"])
+    assert sorted(path.relative_to(finished).as_posix() for path in finished.rglob("*")) == before
+    # The study's own folder is welcome again (the report is rewritten, nothing retrained).
+    assert runner.main([str(tiny), "--no-mlflow", "--out", str(finished), "--no-results"]) == 0
+
+
 def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_path: Path) -> None:
     import torch
 

@@ -47,6 +47,7 @@ app with the experiment directly: ``make_server_app(config_or_path)``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -62,7 +63,8 @@ from flwr.serverapp import Grid, ServerApp
 from fedplug.config import apply_override, parse_yaml, read_yaml, validate_experiment, with_algorithm
 from fedplug.data.build import load_dataset
 from fedplug.errors import ConfigError, FedplugError
-from fedplug.experiment import run_info, write_json, write_yaml
+from fedplug.experiment import TRACKER_FILES, output_fingerprint, run_info, write_json, write_yaml
+from fedplug.output_folder import claim, write_atomically
 from fedplug.registry import Registry
 from fedplug.simulation.results import RunResult
 from fedplug.simulation.simulator import resolve_device
@@ -262,6 +264,60 @@ def run_on_grid(
     dataset = load_dataset(experiment.data, registry)
     device = resolve_device(experiment.train.device)
     out = Path(out_dir) if out_dir else None
+    # The folder is fedplug's for this experiment, or new: refused in one line when it holds
+    # other files, another experiment's run, or another process's run (fedplug.output_folder).
+    owned = (
+        claim(
+            out,
+            output_fingerprint(experiment),
+            legacy=TRACKER_FILES,
+            option=RUN_CONFIG_OUT,
+            force_option=None,
+        )
+        if out is not None
+        else contextlib.nullcontext()
+    )
+    with owned:
+        return _run_in_folder(
+            grid,
+            experiment,
+            dataset,
+            device,
+            out,
+            source_path,
+            registry=registry,
+            federated_evaluation=federated_evaluation,
+            node_wait_seconds=node_wait_seconds,
+            timeout=timeout,
+            train_config=train_config,
+            observers=observers,
+            resume=resume,
+            track=track,
+            algorithm=algorithm,
+            project_root=project_root,
+        )
+
+
+def _run_in_folder(
+    grid: Grid,
+    experiment: Any,
+    dataset: Any,
+    device: Any,
+    out: Path | None,
+    source_path: str | os.PathLike[str] | None,
+    *,
+    registry: Registry,
+    federated_evaluation: bool,
+    node_wait_seconds: float,
+    timeout: float,
+    train_config: Mapping[str, Any] | None,
+    observers: Iterable[RoundObserver],
+    resume: bool,
+    track: bool | None,
+    algorithm: str | None,
+    project_root: str | os.PathLike[str] | None,
+) -> tuple[RunResult, FedplugStrategy]:
+    """:func:`run_on_grid` once ``out`` (if any) is claimed."""
     checkpoint = out / CHECKPOINT_FILE if out is not None else None
     if checkpoint is not None and not resume:
         checkpoint.unlink(missing_ok=True)
@@ -408,7 +464,8 @@ def _run_tracked(
         if resuming:
             _write_run_description(out, experiment)
         write_json(out / "metrics.json", run_result.summary())
-        torch.save(strategy.model.state_dict(), out / "model.pt")
+        state = strategy.model.state_dict()
+        write_atomically(out / "model.pt", lambda handle: torch.save(state, handle), what="model")
     if tracker.enabled:
         # The rounds a resumed checkpoint restored (or that ended before an observer saw
         # them) are logged here; the tracker skips those the MLflow run already holds.

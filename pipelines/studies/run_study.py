@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = default_registry()
     runs = expand_study(spec, registry, args.overrides)
     out = Path(args.out) if args.out else default_out(spec.name, runs)
+    check_study_folder(out, spec, runs)
     out.mkdir(parents=True, exist_ok=True)
     results = results_path(args, out)
     committed, dropped = committed_records(results, runs)
@@ -250,6 +251,49 @@ def log_study_summary(parent: StudyParent, out: Path, axes: list[str]) -> None:
     files += [("figures", figure) for figure in sorted(out.glob("*.png"))]
     log_parent_summary(parent.uri, parent.run_id, metrics, files)
     print(f"study: summary logged to MLflow parent run {parent.run_id} at {parent.uri}")
+
+
+REPORT_FILES = ("summary.md", "summary.json")
+"""What :func:`write_study_report` writes into the study folder, besides the spec's figures."""
+
+
+def study_fingerprint(spec: Any) -> str:
+    """What a study folder's marker holds: the study it reports (its run folders carry
+    their own markers, one per run config)."""
+    return f"fedplug study {spec.name}"
+
+
+def study_layout(runs: list[Any]) -> Any:
+    """The ``legacy`` test of a study folder written before markers: only this study's run
+    folders, its report files and ``.png`` figures (which are then adopted)."""
+    run_ids = {run.run_id for run in runs}
+
+    def recognise(folder: Path) -> list[str] | None:
+        from fedplug.output_folder import OWN_NAMES
+
+        found = []
+        for entry in folder.iterdir():
+            if entry.name in OWN_NAMES or (entry.name in run_ids and entry.is_dir() and not entry.is_symlink()):
+                continue
+            if entry.is_symlink() or not entry.is_file():
+                return None
+            if entry.name not in REPORT_FILES and entry.suffix != ".png":
+                return None
+            found.append(entry.name)
+        return found
+
+    return recognise
+
+
+def check_study_folder(out: Path, spec: Any, runs: list[Any]) -> None:
+    """Refuse, before anything is trained or written, a study ``--out`` that fedplug must
+    not write into: a folder of other files, another study's folder, ``/``, the home
+    folder or the project root (:func:`fedplug.output_folder.inspect`). The folder is not
+    locked for the whole study (runners with ``--only`` may share it); each run folder is,
+    and the report is written under a short claim."""
+    from fedplug.output_folder import inspect
+
+    inspect(out, study_fingerprint(spec), legacy=study_layout(runs), force_option=None)
 
 
 def default_out(name: str, runs: list[Any]) -> Path:
@@ -425,6 +469,15 @@ def collect_records(runs: list[Any], out: Path, committed: dict[str, dict[str, A
 def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]], out: Path) -> list[dict[str, Any]] | None:
     """``summary.md``, ``summary.json`` and the spec's plots, from the records; returns the
     summary rows (None without records)."""
+    from fedplug.output_folder import claim
+
+    with claim(out, study_fingerprint(spec), legacy=study_layout(runs), force_option=None):
+        return write_claimed_report(spec, runs, records, out)
+
+
+def write_claimed_report(spec: Any, runs: list[Any], records: list[dict[str, Any]], out: Path) -> list[dict[str, Any]] | None:
+    """:func:`write_study_report` in the claimed study folder ``out``."""
+    from fedplug.output_folder import write_text, write_through_path
     from fedplug.study import draw_figures, summarise, summary_table
 
     if not records:
@@ -434,8 +487,8 @@ def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]]
         return None
     rows = summarise(records, spec.headline_metric, spec.baseline, spec.baselines)
     rounds = ", ".join(str(value) for value in sorted({int(record["rounds"]) for record in records}))
-    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    figures = draw_figures(spec, records, out)
+    write_text(out / "summary.json", json.dumps(rows, indent=2) + "\n")
+    figures = draw_figures(spec, records, out, save=write_through_path)
     dataset = records[0].get("dataset")
     lines = [
         f"# Study {spec.name} ({dataset})",
@@ -453,7 +506,7 @@ def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]]
                       columns=spec.columns, baselines=spec.baselines),
         *[f"![{name}]({name})\n" for name in figures],
     ]
-    (out / "summary.md").write_text("\n".join(lines))
+    write_text(out / "summary.md", "\n".join(lines))
     print(f"study {spec.name}: report in {out / 'summary.md'}")
     return rows
 
