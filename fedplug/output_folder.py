@@ -1,8 +1,9 @@
 """Owning an output folder safely: fedplug deletes and overwrites only what it created, and
 one run writes into a folder at a time.
 
-Every folder fedplug writes its outputs to (``fedplug run --out``, the pipeline's
-``data/density`` and ``reports/runs/<label>/seed-<n>``, a study's run folders) carries a
+Every folder fedplug writes its outputs to (``fedplug run --out``, a Flower ServerApp's
+``fedplug-out``, the pipeline's ``data/density`` and ``reports/runs/<label>/seed-<n>``, a
+study's folder and its run folders) carries a
 marker, :data:`MARKER_NAME`: JSON with the *fingerprint* of what the folder is for (a
 config's hash, or a stage's name) and the list of files fedplug wrote there. Why: a folder
 the user already had (``--out ~/thesis``, ``--out data``) must never lose or get a file
