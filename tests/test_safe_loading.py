@@ -35,6 +35,8 @@ import yaml
 from conftest import SMALL_EXPERIMENT, in_process
 from fedplug.config import validate_experiment
 from fedplug.errors import DataError, FedplugError, PluginError, TrainingError
+from fedplug.experiment import output_fingerprint
+from fedplug.output_folder import claim
 from fedplug.plugins import default_registry
 from fedplug.simulation.checkpoint import (
     from_storable,
@@ -135,8 +137,6 @@ def test_fedplug_run_refuses_a_crafted_checkpoint_in_out(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(small_experiment()))
     from fedplug.config import load_experiment
-    from fedplug.experiment import output_fingerprint
-    from fedplug.output_folder import claim
 
     # Planted in a folder that a run of this config marked as its own (an unmarked folder
     # is refused before any checkpoint in it is read: tests/test_output_folders.py).
@@ -178,6 +178,9 @@ def test_the_flower_runtime_refuses_a_crafted_checkpoint(tmp_path: Path, marker:
 
     config = validate_experiment(small_experiment())
     out = tmp_path / "out"
+    # Planted in a folder a run of this experiment marked as its own (an unmarked folder is
+    # refused before any checkpoint in it is read: tests/test_flower_apps.py).
+    claim(out, output_fingerprint(config)).release()
     crafted_checkpoint(out / "checkpoint.pt", marker)
     grid = LoopbackGrid(make_client_app(), 4)
 
