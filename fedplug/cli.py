@@ -73,7 +73,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedplug.config import load_experiment
-    from fedplug.experiment import default_output_dir, output_fingerprint, prepare_experiment
+    from fedplug.experiment import default_output_dir, output_fingerprint, prepare_experiment, run_folder_layout
     from fedplug.output_folder import claim
 
     config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
@@ -90,7 +90,7 @@ def run_command(args: argparse.Namespace) -> int:
     # a progress bar that started.
     simulator = prepare_experiment(config, out, resume=resume, force=args.force)
     # From here on the folder is ours: locked against a second run, marked as this config's.
-    with claim(out, fingerprint, force=args.force):
+    with claim(out, fingerprint, force=args.force, legacy=run_folder_layout(fingerprint)):
         return train_and_report(args, config, simulator, out, resume)
 
 
@@ -223,6 +223,7 @@ def check_output_folder(out: str | os.PathLike[str], fingerprint: str | None = N
     """
     from pathlib import Path
 
+    from fedplug.experiment import run_folder_layout
     from fedplug.output_folder import inspect
 
     out = Path(out)
@@ -241,7 +242,9 @@ def check_output_folder(out: str | os.PathLike[str], fingerprint: str | None = N
             f"--out {str(out)!r} cannot be created: no permission to write in {str(existing)!r}; "
             "choose another --out"
         )
-    return inspect(out, fingerprint, force=force) if fingerprint is not None else "new"
+    if fingerprint is None:
+        return "new"
+    return inspect(out, fingerprint, force=force, legacy=run_folder_layout(fingerprint))
 
 
 def describe_os_error(error: OSError) -> str:

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from fedplug.data.build import build_federation
-from fedplug.output_folder import claim, files_named, inspect, write_atomically, write_text
+from fedplug.output_folder import Legacy, claim, files_named, inspect, write_atomically, write_text
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
 from fedplug.simulation.checkpoint import read_checkpoint
@@ -27,6 +27,33 @@ TRACKER_FILES = files_named(("mlflow_run.json",))
 """A folder holding only the tracker's state is fedplug's: a library caller opens the tracker
 (:func:`fedplug.tracking.open_tracker`, which writes it) on ``out_dir`` before
 :func:`run_experiment` claims the folder."""
+RUN_FILES = files_named(
+    ("config.yaml", "run_info.json", "metrics.json", "model.pt", "checkpoint.pt", "mlflow_run.json")
+)
+"""The files a run folder written before markers existed holds."""
+
+
+def run_folder_layout(fingerprint: str) -> Legacy:
+    """The ``legacy`` test of a run's output folder (:mod:`fedplug.output_folder`): a folder
+    holding only the tracker's state, or only a run's files whose ``config.yaml`` is this
+    config's (a run of an earlier fedplug, which the same command resumes), is adopted; any
+    other folder without a marker is refused."""
+
+    def recognise(folder: Path) -> list[str] | None:
+        tracker_only = TRACKER_FILES(folder)
+        if tracker_only is not None:
+            return tracker_only
+        files = RUN_FILES(folder)
+        if files is None or "config.yaml" not in files:
+            return None
+        try:
+            document = yaml.safe_load((folder / "config.yaml").read_text())
+            written_for = sections_fingerprint(document["data"], document["train"])
+        except (OSError, yaml.YAMLError, TypeError, KeyError):
+            return None
+        return files if written_for == fingerprint else None
+
+    return recognise
 REPORTED_PACKAGES = ("fedplug", "torch", "numpy", "pydantic", "pluggy", "ortools", "flwr", "mlflow", "dvc")
 
 
@@ -43,7 +70,12 @@ def output_fingerprint(config: Any) -> str:
     marker says it holds (:mod:`fedplug.output_folder`), so a folder holding another
     config's run is refused before it could be overwritten. It is computed before any
     data is loaded, unlike the checkpoint's fingerprint, which also covers the federation."""
-    resolved = json.dumps({"data": config.data.model_dump(mode="json"), "train": config.train.model_dump(mode="json")}, sort_keys=True)
+    return sections_fingerprint(config.data.model_dump(mode="json"), config.train.model_dump(mode="json"))
+
+
+def sections_fingerprint(data: Any, train: Any) -> str:
+    """sha256 of the resolved ``data`` and ``train`` sections, as JSON with sorted keys."""
+    resolved = json.dumps({"data": data, "train": train}, sort_keys=True)
     return hashlib.sha256(resolved.encode()).hexdigest()
 
 
@@ -78,7 +110,8 @@ def replaces_output(config: Any, out_dir: str | os.PathLike[str] | None, force: 
     """
     if out_dir is None:
         return False
-    return inspect(out_dir, output_fingerprint(config), force=force, legacy=TRACKER_FILES) == "replace"
+    fingerprint = output_fingerprint(config)
+    return inspect(out_dir, fingerprint, force=force, legacy=run_folder_layout(fingerprint)) == "replace"
 
 
 def prepare_experiment(
@@ -133,7 +166,8 @@ def train_experiment(
     if out_dir is None:
         return simulator.run(resume=resume)
     out = Path(out_dir)
-    with claim(out, output_fingerprint(config), force=force, legacy=TRACKER_FILES):
+    fingerprint = output_fingerprint(config)
+    with claim(out, fingerprint, force=force, legacy=run_folder_layout(fingerprint)):
         write_yaml(out / "config.yaml", config.model_dump(mode="json"))
         write_json(out / "run_info.json", run_info())
         result = simulator.run(resume=resume)

@@ -497,3 +497,24 @@ def test_outputs_get_the_mode_open_would_give_them_not_mkstemps(tmp_path: Path) 
     # Assert: 0666 less the umask, as open() would create them (the marker too).
     for name in ("metrics.json", "curves.csv", f"run/{MARKER_NAME}"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640
+
+
+def test_a_run_folder_of_an_earlier_fedplug_resumes_only_for_its_own_config(tmp_path: Path) -> None:
+    # Prepare: a finished run whose folder has no marker or lock, as a fedplug before
+    # markers left it (config.yaml, run_info.json, metrics.json, model.pt, checkpoint.pt).
+    config = write_config(tmp_path)
+    out = tmp_path / "run"
+    assert run_cli("run", str(config), "--out", str(out), "--quiet")[0] == 0
+    (out / MARKER_NAME).unlink()
+    (out / LOCK_NAME).unlink()
+    before = snapshot(out)
+    # Execute / Assert: another config is refused in one line and nothing changes ...
+    code, stderr = run_cli("run", str(write_config(tmp_path, seed=7)), "--out", str(out), "--quiet")
+    assert code == 2 and "was not written by fedplug" in one_line(stderr)
+    assert snapshot(out) == before
+    # ... while the same command adopts the folder: it resumes from its checkpoint.
+    code, stderr = run_cli("run", str(config), "--out", str(out), "--quiet")
+    assert code == 0, stderr
+    assert json.loads((out / "metrics.json").read_bytes()) == json.loads(before["metrics.json"])
+    files = json.loads((out / MARKER_NAME).read_text())["files"]
+    assert files == ["checkpoint.pt", "config.yaml", "metrics.json", "model.pt", "run_info.json"]

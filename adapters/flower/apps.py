@@ -63,7 +63,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedplug.config import apply_override, parse_yaml, read_yaml, validate_experiment, with_algorithm
 from fedplug.data.build import load_dataset
 from fedplug.errors import ConfigError, FedplugError
-from fedplug.experiment import TRACKER_FILES, output_fingerprint, run_info, write_json, write_yaml
+from fedplug.experiment import output_fingerprint, run_folder_layout, run_info, write_json, write_yaml
 from fedplug.output_folder import claim, write_atomically
 from fedplug.registry import Registry
 from fedplug.simulation.results import RunResult
@@ -270,7 +270,7 @@ def run_on_grid(
         claim(
             out,
             output_fingerprint(experiment),
-            legacy=TRACKER_FILES,
+            legacy=run_folder_layout(output_fingerprint(experiment)),
             option=RUN_CONFIG_OUT,
             force_option=None,
         )
