@@ -266,11 +266,12 @@ def run_on_grid(
     out = Path(out_dir) if out_dir else None
     # The folder is fedplug's for this experiment, or new: refused in one line when it holds
     # other files, another experiment's run, or another process's run (fedplug.output_folder).
+    fingerprint = output_fingerprint(experiment)
     owned = (
         claim(
             out,
-            output_fingerprint(experiment),
-            legacy=run_folder_layout(output_fingerprint(experiment)),
+            fingerprint,
+            legacy=run_folder_layout(fingerprint),
             option=RUN_CONFIG_OUT,
             force_option=None,
         )
@@ -278,75 +279,35 @@ def run_on_grid(
         else contextlib.nullcontext()
     )
     with owned:
-        return _run_in_folder(
-            grid,
+        checkpoint = out / CHECKPOINT_FILE if out is not None else None
+        if checkpoint is not None and not resume:
+            checkpoint.unlink(missing_ok=True)
+        resuming = checkpoint is not None and checkpoint.exists()
+        tracker = open_server_tracker(
             experiment,
-            dataset,
-            device,
             out,
-            source_path,
-            registry=registry,
-            federated_evaluation=federated_evaluation,
-            node_wait_seconds=node_wait_seconds,
-            timeout=timeout,
-            train_config=train_config,
-            observers=observers,
-            resume=resume,
             track=track,
             algorithm=algorithm,
-            project_root=project_root,
+            project_root=project_root if project_root is not None else _project_of(source_path),
+            resume=resuming,
         )
-
-
-def _run_in_folder(
-    grid: Grid,
-    experiment: Any,
-    dataset: Any,
-    device: Any,
-    out: Path | None,
-    source_path: str | os.PathLike[str] | None,
-    *,
-    registry: Registry,
-    federated_evaluation: bool,
-    node_wait_seconds: float,
-    timeout: float,
-    train_config: Mapping[str, Any] | None,
-    observers: Iterable[RoundObserver],
-    resume: bool,
-    track: bool | None,
-    algorithm: str | None,
-    project_root: str | os.PathLike[str] | None,
-) -> tuple[RunResult, FedplugStrategy]:
-    """:func:`run_on_grid` once ``out`` (if any) is claimed."""
-    checkpoint = out / CHECKPOINT_FILE if out is not None else None
-    if checkpoint is not None and not resume:
-        checkpoint.unlink(missing_ok=True)
-    resuming = checkpoint is not None and checkpoint.exists()
-    tracker = open_server_tracker(
-        experiment,
-        out,
-        track=track,
-        algorithm=algorithm,
-        project_root=project_root if project_root is not None else _project_of(source_path),
-        resume=resuming,
-    )
-    with tracker:  # FINISHED on success; FAILED (kept for resuming) on an error
-        run_result, strategy = _run_tracked(
-            grid,
-            experiment,
-            dataset,
-            device,
-            out,
-            checkpoint,
-            resuming,
-            tracker,
-            registry=registry,
-            federated_evaluation=federated_evaluation,
-            node_wait_seconds=node_wait_seconds,
-            timeout=timeout,
-            train_config=train_config,
-            observers=observers,
-        )
+        with tracker:  # FINISHED on success; FAILED (kept for resuming) on an error
+            run_result, strategy = _run_tracked(
+                grid,
+                experiment,
+                dataset,
+                device,
+                out,
+                checkpoint,
+                resuming,
+                tracker,
+                registry=registry,
+                federated_evaluation=federated_evaluation,
+                node_wait_seconds=node_wait_seconds,
+                timeout=timeout,
+                train_config=train_config,
+                observers=observers,
+            )
     return run_result, strategy
 
 
