@@ -136,7 +136,7 @@ class FloorCase:
     ) -> benchlib.Stopwatch:
         """Times one round over the participants (engine + screening + FedAvg)."""
         from fedplug.components import RoundPlan
-        from fedplug.federated_round import Tally, screen
+        from fedplug.round_screen import Tally, screen
         from fedplug.simulation.round_context import RoundContext
 
         simulator = self.simulator
@@ -246,7 +246,7 @@ def overhead_breakdown(case: FloorCase, repeats: int = 11) -> dict[str, Any]:
     import torch
 
     from fedplug.components import WeightedMean
-    from fedplug.federated_round import Tally, screen
+    from fedplug.round_screen import Tally, screen
     from fedplug.simulation.local_training import local_rng, make_optimizer, train_locally
     from fedplug.simulation.round_context import RoundContext
     from fedplug.simulation.vectors import model_to_vector, vector_to_model

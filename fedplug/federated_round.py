@@ -15,7 +15,7 @@ they move models and messages. Everything else about a round lives here, once:
    straggler whose modelled time exceeds its deadline (``stragglers.deadline_seconds``,
    default ``train.failures.client_timeout_seconds``) into a timeout and corrupts the
    updates its corruption draw picks (:mod:`fedplug.faults`);
-   then a failed chain, and an update with any field out of bounds
+   then (:mod:`fedplug.round_screen`) a failed chain, and an update with any field out of bounds
    (:mod:`fedplug.screening`: its counts, dtypes, shapes, finiteness, declared extras,
    metrics, time over ``train.failures.client_timeout_seconds``, the poisoning bounds of
    ``train.screening``; then the aggregator's own :meth:`~fedplug.components.Aggregator.check_update`)
@@ -42,11 +42,10 @@ Nothing here names an algorithm: components describe themselves through
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,9 +56,10 @@ from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.components import Aggregator, ClientNeeds, ClientUpdate, Grouper, RoundPlan
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
-from fedplug.screening import ScreeningConfig, ScreeningRules, l2_norm, over_weight_share, update_problem
+from fedplug.round_screen import ClientFailure, HandedUpdates, Outcome, Tally, chain_key, retract, screen
+from fedplug.screening import ScreeningConfig, ScreeningRules, over_weight_share
 from fedplug.simulation.results import RoundRecord
-from fedplug.simulation.vectors import all_finite, tensors_num_bytes
+from fedplug.simulation.vectors import all_finite
 
 logger = logging.getLogger("fedplug.round")
 
@@ -69,18 +69,6 @@ GROUPER_STREAM = 0x6E0
 """Tag of the generator handed to :meth:`fedplug.components.Grouper.plan`."""
 SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
 """The component slots of a ``train`` config."""
-
-
-@dataclass(frozen=True)
-class ClientFailure:
-    """A chain whose training raised, timed out, or sent nothing usable."""
-
-    chain: list[int]
-    reason: str
-
-
-Outcome = ClientUpdate | ClientFailure
-"""What a runtime reports for each chain of a round."""
 
 
 @dataclass(frozen=True)
@@ -206,119 +194,6 @@ def chain_update(
         metrics=dict(metrics) if metrics else {},
         num_examples=samples,
     )
-
-
-# -------------------------------------------------------------------------- screening
-
-
-@dataclass
-class Tally:
-    """What screening let through and dropped in one attempt of a round."""
-
-    accepted: int = 0
-    failures: int = 0
-    bytes_up: int = 0
-    dropped: list[tuple[list[int], str]] = field(default_factory=list)
-    corrupted: int = 0
-    """Updates ``train.faults.corruption`` corrupted (whether screening dropped them or not)."""
-    straggler_timeouts: int = 0
-    """Chains ``train.faults.stragglers`` made time out (also in ``failures``)."""
-
-
-def unusable(
-    update: ClientUpdate,
-    expected_shape: tuple[int, ...],
-    timeout: float | None,
-    required_metrics: tuple[str, ...] = (),
-    *,
-    rules: ScreeningRules | None = None,
-    global_vector: Tensor | None = None,
-) -> str | None:
-    """Why ``update`` cannot be aggregated, or ``None`` when it can: every field screened
-    by :func:`fedplug.screening.update_problem`. ``required_metrics``: the reply metrics
-    the components ask for (:attr:`ClientNeeds.reply_metrics`), each of which must be
-    present and finite. ``rules``: the run's other bounds (declared extras,
-    ``train.screening``, the class counts; :attr:`RoundCore.screening_rules`), of which
-    ``expected_shape``, ``timeout`` and ``required_metrics`` replace the model's shape,
-    the timeout and (when given) the required metrics. ``global_vector``: the round's
-    global model, for the norm bounds (None: not checked)."""
-    rules = with_round_bounds(rules, expected_shape, timeout, required_metrics)
-    return update_problem(update, rules, global_vector)
-
-
-def with_round_bounds(
-    rules: ScreeningRules | None,
-    expected_shape: tuple[int, ...],
-    timeout: float | None,
-    required_metrics: tuple[str, ...],
-) -> ScreeningRules:
-    """``rules`` (default: none but the model's shape) with this round's model shape,
-    timeout and, when given, required metrics."""
-    base = rules if rules is not None else ScreeningRules(tuple(expected_shape))
-    return dataclasses.replace(
-        base,
-        model_shape=tuple(expected_shape),
-        timeout=timeout,
-        required_metrics=tuple(required_metrics) or base.required_metrics,
-    )
-
-
-UpdateCheck = Callable[[ClientUpdate], "str | None"]
-"""A component's own check of an update (:meth:`fedplug.components.Aggregator.check_update`)."""
-
-
-def screen(
-    outcomes: Iterable[Outcome],
-    expected_shape: tuple[int, ...],
-    *,
-    timeout: float | None,
-    model_bytes: int,
-    round_number: int,
-    tally: Tally,
-    required_metrics: tuple[str, ...] = (),
-    rules: ScreeningRules | None = None,
-    global_vector: Tensor | None = None,
-    check: UpdateCheck | None = None,
-    excluded: dict[tuple[int, ...], str] | None = None,
-) -> Iterator[ClientUpdate]:
-    """Pass on the usable updates of ``outcomes``, in order; count and log the rest
-    (:func:`unusable` says why, with ``rules`` and ``global_vector``; then ``check``, the
-    aggregator's own). ``excluded``: chains (as tuples) to drop with the given reason
-    (updates the aggregator failed on in an earlier pass of the round)."""
-    rules = with_round_bounds(rules, expected_shape, timeout, required_metrics)
-    global_norm = l2_norm(global_vector) if global_vector is not None else None
-    for outcome in outcomes:
-        if isinstance(outcome, ClientFailure):
-            drop(tally, list(outcome.chain), outcome.reason, round_number)
-            continue
-        key = chain_key(outcome) if excluded else None
-        if key is not None and excluded and key in excluded:
-            reason: str | None = excluded[key]
-        else:
-            reason = update_problem(outcome, rules, global_vector, global_norm)
-            if reason is None and check is not None:
-                reason = _checked(check, outcome)
-        if reason is not None:
-            drop(tally, list(outcome.chain), reason, round_number)
-            continue
-        tally.accepted += 1
-        tally.bytes_up += len(outcome.chain) * model_bytes + tensors_num_bytes(outcome.extras)
-        yield outcome
-
-
-def drop(tally: Tally, chain: list[int], reason: str, round_number: int) -> None:
-    """Count a dropped chain in ``tally`` and log why."""
-    tally.failures += 1
-    tally.dropped.append((chain, reason))
-    logger.warning("round %d: dropped client(s) %s: %s", round_number, chain, reason)
-
-
-def _checked(check: UpdateCheck, update: ClientUpdate) -> str | None:
-    """``check(update)``; an exception it raises is a reason too (it read the update)."""
-    try:
-        return check(update)
-    except Exception as error:  # noqa: BLE001 - a bad update must not stop the server
-        return f"failed the aggregator's check ({type(error).__name__}: {str(error)[:200]})"
 
 
 # ------------------------------------------------------------------------- the round
@@ -579,9 +454,7 @@ class RoundCore:
             update, reason = blamed
             key = chain_key(update)
             if not reusable or key is None:
-                tally.accepted -= 1
-                tally.bytes_up -= len(update.chain) * self.model_bytes + tensors_num_bytes(update.extras)
-                drop(tally, list(update.chain), reason, round_index + 1)
+                retract(tally, update, reason, round_index + 1, self.model_bytes)
                 if key is not None:
                     excluded[key] = reason
                 return None, tally
@@ -620,9 +493,7 @@ class RoundCore:
             if reason is None:
                 kept.append(update)
                 continue
-            tally.accepted -= 1
-            tally.bytes_up -= len(update.chain) * self.model_bytes + tensors_num_bytes(update.extras)
-            drop(tally, list(update.chain), reason, round_index + 1)
+            retract(tally, update, reason, round_index + 1, self.model_bytes)
         return iter(kept)
 
     def _aggregate(
@@ -637,7 +508,7 @@ class RoundCore:
             TrainingError: the aggregator failed after it had read every update (not the
                 fault of one of them).
         """
-        handed = _Handed(updates)
+        handed = HandedUpdates(updates)
         try:
             return self.aggregator.aggregate(global_vector, handed), None
         except Exception as error:  # noqa: BLE001 - one client's update must not stop the server
@@ -755,39 +626,6 @@ def client_needs(*components: Any) -> ClientNeeds:
     for component in components:
         needs = needs | component.client_needs()
     return needs
-
-
-class _Handed:
-    """The updates an aggregator reads, remembering the last one handed out and whether
-    it read them all (so that an error it raises can be traced to one update)."""
-
-    def __init__(self, updates: Iterable[ClientUpdate]) -> None:
-        self.updates = updates
-        self.last: ClientUpdate | None = None
-        self.exhausted = False
-
-    def __iter__(self) -> Iterator[ClientUpdate]:
-        iterator = iter(self.updates)
-        while True:
-            self.last = None  # an error while the next update is fetched is no update's fault
-            try:
-                update = next(iterator)
-            except StopIteration:
-                self.exhausted = True
-                return
-            self.last = update
-            yield update
-
-
-def chain_key(outcome: Outcome) -> tuple[Any, ...] | None:
-    """The chain of ``outcome`` as a dictionary key (None when it holds something
-    unhashable, which screening drops anyway)."""
-    key = tuple(outcome.chain or [getattr(outcome, "client_id", None)])
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def screening_config(train_config: Any) -> ScreeningConfig:

@@ -40,7 +40,8 @@ from fedplug.components import (
 from fedplug.config import validate_experiment, validate_section
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError
-from fedplug.federated_round import chain_update, unusable
+from fedplug.federated_round import chain_update
+from fedplug.round_screen import unusable
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.simulation.local_training import (

@@ -23,7 +23,8 @@ from fedplug.components import MODEL_SHAPE, Aggregator, ClientNeeds, ClientUpdat
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
-from fedplug.federated_round import RoundCore, chain_update, plan_round, unusable
+from fedplug.federated_round import RoundCore, chain_update, plan_round
+from fedplug.round_screen import unusable
 from fedplug.plugins import default_registry
 from fedplug.screening import (
     ScreeningConfig,

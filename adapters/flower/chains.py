@@ -8,7 +8,7 @@ different lengths simply drop out of later exchanges. Plain FedAvg-style plans (
 of one) take one exchange, as any Flower strategy does.
 
 A member's reply is decoded at once, and an intermediate member's model is checked by
-the round core's own rule (:func:`fedplug.federated_round.unusable`): a chain whose
+the round core's own rule (:func:`fedplug.round_screen.unusable`): a chain whose
 member failed stops there. What the chains end with becomes one
 :class:`~fedplug.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
 the round core screens, logs and aggregates as on every runtime.
@@ -57,7 +57,8 @@ from torch import Tensor
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
-from fedplug.federated_round import ClientFailure, Outcome, chain_update, unusable
+from fedplug.federated_round import ClientFailure, Outcome, chain_update
+from fedplug.round_screen import unusable
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
 from .records import (

@@ -57,7 +57,7 @@ class RoundContext:
     """``train.failures.client_timeout_seconds``: each chain's training is interrupted
     (:func:`fedplug.deadline.deadline`) and dropped once it runs this long (``None``: no
     limit). Every engine applies it per chain, as the post-hoc check of
-    :func:`fedplug.federated_round.unusable` reads each chain's ``seconds``."""
+    :func:`fedplug.round_screen.unusable` reads each chain's ``seconds``."""
 
     def loss_context(self, client_id: int) -> Context:
         """The loss transform's constants for a client, computed once per run."""

@@ -41,7 +41,7 @@ def train_chain(
 
     Timeouts: the limit ``context.client_timeout`` (``train.failures.client_timeout_seconds``)
     applies **per chain**, to the whole chain's training, as the post-hoc check of
-    :func:`fedplug.federated_round.unusable` reads the chain's ``seconds`` (a chain of
+    :func:`fedplug.round_screen.unusable` reads the chain's ``seconds`` (a chain of
     one client, the default grouping, is one client). The chain runs inside
     :func:`fedplug.deadline.deadline`, so a client that hangs (``time.sleep``, a loop) is
     interrupted once the chain's time is up and the chain fails with the reason
