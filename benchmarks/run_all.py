@@ -1048,6 +1048,7 @@ Ray client actors. The floors in this run use one thread, as above, and are not 
 (clients trained in lockstep with `torch.func.vmap`) for K=100 MNIST-sized clients, mlp
 and cnn_mnist, batch 10 and 50. On a machine with CUDA:
 
+<!-- commands: covered-by tests/test_readme_commands.py::test_the_engine_benchmark_runs_on_a_small_federation -->
 ```bash
 .venv/bin/python benchmarks/bench_engines.py --device cuda
 # or, to refresh this page with it:

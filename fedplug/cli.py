@@ -1,4 +1,5 @@
-"""The ``fedplug`` command line: ``fedplug list`` and ``fedplug run``."""
+"""The ``fedplug`` command line: ``fedplug list`` and ``fedplug run`` (here), ``fedplug compare``
+(:mod:`fedplug.compare`) and ``fedplug check-plugin`` (:mod:`fedplug.plugin_check`)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,42 @@ SECTIONS = ("study", "tracking", "data", "train")
 """The config's sections whose keys ``fedplug list`` shows."""
 UI_COMMAND = "make ui"
 """Opens the MLflow UI on the project's local store (Makefile)."""
+OUT_HELP = (
+    "output folder (default: runs/<dataset>-<algorithm>-<config hash> in the config file's folder; <algorithm> "
+    "is --algorithm's NAME, else the algorithm slots not at their default joined by '+', e.g. fedprox+fedavgm, "
+    "else fedavg); a relative --out is read against the working folder"
+)
+"""``fedplug run --out``'s help: what :func:`fedplug.experiment.default_output_dir` does."""
+WIDTH = 100
+"""``fedplug list`` wraps its lines to this many columns."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedplug", description="Federated learning on non-IID data.")
     commands = parser.add_subparsers(dest="command", required=True)
     list_parser = commands.add_parser(
-        "list", help="every registered component by kind, with its parameters, and the config's keys with their defaults"
+        "list", help="the registered components by kind, one line each; `fedplug list KIND` shows one kind's "
+        "parameters, `fedplug list SECTION` a config section's keys with params.yaml's values and the defaults",
     )
-    list_parser.add_argument("kind", nargs="?", choices=(*KINDS, *SECTIONS, "trackers"), help="show only this kind or section")
+    list_parser.add_argument(
+        "kind", nargs="?", choices=(*KINDS, *SECTIONS, "trackers"), help="show this kind's or section's details"
+    )
+    list_parser.add_argument(
+        "--config", metavar="FILE",
+        help="params file whose values a section shows beside the defaults (default: ./params.yaml when it exists)",
+    )
     run_parser = commands.add_parser("run", help="run an experiment from a config file")
-    run_parser.add_argument("config", help="YAML config (params.yaml is one)")
+    run_parser.add_argument(
+        "config", help="YAML config (params.yaml is one); a relative data.root in it, the default --out and the "
+        "MLflow store (mlflow.db) are read against the config file's folder, not the working folder",
+    )
     run_parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a value, e.g. --set train.rounds=5 --set train.aggregator=fedavgm",
+        help="override a value, e.g. --set train.rounds=5 --set train.aggregator=fedavgm "
+        "(--set train.rounds 5 works too)",
     )
     run_parser.add_argument("--algorithm", help="apply the params file's algorithms.<NAME> entry to train")
-    run_parser.add_argument("--out", help="output folder (default: runs/<study>-<config hash>)")
+    run_parser.add_argument("--out", help=OUT_HELP)
     run_parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --out")
     run_parser.add_argument(
         "--force", action="store_true",
@@ -48,11 +68,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracking.add_argument(
         "--no-track", dest="track", action="store_false", help="log nothing to MLflow (tracking.enabled: false)"
     )
-    args = parser.parse_args(argv)
+    # Subcommands in their own modules: each adds its parser with a ``handler``.
+    from fedplug import compare, plugin_check
+
+    compare.add_subcommand(commands)
+    plugin_check.add_subcommand(commands)
+    args = parser.parse_args(join_set_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "handler", None) is not None:
+            return int(args.handler(args))
         if args.command == "list":
-            print(describe_components(args.kind))
+            params = params_file(args.config) if args.kind in SECTIONS else None  # values only there
+            print(describe_components(args.kind, params))
             return 0
         return run_command(args)
     except FedplugError as error:
@@ -79,7 +107,8 @@ def run_command(args: argparse.Namespace) -> int:
     config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
     # MLflow logs its store migrations and requirement checks at INFO: not a user's concern.
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    out = Path(args.out) if args.out else default_output_dir(config)
+    # The default folder sits beside the config file, as its MLflow store does (OUT_HELP).
+    out = Path(args.out) if args.out else default_output_dir(config, args.algorithm, Path(args.config).parent)
     fingerprint = output_fingerprint(config)
     # A folder fedplug did not write, another config's run (without --force) or a folder
     # another run is writing is refused here, before any data is loaded.
@@ -102,6 +131,7 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
 
     from fedplug.experiment import checkpointed_rounds, train_experiment
     from fedplug.tracking import open_tracker
+    from fedplug.tracking.naming import command_line_experiment, command_line_run_name
 
     # The config file's folder is the project: its local store is <project>/mlflow.db.
     project_root = Path(args.config).resolve().parent
@@ -109,14 +139,19 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
     tracker = open_tracker(
         config,
         out,
-        run_name=f"{config.data.dataset.name}-{label}-seed{config.train.seed}",
+        # Its own experiment and a name that tells configs apart (fedplug.tracking.naming);
+        # the folder remembers its finished run, so the same command again logs nothing.
+        run_name=command_line_run_name(config, args.algorithm),
+        experiment_name=command_line_experiment(config),
+        keep_finished=True,
         tags={"fedplug.algorithm": label, "fedplug.seed": str(config.train.seed), "fedplug.runtime": "simulator"},
         resume=resume,
         project_root=project_root,
         enabled=args.track,
     )
     if tracker.run_id is not None:
-        print(f"MLflow run {tracker.run_id} in {tracker.uri}" + (" (resumed)" if tracker.resumed else ""), file=sys.stderr)
+        state = " (resumed)" if tracker.resumed else " (finished before: nothing new to log)" if tracker.complete else ""
+        print(f"MLflow run {tracker.run_id} in {tracker.uri}{state}", file=sys.stderr)
     progress = tqdm(total=config.train.rounds, desc="rounds", unit="round", disable=args.quiet, file=sys.stderr)
 
     def show(record: Any) -> None:
@@ -147,7 +182,8 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
         f"after {summary['rounds']} rounds; wrote {out / 'metrics.json'}"
     )
     if tracker.run_id is not None:
-        print(f"MLflow run {tracker.run_id}: model {tracker.model_uri}; see it with: {ui_hint(tracker.uri, project_root)}")
+        hint = ui_hint(tracker.uri, project_root, tracker.experiment_id, tracker.run_id)
+        print(f"MLflow run {tracker.run_id}: model {tracker.model_uri}; see it with: {hint}")
     return 0
 
 
@@ -197,17 +233,23 @@ class CtrlC:
             raise KeyboardInterrupt
 
 
-def ui_hint(uri: str | None, project_root: Any) -> str:
-    """How to open the MLflow UI on ``uri``: ``make ui`` for the project's local store."""
+def ui_hint(uri: str | None, project_root: Any, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """How to open the MLflow UI on ``uri``: ``make ui`` for the project's local store; with
+    ``experiment_id`` and ``run_id``, the run's page (:func:`fedplug.tracking.ui.run_url`)."""
     from fedplug.tracking import is_remote, local_tracking_uri
+    from fedplug.tracking.ui import DEFAULT_UI, run_url
 
     if uri is None:
         return ""
+
+    def page(base: str) -> str:
+        return run_url(base, experiment_id, run_id) if experiment_id and run_id else base
+
     if is_remote(uri):
-        return f"open {uri} in a browser"
+        return f"open {page(uri)} in a browser"
     if uri == local_tracking_uri(project_root):
-        return f"{UI_COMMAND}  (then open http://127.0.0.1:5000)"
-    return f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}"
+        return f"{UI_COMMAND}, then open {page(DEFAULT_UI)}"
+    return f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}, then open {page(DEFAULT_UI)}"
 
 
 def check_output_folder(out: str | os.PathLike[str], fingerprint: str | None = None, *, force: bool = False) -> str:
@@ -255,38 +297,120 @@ def describe_os_error(error: OSError) -> str:
     return f"{reason}{where}; check data.root, --out and the files under them (free space, permissions)"
 
 
-def describe_components(kind: str | None = None) -> str:
-    """``fedplug list``: components by kind, tracker backends, then the config's keys."""
+def join_set_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each ``--set KEY VALUE`` written as ``--set KEY=VALUE`` (a KEY without
+    ``=`` followed by a word that is not an option), so both spellings work; everything
+    after ``--`` is left as it is."""
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            return joined + list(argv[index:])
+        rest = argv[index + 1 : index + 3]
+        if token == "--set" and len(rest) == 2 and "=" not in rest[0] and not rest[0].startswith("-") and (
+            not rest[1].startswith("--")
+        ):
+            joined += ["--set", f"{rest[0]}={rest[1]}"]
+            index += 3
+            continue
+        joined.append(token)
+        index += 1
+    return joined
+
+
+def params_file(path: str | None) -> tuple[str, Any] | None:
+    """``(name, validated config)`` of the params file ``fedplug list`` shows values from:
+    ``path`` (``--config``; an invalid one is an error), else ``./params.yaml`` when it
+    exists and is valid (else None: the defaults only)."""
+    from pathlib import Path
+
+    from fedplug.config import load_experiment
+
+    if path is not None:
+        return path, load_experiment(path, check_every_algorithm=False)
+    if not Path("params.yaml").is_file():
+        return None
+    try:
+        return "params.yaml", load_experiment("params.yaml", check_every_algorithm=False)
+    except ConfigError as error:  # not a fedplug config (another tool's params.yaml)
+        print(f"fedplug: note: ./params.yaml is not used ({str(error).splitlines()[-1]})", file=sys.stderr)
+        return None
+
+
+def wrapped(text: str, indent: int, hang: int = 4) -> list[str]:
+    """``text`` wrapped to :data:`WIDTH` columns, indented by ``indent`` spaces, its
+    continuation lines by ``hang`` more."""
+    import textwrap
+
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=" " * indent, subsequent_indent=" " * (indent + hang),
+        break_on_hyphens=False,
+    ) or [""]
+
+
+def one_line(name: str, summary: str) -> str:
+    """``  name             summary``, the summary wrapped under itself at :data:`WIDTH`
+    columns (the overview's rows)."""
+    head = f"  {name:<16} "
+    lines = wrapped(head + " ".join(summary.split()), 0, len(head))
+    return "\n".join(lines)
+
+
+def describe_components(kind: str | None = None, params: tuple[str, Any] | None = None) -> str:
+    """``fedplug list``: every kind's components with a one-line summary each, the
+    trackers and the config's sections; ``fedplug list KIND``: that kind's components with
+    their parameters; ``fedplug list SECTION``: that section's keys (with ``params``'s
+    values, see :func:`describe_sections`). Every line fits :data:`WIDTH` columns."""
     from fedplug.plugins import default_registry
 
     registry = default_registry()
-    lines: list[str] = []
     if kind in SECTIONS:
-        return describe_sections([kind])
+        return describe_sections([kind], params)
     if kind == "trackers":
-        return describe_trackers(registry)
-    for each_kind in [kind] if kind else KINDS:
+        return describe_trackers(registry, details=True)
+    if kind is not None:
+        return describe_kind(registry, kind)
+    lines = ["Components by kind (`fedplug list KIND` shows their parameters):"]
+    for each_kind in KINDS:
         lines.append(f"{each_kind}:")
-        for entry in registry.entries(each_kind):
-            lines.append(f"  {entry.name:<16} {entry.summary}  [{entry.plugin}]")
-            lines += [f"      {line}" for line in describe_parameters(entry)]
-    if kind is None:
-        lines.append(describe_trackers(registry))
-        lines.append(describe_sections(SECTIONS))
+        lines += [one_line(entry.name, entry.summary) for entry in registry.entries(each_kind)]
+    lines.append(describe_trackers(registry, details=False))
+    lines += wrapped(
+        f"Config sections: {', '.join(SECTIONS)} (`fedplug list SECTION` shows each key with its default"
+        " and params.yaml's value).", 0, 0,
+    )
     return "\n".join(lines)
 
 
-def describe_trackers(registry: Any) -> str:
+def describe_kind(registry: Any, kind: str) -> str:
+    """One kind's components: name, plugin, summary, then each parameter wrapped."""
+    lines = [f"{kind}:"]
+    for entry in registry.entries(kind):
+        lines.append(f"  {entry.name}  [{entry.plugin}]")
+        lines += wrapped(" ".join(entry.summary.split()), 4)
+        for text in describe_parameters(entry):
+            lines += wrapped(text, 6)
+    return "\n".join(lines)
+
+
+def describe_trackers(registry: Any, details: bool = True) -> str:
     lines = ["trackers:  (tracking.backends)"]
     for entry in registry.tracker_entries():
-        summary = (entry.factory.__doc__ or "").strip().splitlines()
-        lines.append(f"  {entry.name:<16} {summary[0] if summary else ''}  [{entry.plugin}]")
+        summary = " ".join((entry.factory.__doc__ or "").strip().split("\n\n")[0].split())
+        if details:
+            lines.append(f"  {entry.name}  [{entry.plugin}]")
+            lines += wrapped(summary, 4)
+        else:
+            lines.append(one_line(entry.name, summary))
     return "\n".join(lines)
 
 
-def describe_sections(sections: Sequence[str]) -> str:
+def describe_sections(sections: Sequence[str], params: tuple[str, Any] | None = None) -> str:
     """The keys of each config section with their defaults, as ``--set`` takes them
-    (``train.rounds = 10``); a component slot shows its default component's name."""
+    (``train.rounds = 10``); a component slot shows its default component's name. With
+    ``params`` (a params file's name and validated config), each key shows the file's
+    value, and ``(default X)`` beside it where the two differ."""
     from fedplug.config import config_models
     from fedplug.plugins import default_registry
 
@@ -294,26 +418,43 @@ def describe_sections(sections: Sequence[str]) -> str:
     lines: list[str] = []
     for section in sections:
         field = experiment_model.model_fields[section]
-        lines.append(f"{section}:  (keys of the config's {section} section; --set {section}.KEY=VALUE)")
-        lines += [f"  {section}.{line}" for line in describe_fields(field.annotation)]
+        values = getattr(params[1], section).model_dump(mode="json") if params else None
+        source = f"; values from {params[0]}, with (default X) where it differs" if params else ""
+        lines += wrapped(f"{section}:  (keys of the config's {section} section; --set {section}.KEY=VALUE{source})", 0)
+        for text in describe_fields(field.annotation, values):
+            lines += wrapped(f"{section}.{text}", 2, 6)
     return "\n".join(lines)
 
 
-def describe_fields(model: Any) -> list[str]:
-    """One line per field of pydantic ``model``: ``name = default  (bounds)  doc``."""
+def describe_fields(model: Any, values: dict[str, Any] | None = None) -> list[str]:
+    """One line per field of pydantic ``model``: ``name = default  (bounds)  doc``, or
+    with ``values`` (the section in a params file, resolved) ``name = value (default X)``."""
     import typing
+
+    from fedplug.config import COMPONENT_FIELDS
 
     lines = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
         nested = annotation if isinstance(annotation, type) and hasattr(annotation, "model_fields") else None
         if field.is_required():
-            text = f"{name} (required)"
+            default_text, default = "(required)", None
         else:
             default = field.get_default(call_default_factory=True)
             if hasattr(default, "model_dump"):
                 default = getattr(default, "name", None) or default.model_dump(mode="json")
-            text = f"{name} = {default!r}"
+            default_text = f"= {default!r}"
+        value = values.get(name) if values is not None else None
+        component = isinstance(value, dict) and "name" in value and nested is None
+        if nested is not None:
+            text = f"{name}.*"  # its keys follow, one line each
+        elif values is None or name not in values:
+            text = f"{name} {default_text}"
+        else:
+            shown = value["name"] if component else value
+            text = f"{name} = {shown!r}"
+            if not field.is_required() and shown != default:
+                text += f" (default {default!r})"
         if nested is None and typing.get_origin(annotation) is not None:
             members = [arg for arg in typing.get_args(annotation) if hasattr(arg, "model_fields")]
             names = sorted(
@@ -322,12 +463,16 @@ def describe_fields(model: Any) -> list[str]:
                 if "name" in member.model_fields and typing.get_args(member.model_fields["name"].annotation)
             )
             if names:
-                text += f"  (one of: {', '.join(names)}; `fedplug list` shows their parameters)"
+                kind = COMPONENT_FIELDS.get(name, "KIND")
+                text += f"  (one of: {', '.join(names)}; `fedplug list {kind}` shows their parameters)"
         if field.description:
             text += "  " + " ".join(field.description.split())
         lines.append(text)
+        if component:
+            lines += [f"{name}.{key} = {item!r}" for key, item in value.items() if key != "name"]
         if nested is not None and name != "name":
-            lines += [f"{name}.{line}" for line in describe_fields(nested)]
+            nested_values = value if isinstance(value, dict) else ({} if values is not None else None)
+            lines += [f"{name}.{line}" for line in describe_fields(nested, nested_values)]
     return lines
 
 

@@ -17,13 +17,15 @@ Layout of a config file (``params.yaml`` is one)::
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, model_serializer, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, model_serializer, model_validator
 
 from fedplug.components import ComponentConfig, StrictConfig
 from fedplug.deadline import LONGEST_CLIENT_TIMEOUT_SECONDS
@@ -134,7 +136,26 @@ class DataConfigBase(StrictModel):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the partition and the local train/test split (at most 2**32 - 1)."""
     root: str = "data/raw"
-    """Folder the datasets are read from (and downloaded to)."""
+    """Folder the datasets are read from (and downloaded to); a relative path is read
+    against the config file's folder, where the MLflow store ``mlflow.db`` also is."""
+
+    _folder: Path | None = PrivateAttr(default=None)
+    """The folder of the config file this section was read from (None: built in code)."""
+
+    def read_against(self, folder: str | os.PathLike[str] | None) -> "DataConfigBase":
+        """Read a relative ``root`` against ``folder`` (a config file's folder, as given: a
+        relative one keeps messages short; None = the working folder) from now on; returns
+        ``self``. :func:`load_experiment` calls it."""
+        self._folder = Path(folder) if folder is not None else None
+        return self
+
+    def root_path(self) -> Path:
+        """``root`` as the folder to read: an absolute ``root`` as it is, a relative one
+        against the config file's folder (:meth:`read_against`), else the working folder.
+        ``root`` itself keeps what the file says, so the resolved config (``config.yaml``,
+        the output folder's fingerprint) does not depend on where the project lies."""
+        root = Path(self.root).expanduser()
+        return root if root.is_absolute() or self._folder is None else self._folder / root
 
 
 class TrainConfigBase(StrictModel):
@@ -302,8 +323,10 @@ def _registry(registry: Registry | None) -> Registry:
 # ------------------------------------------------------------------ errors and merging
 
 
-def format_validation_error(error: ValidationError, data: Any, prefix: str = "") -> str:
-    """One line per problem, each naming the exact dotted path in the user's file."""
+def format_validation_error(error: ValidationError, data: Any, prefix: str = "", model: Any = None) -> str:
+    """One line per problem, each naming the exact dotted path in the user's file. With the
+    pydantic ``model`` that was validated (default None), an unknown key also gets the
+    closest known key: ``train.round: unknown key; did you mean train.rounds?``."""
     lines = []
     for item in error.errors():
         path = _user_path(item["loc"], data)
@@ -313,8 +336,56 @@ def format_validation_error(error: ValidationError, data: Any, prefix: str = "")
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key (check the spelling; see `fedplug list` for parameters)"
+            known = keys_at(model, item["loc"]) if model is not None else []
+            close = difflib.get_close_matches(str(item["loc"][-1]), known, n=1, cutoff=0.6)
+            if close and path:
+                suggestion = ".".join(str(part) for part in [*path[:-1], close[0]])
+                message = f"unknown key; did you mean {suggestion}? (see `fedplug list` for the keys)"
         lines.append(f"{where}: {message}")
     return "\n".join(dict.fromkeys(lines))
+
+
+def keys_at(model: Any, loc: tuple[Any, ...]) -> list[str]:
+    """The keys ``model`` accepts in the mapping that holds the key at pydantic's ``loc``
+    (union tags included, as in ``("train", "aggregator", "fedavgm", "momentun")``);
+    empty where the mapping is free-form (``algorithms``, ``faults.stragglers.factors``)."""
+    node = model
+    parts = list(loc[:-1])
+    index = 0
+    while index < len(parts):
+        fields = getattr(node, "model_fields", None)
+        if not isinstance(fields, dict) or parts[index] not in fields:
+            return []
+        candidates = _model_classes(fields[parts[index]].annotation)
+        index += 1
+        if len(candidates) > 1 and index < len(parts):
+            tagged = [candidate for candidate in candidates if _tag_of(candidate) == parts[index]]
+            if not tagged:
+                return []
+            candidates = tagged
+            index += 1
+        if len(candidates) != 1:
+            return []
+        node = candidates[0]
+    fields = getattr(node, "model_fields", None)
+    return [str(name) for name in fields] if isinstance(fields, dict) else []
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models inside an annotation (``X``, ``X | None``, an annotated union)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for argument in typing.get_args(annotation):
+        found += _model_classes(argument)
+    return found
+
+
+def _tag_of(model: type[BaseModel]) -> Any:
+    """The ``name`` literal of a component config class (its union tag), else None."""
+    field = model.model_fields.get("name")
+    values = typing.get_args(field.annotation) if field is not None else ()
+    return values[0] if len(values) == 1 else None
 
 
 def _user_path(loc: tuple[Any, ...], data: Any) -> list[Any]:
@@ -359,7 +430,11 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     """Apply one ``dotted.key=value`` (value parsed as YAML) to a nested dict."""
     key, separator, raw = assignment.partition("=")
     if not separator or not key.strip():
-        raise ConfigError(f"--set {_shown(assignment)}: expected dotted.key=value, e.g. train.rounds=5")
+        example = key.strip() if key.strip() and " " not in key.strip() else "train.rounds"
+        raise ConfigError(
+            f"--set {_shown(assignment)}: expected dotted.key=value; write --set {example}=VALUE "
+            f"(or --set {example} VALUE), e.g. --set train.rounds=5"
+        )
     if key.count(".") >= MAX_NESTING:
         raise ConfigError(
             f"--set {_shown(assignment)}: the key has {key.count('.') + 1} parts, more than {MAX_NESTING}; "
@@ -502,7 +577,7 @@ def validate_experiment(
     try:
         config = experiment_config.model_validate(data)
     except ValidationError as error:
-        raise ConfigError("invalid config:\n" + format_validation_error(error, data)) from None
+        raise ConfigError("invalid config:\n" + format_validation_error(error, data, model=experiment_config)) from None
     for label, override in config.algorithms.items():
         merged = deep_merge(data.get("train", {}), override)
         try:
@@ -511,7 +586,8 @@ def validate_experiment(
             if not check_every_algorithm and all(_is_incompatibility(item) for item in error.errors()):
                 continue
             raise ConfigError(
-                "invalid config:\n" + format_validation_error(error, override, prefix=f"algorithms.{label}")
+                "invalid config:\n"
+                + format_validation_error(error, override, prefix=f"algorithms.{label}", model=train_config)
             ) from None
     return config
 
@@ -540,7 +616,8 @@ def load_experiment(
     check_every_algorithm: bool = True,
 ) -> Any:
     """Read, override and validate an experiment config file (see
-    :func:`validate_experiment` for ``check_every_algorithm``)."""
+    :func:`validate_experiment` for ``check_every_algorithm``). A relative ``data.root``
+    is read against the file's folder (:meth:`DataConfigBase.root_path`)."""
     data = read_yaml(path)
     for assignment in overrides:
         data = apply_override(data, assignment)
@@ -549,7 +626,9 @@ def load_experiment(
         # reported at that path (not at the train.* path it is merged into).
         validate_experiment(data, registry, check_every_algorithm=check_every_algorithm)
         data = with_algorithm(data, algorithm)
-    return validate_experiment(data, registry, check_every_algorithm=check_every_algorithm)
+    config = validate_experiment(data, registry, check_every_algorithm=check_every_algorithm)
+    config.data.read_against(Path(path).parent)
+    return config
 
 
 def validate_section(section: Literal["data", "train"], data: Any, registry: Registry | None = None) -> Any:
@@ -559,7 +638,9 @@ def validate_section(section: Literal["data", "train"], data: Any, registry: Reg
     try:
         return model.model_validate(data if data is not None else {})
     except ValidationError as error:
-        raise ConfigError("invalid config:\n" + format_validation_error(error, data, prefix=section)) from None
+        raise ConfigError(
+            "invalid config:\n" + format_validation_error(error, data, prefix=section, model=model)
+        ) from None
 
 
 def flatten(config: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -57,12 +58,33 @@ def run_folder_layout(fingerprint: str) -> Legacy:
 REPORTED_PACKAGES = ("fedplug", "torch", "numpy", "pydantic", "pluggy", "ortools", "flwr", "mlflow", "dvc")
 
 
-def default_output_dir(config: Any) -> Path:
-    """``runs/<dataset>-<aggregator>-<hash of data+train>``: the same command finds its own
-    checkpoint, and the name says what ran (not the study, whose dataset ``--set`` may
-    have changed)."""
+def default_output_dir(
+    config: Any, algorithm: str | None = None, base: str | os.PathLike[str] | None = None
+) -> Path:
+    """``<base>/runs/<dataset>-<algorithm label>-<hash of data+train>`` (``base``: the
+    config file's folder, where the MLflow store is; default None = a relative ``runs/``):
+    the same command finds its own checkpoint, and the name says what ran (not the study,
+    whose dataset ``--set`` may have changed). The label is :func:`algorithm_label`."""
     digest = output_fingerprint(config)[:10]
-    return Path("runs") / f"{config.data.dataset.name}-{config.train.aggregator.name}-{digest}"
+    name = f"{config.data.dataset.name}-{algorithm_label(config, algorithm)}-{digest}"
+    return (Path(base) if base is not None else Path()) / "runs" / name
+
+
+def algorithm_label(config: Any, algorithm: str | None = None) -> str:
+    """What trained, in a folder name: ``algorithm`` (the ``--algorithm`` entry of the
+    params file) when given, else the algorithm slots whose component is not the default,
+    in slot order, joined by ``+`` (``fedprox+fedavgm``), else the aggregator (``fedavg``).
+    Characters other than letters, digits and ``._+-`` become ``_``."""
+    from fedplug.config import ALGORITHM_SLOTS, DEFAULT_COMPONENTS
+
+    if algorithm:
+        label = algorithm
+    else:
+        chosen = [getattr(config.train, slot).name for slot in ALGORITHM_SLOTS]
+        label = "+".join(
+            name for slot, name in zip(ALGORITHM_SLOTS, chosen, strict=True) if name != DEFAULT_COMPONENTS[slot]
+        ) or config.train.aggregator.name
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", label)
 
 
 def output_fingerprint(config: Any) -> str:

@@ -8,7 +8,9 @@ third-party dataset is loaded once through its plugin to check it is there. Writ
 stage's output changes exactly when the data does.
 
 The DVC output is the whole ``<root>`` folder, marked ``persist`` so that DVC never deletes
-files a user placed there by hand (FEMNIST's LEAF json files).
+files a user placed there by hand (FEMNIST's LEAF json files). A relative ``data.root`` is
+read against the params file's folder, as ``fedplug run`` reads it; when the files cannot be
+had, the folders this stage created are removed again if they stayed empty.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     root_value = section(params, "data.root", "data/raw")
     if not isinstance(root_value, str) or not root_value:
         raise ConfigError("data.root: expected a folder path inside the repository, e.g. data/raw")
-    root = Path(root_value)
+    root = Path(args.params).resolve().parent / Path(root_value).expanduser()
+    created = [path for path in (root, *root.parents) if not path.exists()]
     root.mkdir(parents=True, exist_ok=True)
-    if type(dataset_config).__module__ == datasets.__name__:
-        files = prepare_dataset(dataset_config, root)
-    else:
-        # A third-party dataset: its plugin knows where its files are; loading checks them.
-        load_dataset(_DataSlice(dataset_config, root), registry)
-        files = []
+    try:
+        if type(dataset_config).__module__ == datasets.__name__:
+            files = prepare_dataset(dataset_config, root)
+        else:
+            # A third-party dataset: its plugin knows where its files are; loading checks them.
+            load_dataset(_DataSlice(dataset_config, root), registry)
+            files = []
+    except BaseException:
+        remove_empty(created)
+        raise
     manifest = {
         "dataset": dataset_config.model_dump(mode="json"),
         "files": [
@@ -67,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     (root / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     print(f"download: {dataset_config.name} ready in {root} ({len(files)} file(s))")
     return 0
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is empty; leave the others."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 class _DataSlice:

@@ -12,6 +12,11 @@ algorithms no longer in the params are ignored) and, for wall time, the density 
 - ``curves.csv``: the same curves in long format (the data of the DVC plots);
 - ``summary.json``: per-algorithm metrics for ``dvc metrics show`` / ``dvc exp show``.
 
+Those four are DVC outputs committed to git and hold only what the params and the code
+determine, so a re-run reproduces them byte for byte. The measured wall times (each run's
+``timings.json``, the density stage's ``timing.json``) go to ``wall_times.md`` beside them,
+which is neither a DVC output nor in git, to the terminal and to MLflow.
+
 The same comparison goes to the MLflow parent run of this DVC experiment (metrics
 ``<algorithm>.final_accuracy``, ..., and the files), which is then marked FINISHED;
 ``tracking`` is read but, as in the train stage, not a DVC dep.
@@ -20,6 +25,7 @@ The same comparison goes to the MLflow parent run of this DVC experiment (metric
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -53,23 +59,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fedplug.config import StudyConfig
-    from fedplug.report import load_run_metrics, write_report
+    from fedplug.report import load_run_metrics, summarize, wall_time_markdown, write_report
 
     params = read_params(args.params)
     study = validate_model(StudyConfig, section(params, "study"), "study")
     runs = []
     for algorithm in algorithm_labels(params):
-        setup_seconds = density_seconds(Path(args.density) / algorithm / "info.json")
+        setup_seconds = measured_seconds(Path(args.density) / algorithm / "timing.json", "seconds")
         for seed in study.seeds:
-            path = Path(args.runs) / algorithm / f"seed-{seed}" / "metrics.json"
-            runs.append(load_run_metrics(path, algorithm, seed, setup_seconds))
-    files = write_report(runs, args.out, study.target_accuracy, f"Study {study.name!r}")
+            folder = Path(args.runs) / algorithm / f"seed-{seed}"
+            run = load_run_metrics(folder / "metrics.json", algorithm, seed, setup_seconds)
+            train_seconds = measured_seconds(folder / "timings.json", "total_seconds")
+            runs.append(dataclasses.replace(run, train_seconds=train_seconds))
+    title = f"Study {study.name!r}"
+    files = write_report(runs, args.out, study.target_accuracy, title)
+    wall_times = wall_time_markdown(summarize(runs, study.target_accuracy), title)
+    (Path(args.out) / "wall_times.md").write_text(wall_times)
     print(files.comparison.read_text())
-    log_to_parent_run(params, study.name, files, args.params)
+    print(wall_times)
+    log_to_parent_run(params, study.name, files, args.params, runs)
     return 0
 
 
-def log_to_parent_run(params: dict, study_name: str, files: Any, params_path: str) -> None:
+def log_to_parent_run(
+    params: dict, study_name: str, files: Any, params_path: str, runs: list[Any]
+) -> None:
     """Give the MLflow parent run of this DVC experiment (or ``dvc repro``) the
     comparison (metrics ``<algorithm>.<metric>``, the report files) and mark it FINISHED:
     every train stage of the group has run before this stage. Nothing when
@@ -110,22 +124,32 @@ def log_to_parent_run(params: dict, study_name: str, files: Any, params_path: st
         for algorithm, values in summary.items()
         for key, value in values.items()
     }
+    for algorithm in summary:
+        seconds = [run.wall_seconds for run in runs if run.algorithm == algorithm]
+        metrics[f"{algorithm}.wall_seconds"] = round(sum(seconds) / len(seconds), 2)
     log_parent_summary(
         target.uri,
         parent.info.run_id,
         metrics,
-        [("", files.comparison), ("", files.curves_png), ("", files.summary)],
+        [
+            ("", files.comparison),
+            ("", files.curves_png),
+            ("", files.summary),
+            ("", files.comparison.parent / "wall_times.md"),
+        ],
     )
     print(f"evaluate: comparison logged to MLflow parent run {parent.info.run_id} at {target.uri}")
 
 
-def density_seconds(info_path: Path) -> float:
-    """Seconds the density stage spent on this algorithm (0 when it needed none)."""
+def measured_seconds(path: Path, key: str) -> float:
+    """A measured time from a timings file (0 when the file, or the key, is missing: the
+    density stage writes none for an algorithm that needs no density model, and a
+    queued experiment brings back only the DVC outputs)."""
     try:
-        info = json.loads(info_path.read_text())
+        timings = json.loads(path.read_text())
     except (OSError, ValueError):
         return 0.0
-    seconds = info.get("seconds") if isinstance(info, dict) else None
+    seconds = timings.get(key) if isinstance(timings, dict) else None
     return float(seconds) if isinstance(seconds, (int, float)) else 0.0
 
 

@@ -8,8 +8,8 @@ label of ``algorithms`` it writes a folder ``data/density/<label>/``:
   :class:`~fedplug.algorithms.feddisk.SampleWeightConfig`): the weights file
   ``<cache_key>.npz`` (the per-sample density ratios and the phase's cost, from the loss
   transform's ``prepare`` and setup phase run as the simulator runs them;
-  :func:`~fedplug.algorithms.feddisk.cache_key`) and ``info.json`` (its key, the time it
-  took, and the rounds and bytes of the MADE phase);
+  :func:`~fedplug.algorithms.feddisk.cache_key`), ``info.json`` (its key, and the rounds and
+  bytes of the MADE phase) and ``timing.json`` (the seconds it took; not hashed by DVC);
 - otherwise only ``info.json`` saying that no density model is needed (cheap: the dataset
   is not even loaded when no label needs one).
 
@@ -57,6 +57,9 @@ from common import (
 )
 
 INFO_NAME = "info.json"
+TIMING_NAME = "timing.json"
+"""Beside ``info.json``, the seconds the weights took to compute: a measured time, in
+``.dvcignore`` so that the hashed output reproduces byte for byte on a re-run."""
 PURPOSE = "fedplug pipeline stage pretrain_density"
 """The fingerprint in this stage's output marker: what the folder is for (its content
 changes with the params; the stage itself replaces what is stale)."""
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 info = ensure_weights(
                     label, loss_transform, federations[device], folder, existing, registry, owned
                 )
-                keep = {INFO_NAME, info["file"]}
+                keep = {INFO_NAME, TIMING_NAME, info["file"]}
+                write_text(folder / TIMING_NAME, json.dumps({"seconds": info.pop("seconds")}) + "\n")
             for stale in [name for name in owned.files if name.startswith(f"{label}/")]:
                 if stale[len(label) + 1 :] not in keep:
                     owned.remove(stale)
@@ -188,11 +192,11 @@ def ensure_weights(
     previous = _read_info(folder) or {}
     source = existing.get(file_name)
     if target.exists() and previous.get("cache_key") == key:
-        seconds, status = previous.get("seconds"), "kept"
+        seconds, status = _read_seconds(folder), "kept"
     elif source is not None and source.exists() and source != target:
         write_through_path(target, lambda temporary: shutil.copyfile(source, temporary))
         seconds, status = (
-            (_read_info(source.parent) or {}).get("seconds"),
+            _read_seconds(source.parent),
             f"copied from {source.parent.name}",
         )
     else:
@@ -219,12 +223,18 @@ def ensure_weights(
     }
 
 
-def _read_info(folder: Path) -> dict[str, Any] | None:
+def _read_info(folder: Path, name: str = INFO_NAME) -> dict[str, Any] | None:
     try:
-        info = json.loads((folder / INFO_NAME).read_text())
+        info = json.loads((folder / name).read_text())
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
+
+
+def _read_seconds(folder: Path) -> float | None:
+    """The seconds ``folder``'s weights took to compute (its ``timing.json``), or None."""
+    seconds = (_read_info(folder, TIMING_NAME) or {}).get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
 if __name__ == "__main__":

@@ -17,9 +17,13 @@ also when DVC runs the stage in a temporary copy. The model is logged as an MLfl
 Writes to ``reports/runs/<algorithm>/seed-<seed>/``:
 
 - ``metrics.json`` (final/best accuracy, rounds to target, bytes, and every round),
-  ``config.yaml`` (the resolved config), ``run_info.json`` (versions, machine),
-  ``model.pt`` (the final global model), written by :func:`fedplug.experiment.run_experiment`;
-- ``rounds.csv`` (every round's record, one column per key) and ``curves.png`` (this run's learning curves).
+  ``config.yaml`` (the resolved config), ``model.pt`` (the final global model);
+- ``rounds.csv`` (every round's record, one column per key) and ``curves.png`` (this run's
+  learning curves);
+- beside those DVC outputs, not among them: ``timings.json`` (the measured wall times) and
+  ``run_info.json`` (versions, machine, commit). Every output is a function of the params and
+  the code, so a re-run on another machine writes it byte for byte and leaves ``dvc.lock``
+  as committed; the times and the machine stay out of it (and in MLflow).
 
 Resuming: the simulator checkpoints after every round to ``checkpoint.pt`` in the same
 folder, and the MLflow run id is kept in ``mlflow_run.json``. Neither is a DVC output (DVC
@@ -41,6 +45,7 @@ FedDisk (any loss transform with a ``cache_dir``): ``cache_dir`` is set to
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,9 +63,10 @@ from common import (
 
 CHECKPOINT_NAME = "checkpoint.pt"
 TRACKING_STATE_NAME = "mlflow_run.json"
+TIMINGS_NAME = "timings.json"
 RUN_FILES = (
     "metrics.json", "rounds.csv", "curves.png", "model.pt", "config.yaml", "run_info.json",
-    CHECKPOINT_NAME, TRACKING_STATE_NAME,
+    TIMINGS_NAME, CHECKPOINT_NAME, TRACKING_STATE_NAME,
 )
 """What this stage writes into a run folder: a folder holding only these (written before
 output markers existed) is adopted as this stage's."""
@@ -218,10 +224,10 @@ def train_claimed(
 ) -> None:
     """:func:`train` in the claimed run folder ``owned``."""
     from fedplug.experiment import run_experiment
-    from fedplug.output_folder import write_through_path
+    from fedplug.output_folder import write_text, write_through_path
     from fedplug.report import plot_run_curves, write_curve_csv
     from fedplug.simulation.checkpoint import load_checkpoint
-    from fedplug.simulation.results import RoundRecord
+    from fedplug.simulation.results import RoundRecord, split_wall_clock
     from fedplug.simulation.simulator import config_fingerprint
 
     out = owned.path
@@ -251,7 +257,12 @@ def train_claimed(
         result, simulator = run_experiment(
             config, out, registry=registry, observers=[report], federation=federation
         )
-        history = [record.as_dict() for record in result.history]
+        # What DVC hashes must reproduce byte for byte on a re-run: the measured times go to
+        # timings.json beside the outputs (not an output), as does run_info.json.
+        reproducible, timings = split_wall_clock(result.summary())
+        write_text(out / "metrics.json", json.dumps(reproducible, indent=2) + "\n")
+        write_text(out / TIMINGS_NAME, json.dumps(timings, indent=2) + "\n")
+        history = reproducible["history"]
         # Every key of every round, so the metrics a component reports (cpd_median) get a column.
         columns = list(dict.fromkeys(key for row in history for key in row))
         write_through_path(out / "rounds.csv", lambda path: write_curve_csv(history, path, columns))
@@ -263,7 +274,7 @@ def train_claimed(
         if heatmap.is_file():
             artifacts["partition"] = heatmap
         tracker.log_artifacts(artifacts)
-        for name in ("config.yaml", "metrics.json", "run_info.json"):
+        for name in ("config.yaml", "metrics.json", "run_info.json", TIMINGS_NAME):
             tracker.log_artifacts({"": out / name})
         tracker.log_model(simulator.model, federation.test_x[:5])
     except BaseException:

@@ -5,6 +5,9 @@ Shared by the tracking tests of every runtime (the main environment and ``.venv-
 which both have MLflow). Use the context manager, or the fixture in a test module::
 
     from mlflow_server import mlflow_server  # noqa: F401  (a pytest fixture)
+
+:func:`running_make_ui` starts the UI server exactly as ``make ui`` does, on another
+project's store (tests/test_mlflow_ui.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ QUIET_ENV = {
     "no_proxy": "127.0.0.1,localhost",
 }
 START_SECONDS = 180
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -67,17 +71,15 @@ def server_command(port: int, folder: Path) -> list[str]:
 
 
 @contextmanager
-def running_mlflow_server(folder: Path) -> Iterator[str]:
-    """Start ``mlflow server`` (this interpreter's) on a free loopback port with a sqlite
-    store and an artifact folder in ``folder``; yield its base URL; stop it."""
-    port = free_port()
-    command = server_command(port, folder)
-    log_path = folder / "server.log"
-    # Its own process group: `mlflow server` starts uvicorn workers, and stopping the group
-    # by our child's PID stops exactly what this test started.
+def serving(command: list[str], port: int, log_path: Path, what: str, cwd: Path | None = None) -> Iterator[str]:
+    """Run ``command`` (a server on ``127.0.0.1:port``) in its own process group, its output
+    to ``log_path``; yield its base URL once ``/health`` answers; stop the group by the
+    child's PID (``mlflow server`` starts uvicorn workers, ``make ui`` starts the server:
+    this stops exactly what the test started)."""
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
             command,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **QUIET_ENV},
@@ -88,9 +90,7 @@ def running_mlflow_server(folder: Path) -> Iterator[str]:
         deadline = time.monotonic() + START_SECONDS
         while not _healthy(base):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    "mlflow server did not start:\n" + log_path.read_text()[-3000:]
-                )
+                raise RuntimeError(f"{what} did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.5)
         yield base
     finally:
@@ -102,10 +102,31 @@ def running_mlflow_server(folder: Path) -> Iterator[str]:
             server.wait(timeout=10)
 
 
+@contextmanager
+def running_mlflow_server(folder: Path) -> Iterator[str]:
+    """Start ``mlflow server`` (this interpreter's) on a free loopback port with a sqlite
+    store and an artifact folder in ``folder``; yield its base URL; stop it."""
+    port = free_port()
+    with serving(server_command(port, folder), port, folder / "server.log", "mlflow server") as base:
+        yield base
+
+
 @pytest.fixture()
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
     """The base URL of a fresh ``mlflow server`` on 127.0.0.1 (see the module docstring)."""
     folder = tmp_path / "mlflow-server"
     folder.mkdir()
     with running_mlflow_server(folder) as base:
+        yield base
+
+
+@contextmanager
+def running_make_ui(project: Path, log_path: Path) -> Iterator[str]:
+    """Run ``make ui`` (its recipe as is; ``-o install``: the environment is not rebuilt)
+    with ``UI_PROJECT=project`` and a free ``UI_PORT``; yield the base URL once it answers;
+    stop make and the server it started (their process group, by make's PID). What make
+    prints goes to ``log_path``."""
+    port = free_port()
+    command = ["make", "--no-print-directory", "-o", "install", "ui", f"UI_PORT={port}", f"UI_PROJECT={project}"]
+    with serving(command, port, log_path, "make ui (the MLflow UI)", cwd=REPOSITORY) as base:
         yield base

@@ -406,31 +406,31 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "typo-top-level",
         "misspelt section",
-        "trian: unknown key",
+        "trian: unknown key; did you mean train?",
         edits=(("trian", {"rounds": 2}),),
     ),
     BadInput(
         "typo-section-key",
         "misspelt key in a section",
-        "train.rouds: unknown key",
+        "train.rouds: unknown key; did you mean train.rounds?",
         edits=(("train.rouds", 3),),
     ),
     BadInput(
         "typo-nested-key",
         "misspelt key two levels down",
-        "train.optimizer.momentun: unknown key",
+        "train.optimizer.momentun: unknown key; did you mean train.optimizer.momentum?",
         edits=(("train.optimizer", {"momentun": 0.5}),),
     ),
     BadInput(
         "typo-algorithm-parameter",
         "misspelt parameter of a plugin",
-        "train.aggregator.momentun: unknown key",
+        "train.aggregator.momentun: unknown key; did you mean train.aggregator.momentum?",
         edits=(("train.aggregator", {"name": "fedavgm", "momentun": 0.5}),),
     ),
     BadInput(
         "typo-in-set",
         "misspelt key in --set",
-        "train.optimiser: unknown key",
+        "train.optimiser: unknown key; did you mean train.optimizer?",
         args=("--set", "train.optimiser.lr=0.1"),
     ),
     # --- component names
@@ -678,7 +678,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "set-without-equals",
         "`--set` without `=`",
-        "expected dotted.key=value",
+        "write --set train.rounds=VALUE (or --set train.rounds VALUE)",
         args=("--set", "train.rounds"),
     ),
     BadInput(

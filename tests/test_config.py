@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from fedplug.config import apply_override, deep_merge, flatten, load_experiment, validate_experiment, validate_section
 from fedplug.errors import ConfigError
@@ -133,3 +136,52 @@ def test_override_that_clashes_only_with_an_entry_not_being_run(small_experiment
     small_experiment["algorithms"]["gsp"]["grouper"]["mdoe"] = "naive"
     with pytest.raises(ConfigError, match=r"algorithms.gsp.grouper.mdoe: unknown key"):
         validate_experiment(small_experiment, check_every_algorithm=False)
+
+
+def test_unknown_key_suggests_the_closest_known_key(small_experiment, tmp_path):
+    """A misspelt key names the key it probably meant, at every depth, in the file and in --set."""
+    small_experiment["train"]["round"] = 3
+    small_experiment["train"]["aggregator"] = {"name": "fedavgm", "momentun": 0.5}
+    small_experiment["trian"] = {}
+    small_experiment["algorithms"] = {"prox": {"loss_transform": {"name": "fedprox", "muu": 0.1}}}
+    message = _error(small_experiment)
+    assert "train.round: unknown key; did you mean train.rounds?" in message
+    assert "train.aggregator.momentun: unknown key; did you mean train.aggregator.momentum?" in message
+    assert "trian: unknown key; did you mean train?" in message
+    del small_experiment["train"]["round"], small_experiment["trian"]
+    small_experiment["train"]["aggregator"] = "fedavg"
+    assert "algorithms.prox.loss_transform.muu: unknown key; did you mean algorithms.prox.loss_transform.mu?" in _error(
+        small_experiment
+    )
+    del small_experiment["algorithms"]
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(small_experiment))
+    with pytest.raises(ConfigError, match=r"train\.optimiser: unknown key; did you mean train\.optimizer\?"):
+        load_experiment(path, ["train.optimiser.lr=0.1"])
+    with pytest.raises(ConfigError, match=r"data\.num_clientz: unknown key; did you mean data\.num_clients\?"):
+        validate_section("data", {**small_experiment["data"], "num_clientz": 3})
+    # Nothing close: the plain hint stays.
+    small_experiment["train"]["zzz"] = 1
+    assert "train.zzz: unknown key (check the spelling" in _error(small_experiment)
+
+
+def test_set_without_a_value_says_how_to_write_it():
+    with pytest.raises(ConfigError) as caught:
+        apply_override({}, "train.rounds")
+    assert "write --set train.rounds=VALUE (or --set train.rounds VALUE)" in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
+
+
+def test_relative_data_root_is_read_against_the_config_files_folder(small_experiment, tmp_path, monkeypatch):
+    small_experiment["data"]["root"] = "files/raw"
+    (tmp_path / "project").mkdir()
+    path = tmp_path / "project" / "params.yaml"
+    path.write_text(yaml.safe_dump(small_experiment))
+    monkeypatch.chdir(tmp_path)
+    config = load_experiment("project/params.yaml")
+    assert config.data.root_path().resolve() == tmp_path / "project" / "files" / "raw"
+    assert config.model_dump(mode="json")["data"]["root"] == "files/raw"  # as written
+    assert validate_experiment(small_experiment).data.root_path() == Path("files/raw")  # built in code: the cwd
+    small_experiment["data"]["root"] = str(tmp_path / "abs")
+    path.write_text(yaml.safe_dump(small_experiment))
+    assert load_experiment(path).data.root_path() == tmp_path / "abs"

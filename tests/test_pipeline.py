@@ -23,12 +23,14 @@ from fedplug.report import (
     comparison_markdown,
     curve_rows,
     format_bytes,
+    ranked,
     run_metrics_from_summary,
     summarize,
     summary_metrics,
+    wall_time_markdown,
     write_report,
 )
-from fedplug.simulation.results import rounds_to_target
+from fedplug.simulation.results import rounds_to_target, split_wall_clock
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -94,20 +96,43 @@ def test_summaries_average_seeds_and_count_who_reached_the_target() -> None:
     metrics = summary_metrics([a, b])
     assert metrics["b"]["final_accuracy"] == pytest.approx((0.92 + 0.8) / 2)
     assert metrics["b"]["rounds_to_target"] == 2.0  # mean over the seeds that reached it
-    assert metrics["b"]["wall_seconds"] == 17.0
     assert metrics["a"] == {
         "final_accuracy": 0.9,
         "best_accuracy": 0.95,
         "rounds_to_target": 2.0,
         "total_bytes": 300,
-        "wall_seconds": 10.0,
     }
+    # Ranked by mean final accuracy: a (0.90) above b (0.86), whatever the input order.
     table = comparison_markdown([a, b], 0.9, "t")
-    assert (
-        "| b | 0, 1 | 0.8600 ± 0.0600 | 0.8600 ± 0.0600 | 2 (1/2 seeds) | 200 B | 17.0 s |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows == [
+        "| 1 | a | 0 | 0.9000 | 0.9500 | 2 | 300 B |",
+        "| 2 | b | 0, 1 | 0.8600 ± 0.0600 | 0.8600 ± 0.0600 | 2 (1/2 seeds) | 200 B |",
+    ]
+    assert "rounds to 90%" in table and " s |" not in table  # no measured time in it
+    # The wall times (setup included: b's seed 0 ran 20 s + 4 s of density) are apart.
+    assert "| b | 0, 1 | 17.0 s |" in wall_time_markdown([a, b], "t")
+
+
+def test_ranking_breaks_ties_by_best_accuracy_and_puts_runs_without_rounds_last() -> None:
+    summaries = summarize(
+        [run("empty", 0), run("x", 0, 0.9, 0.8), run("y", 0, 0.7, 0.8), run("z", 0, 0.5, 0.85)],
+        target=0.9,
     )
-    assert "| a | 0 | 0.9000 | 0.9500 | 2 | 300 B | 10.0 s |" in table
-    assert "rounds to 90%" in table
+    assert [summary.algorithm for summary in ranked(summaries)] == ["z", "x", "y", "empty"]
+
+
+def test_split_wall_clock_keeps_everything_but_the_measured_times() -> None:
+    summary = {
+        "final_accuracy": 0.5,
+        "total_seconds": 3.5,
+        "setup_seconds": 1.0,
+        "history": [{"round": 1, "accuracy": 0.5, "seconds": 1.5}, {"round": 2, "seconds": 2.0}],
+    }
+    reproducible, timings = split_wall_clock(summary)
+    assert reproducible == {"final_accuracy": 0.5, "history": [{"round": 1, "accuracy": 0.5}, {"round": 2}]}
+    assert timings == {"total_seconds": 3.5, "setup_seconds": 1.0, "round_seconds": [1.5, 2.0]}
+    assert summary["history"][0]["seconds"] == 1.5  # the input is not changed
 
 
 def test_format_bytes_uses_decimal_units() -> None:
@@ -328,7 +353,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         else:
             shutil.copy2(source, target)
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
-    (root / ".gitignore").write_text("mlflow.db\nmlruns/\n")
+    shutil.copy2(REPO / ".gitignore", root / ".gitignore")  # the project's: what stays out of git
     sh(root, "git", "init", "-q")
     sh(root, "git", "add", "-A")
     sh(root, "git", "commit", "-qm", "pipeline")
@@ -363,6 +388,7 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
             "model.pt",
             "config.yaml",
             "run_info.json",
+            "timings.json",
         ):
             assert (folder / name).is_file(), folder / name
         assert not (folder / "checkpoint.pt").exists()  # resume state goes once the run is complete
@@ -384,7 +410,7 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
     final = json.loads((repo / "reports/runs/fedavg/seed-0/metrics.json").read_text())["final_accuracy"]
     assert shown["fedavg"]["final_accuracy"] == pytest.approx(final)
     table = (repo / "reports/comparison.md").read_text()
-    assert "| fedavg | 0 |" in table and "| feddisk | 0 |" in table
+    assert "| fedavg | 0 |" in table and "| feddisk | 0 |" in table and "| rank |" in table
 
     dvc(repo, "plots", "show", "-o", "plots_html")
     page = (repo / "plots_html" / "index.html").read_text()
@@ -397,6 +423,39 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
     (repo / "runs/adhoc").mkdir(parents=True)
     (repo / "runs/adhoc/metrics.json").write_text("{}")
     assert changed(repo) == set()
+
+
+@pytest.mark.slow
+def test_a_rerun_from_scratch_leaves_the_committed_tree_unchanged(
+    repo: Path, tmp_path: Path
+) -> None:
+    """`make repro` on a fresh clone must leave `git status` clean: every DVC output (so
+    dvc.lock) and every committed report reproduces byte for byte; measured times and the
+    machine stay beside them (timings.json, run_info.json, wall_times.md), out of git."""
+    copy = tmp_path / "clone"
+    sh(repo, "git", "clone", "-q", str(repo), str(copy))
+    assert not (copy / "reports/runs").exists() and (copy / "dvc.lock").is_file()
+    # Every stage but evaluate runs; evaluate is skipped because its inputs (the run folders,
+    # the density folder) reproduced with the hashes dvc.lock holds.
+    assert ran(dvc(copy, "repro")) == {"download", "partition", "pretrain_density"} | TRAIN_STAGES
+    assert sh(copy, "git", "status", "--porcelain") == ""
+    dvc(copy, "repro", "-f", "evaluate")  # and evaluate itself reproduces the committed reports
+    assert sh(copy, "git", "status", "--porcelain") == ""
+    run = copy / "reports/runs/fedavg/seed-0"
+    timings = json.loads((run / "timings.json").read_text())
+    assert timings["total_seconds"] > 0 and len(timings["round_seconds"]) == 2
+    assert "seconds" not in json.loads((run / "metrics.json").read_text())["history"][0]
+    assert (run / "run_info.json").is_file() and "wall time" in (copy / "reports/wall_times.md").read_text()
+
+
+def test_dvc_status_is_quiet_about_the_paper_studies() -> None:
+    """The studies' committed dvc.lock matches their specs, runner and results files, so a
+    plain `dvc status` lists none of them (they are not part of `make repro`)."""
+    status = json.loads(dvc(REPO, "status", "--json", "pipelines/studies/dvc.yaml"))
+    assert status == {}, (
+        f"{sorted(status)} changed: run `dvc repro pipelines/studies/dvc.yaml` (it reuses the "
+        "committed runs, seconds) and commit pipelines/studies/dvc.lock"
+    )
 
 
 @pytest.mark.slow

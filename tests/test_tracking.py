@@ -32,6 +32,8 @@ from fedplug.tracking import (
 from mlflow_server import QUIET_ENV, free_port, mlflow_server  # noqa: F401  (mlflow_server: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
+CLI_EXPERIMENT = "tracking-test-fedplug-run"
+"""Where ``fedplug run`` logs the runs of study ``tracking-test`` (fedplug.tracking.naming)."""
 
 
 @pytest.fixture(autouse=True)
@@ -333,6 +335,72 @@ def test_tracker_reopens_only_a_run_of_the_same_fingerprint(tmp_path: Path) -> N
     assert client.get_run(other.run_id).info.status == "FINISHED"
 
 
+@pytest.mark.slow
+def test_a_finished_run_its_folder_keeps_is_reopened_complete_and_logged_no_more(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    # Prepare: a run opened as `fedplug run` opens it (keep_finished), two rounds, finished.
+    uri = local_tracking_uri(tmp_path)
+    state = tmp_path / "run" / "mlflow_run.json"
+    client = MlflowClient(uri)
+
+    def reopen(fingerprint: str, resume: bool = True) -> MlflowTracker:
+        return MlflowTracker.open(uri, "study", "a", state_path=state, fingerprint=fingerprint, resume=resume,
+                                  keep_finished=True)
+
+    first = reopen("f1")
+    first.log_history([record(1, 0.5), record(2, 0.6)])
+    first.finish()
+    assert json.loads(state.read_text()) == {
+        "run_id": first.run_id, "fingerprint": "f1", "tracking_uri": uri, "finished": True
+    }
+    # Execute: the same run again, logging everything once more.
+    again = reopen("f1")
+    again.log_params({"late": 1})
+    again.log_history([record(1, 0.9), record(2, 0.9), record(3, 0.9)])
+    again.set_tags({"late": "1"})
+    again.finish()
+    # Assert: the finished run, untouched; no second run.
+    assert (again.run_id, again.complete, again.resumed) == (first.run_id, True, False)
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED" and "late" not in run.data.params and "late" not in run.data.tags
+    history = sorted(client.get_metric_history(first.run_id, "accuracy"), key=lambda metric: metric.step)
+    assert [(metric.step, metric.value) for metric in history] == [(1, 0.5), (2, 0.6)]
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    # Another config, then --no-resume: new runs; a finished run is never marked KILLED.
+    other = reopen("f2")
+    assert other.run_id != first.run_id and not other.complete
+    other.finish()
+    fresh = reopen("f2", resume=False)
+    assert fresh.run_id != other.run_id and not fresh.complete
+    fresh.finish()
+    assert {client.get_run(run_id).info.status for run_id in (first.run_id, other.run_id)} == {"FINISHED"}
+    # A finished run deleted in the UI is logged again.
+    client.delete_run(fresh.run_id)
+    anew = reopen("f2")
+    assert anew.run_id != fresh.run_id and not anew.complete
+
+
+@pytest.mark.slow
+def test_every_experiment_fedplug_logs_into_is_marked_model_training(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.tracking.mlflow_tracker import EXPERIMENT_KIND_TAG
+
+    uri = local_tracking_uri(tmp_path)
+    client = MlflowClient(uri)
+    client.create_experiment("older")  # as an earlier fedplug left it: no kind
+    chosen = client.create_experiment("chosen")
+    client.set_experiment_tag(chosen, EXPERIMENT_KIND_TAG, "genai_development")  # chosen in the UI
+    for name in ("new", "older", "chosen"):
+        MlflowTracker.open(uri, name, "a").finish()
+    kinds = {name: client.get_experiment_by_name(name).tags.get(EXPERIMENT_KIND_TAG) for name in ("new", "older", "chosen")}
+    assert kinds == {
+        "new": "custom_model_development", "older": "custom_model_development", "chosen": "genai_development"
+    }
+
+
 def test_missing_density_weights_stop_a_feddisk_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -362,6 +430,8 @@ def test_round_trip_through_an_mlflow_server(
     experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="tracking-test")[
         "experiment"
     ]
+    # The pipeline's experiment opens as model training in MLflow's UI.
+    assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
     runs = rest_post(
         mlflow_server, "runs/search", {"experiment_ids": [experiment["experiment_id"]]}
     )["runs"]
@@ -501,12 +571,55 @@ def test_fedplug_run_track_logs_a_reloadable_run_to_the_sqlite_store(
     printed = capsys.readouterr()
     uri = local_tracking_uri(tmp_path)  # the config's folder is the project
     client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id])
+    experiment = client.get_experiment_by_name(CLI_EXPERIMENT)
+    (run,) = client.search_runs([experiment.experiment_id])
     assert f"MLflow run {run.info.run_id}" in printed.out and "make ui" in printed.out
+    # The printed link opens the run's page in the UI's model-training mode.
+    link = f"/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert link in printed.out
     check_tracked_run(client, run.info.run_id, out, config, uri)
     # Artifacts lie next to the store, not in the current folder's mlruns/.
     assert (tmp_path / "mlruns").is_dir()
-    assert not (out / "mlflow_run.json").exists()  # finished: nothing left to resume
+    state = json.loads((out / "mlflow_run.json").read_text())  # finished: kept, marked so
+    assert (state["run_id"], state["finished"]) == (run.info.run_id, True)
+
+
+@pytest.mark.slow
+def test_fedplug_run_has_its_own_experiment_names_configs_apart_and_logs_a_finished_run_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.config import load_experiment
+    from fedplug.experiment import output_fingerprint
+
+    # Prepare: one config; the same command twice; another learning rate; another aggregator.
+    config = write_config(tmp_path, rounds=2)
+    variants = {"a": [], "lr": ["--set", "train.optimizer.lr=0.25"], "momentum": ["--set", "train.aggregator=fedavgm"]}
+    # Execute
+    assert run_cli(config, tmp_path / "a") == 0
+    capsys.readouterr()
+    assert run_cli(config, tmp_path / "a") == 0  # the same command again, after it finished
+    again = capsys.readouterr()
+    for name, extra in variants.items():
+        if name != "a":
+            assert run_cli(config, tmp_path / name, *extra) == 0
+    # Assert: the study's experiment holds none of them; `fedplug run` has its own.
+    client = MlflowClient(local_tracking_uri(tmp_path))
+    assert client.get_experiment_by_name("tracking-test") is None
+    experiment = client.get_experiment_by_name(CLI_EXPERIMENT)
+    runs = {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
+    expected = {}
+    for name, extra in variants.items():
+        resolved = load_experiment(config, extra[1::2], None, check_every_algorithm=False)
+        label = "fedavgm" if name == "momentum" else "fedavg"
+        expected[f"{label}-seed0-synthetic-{output_fingerprint(resolved)[:8]}"] = name
+    assert sorted(runs) == sorted(expected)  # three names for three configs, none twice
+    first = runs[next(run for run, name in expected.items() if name == "a")]
+    assert "nothing new to log" in again.err and f"MLflow run {first.info.run_id}" in again.out
+    assert sorted(metric.step for metric in client.get_metric_history(first.info.run_id, "accuracy")) == [1, 2]
+    models = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+    assert sorted(model.source_run_id for model in models) == sorted(run.info.run_id for run in runs.values())
 
 
 @pytest.mark.slow
@@ -520,7 +633,7 @@ def test_fedplug_run_track_through_an_mlflow_server_and_registers_the_model(
     config = write_config(project, rounds=3, uri=mlflow_server, register_model="fedplug-test-model")
     out = project / "run"
     assert run_cli(config, out) == 0
-    experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="tracking-test")["experiment"]
+    experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name=CLI_EXPERIMENT)["experiment"]
     (run,) = rest_post(mlflow_server, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
     client = MlflowClient(mlflow_server)
     check_tracked_run(client, run["info"]["run_id"], out, config, mlflow_server)
@@ -576,7 +689,7 @@ def test_killed_fedplug_run_resumes_its_mlflow_run_and_tensorboard_steps(tmp_pat
     assert [m.step for m in client.get_metric_history(first_run_id, "accuracy")] == [1, 2]
 
     assert run_cli(config, out) == 0
-    runs = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(CLI_EXPERIMENT).experiment_id])
     assert [run.info.run_id for run in runs] == [first_run_id]  # continued, not duplicated
     history = client.get_metric_history(first_run_id, "accuracy")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]  # each step once

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import logging
 import os
 import signal
@@ -155,13 +156,15 @@ def test_a_server_that_dies_mid_run_costs_a_bounded_wait_and_loses_nothing(
 
     assert code == 0, stderr
     client = MlflowClient(tracking_uri=server.url)
-    (experiment,) = [e for e in client.search_experiments() if e.name == "test"]
+    # `fedplug run` logs to <study.name>-fedplug-run (fedplug.tracking.naming).
+    (experiment,) = [e for e in client.search_experiments() if e.name == "test-fedplug-run"]
     (run,) = client.search_runs([experiment.experiment_id])
     steps = sorted(int(metric.step) for metric in client.get_metric_history(run.info.run_id, "accuracy"))
     assert steps == list(range(1, ROUNDS + 1))
     assert "final_accuracy" in run.data.metrics and run.info.status == "FINISHED"
     assert {item.path for item in client.list_artifacts(run.info.run_id)} >= {"config.yaml", "metrics.json"}
-    assert not (tmp_path / "out" / "mlflow_run.json").exists()
+    # Everything sent: the folder remembers the run as finished (the same command logs no more).
+    assert json.loads((tmp_path / "out" / "mlflow_run.json").read_text())["finished"] is True
 
 
 def test_on_error_stop_ends_the_run_with_one_line_and_keeps_the_checkpoint(

@@ -69,6 +69,8 @@ test_accuracy.__test__ = False  # type: ignore[attr-defined]  # a helper, not a 
 def only_run(client: Any) -> Any:
     experiment = client.get_experiment_by_name(STUDY)
     assert experiment is not None, f"no MLflow experiment {STUDY!r}"
+    # Flower's runs, too, open as model training in MLflow's UI (not as a GenAI app).
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1, [run.info.run_name for run in runs]
     return runs[0]
@@ -128,7 +130,8 @@ def test_the_ready_server_app_round_trips_through_an_mlflow_server(
     client = MlflowClient(mlflow_server)
     run = only_run(client)
     run_id = run.info.run_id
-    assert run.info.run_name == "synthetic-momentum-seed0"
+    name = run.info.run_name  # <algorithm>-seed<seed>-<dataset>-<config hash>, as fedplug run's
+    assert name.startswith("momentum-seed0-synthetic-") and len(name.rsplit("-", 1)[1]) == 8
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert {key: tags[key] for key in ("fedplug.runtime", "fedplug.algorithm", "fedplug.seed")} == {

@@ -118,8 +118,8 @@ def run_fedml(
         python: the interpreter of the FedML environment (default: this one).
         track: log the run through :func:`fedplug.tracking.open_tracker` (default None:
             the config's ``tracking.enabled``).
-        algorithm: the tracked run's label: its name ``<dataset>-<algorithm>-seed<seed>``
-            and tag ``fedplug.algorithm`` (default: the aggregator's name).
+        algorithm: the tracked run's label: its name ``<algorithm>-seed<seed>-<dataset>-<config
+            hash>`` and tag ``fedplug.algorithm`` (default: the aggregator's name).
         project_root: folder of the default local store ``mlflow.db`` (default
             ``$DVC_ROOT``, else the working folder).
 
@@ -179,13 +179,15 @@ def open_fedml_tracker(
     run starts from round 1 every time."""
     from fedplug.project import project_root as find_project_root
     from fedplug.tracking import open_tracker
+    from fedplug.tracking.naming import command_line_run_name
 
     label = algorithm or config.train.aggregator.name
     seed = config.train.seed
     return open_tracker(
         config,
         out_dir,
-        run_name=f"{config.data.dataset.name}-{label}-seed{seed}",
+        # Tells configs apart, as fedplug run's names do.
+        run_name=command_line_run_name(config, algorithm),
         tags={"fedplug.algorithm": label, "fedplug.seed": str(seed), "fedplug.runtime": "fedml"},
         resume=False,
         project_root=project_root if project_root is not None else find_project_root(),
@@ -250,7 +252,10 @@ def _run_mpi(
         stale.unlink(missing_ok=True)
     resolved = config.model_dump(mode="json")
     write_yaml(out / "config.yaml", resolved)
-    write_json(out / "experiment.json", resolved)
+    # The ranks read the data where this process does: a relative data.root is the config
+    # file's folder's (DataConfigBase.root_path), which the ranks cannot know.
+    data_root = str(config.data.root_path().resolve())
+    write_json(out / "experiment.json", {**resolved, "data": {**resolved["data"], "root": data_root}})
     write_yaml(out / "fedml_config.yaml", fedml_config(config, workers))
     write_json(out / "run_info.json", run_info())
     home = out / "fedml_home"

@@ -60,7 +60,7 @@ def fedml_config(config: Any, workers: int) -> dict[str, Any]:
         },
         "data_args": {
             "dataset": f"fedplug-{config.data.dataset.name}",
-            "data_cache_dir": str(config.data.root),
+            "data_cache_dir": str(config.data.root_path()),
         },
         "model_args": {"model": f"fedplug-{train.model.name}"},
         "train_args": {

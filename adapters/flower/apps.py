@@ -329,7 +329,8 @@ def open_server_tracker(
         out_dir: the run's output folder (keeps ``mlflow_run.json`` for resuming; default
             None: nothing to resume).
         track: default None: ``experiment.tracking.enabled``.
-        algorithm: the run's label: its name ``<dataset>-<algorithm>-seed<seed>`` and tag
+        algorithm: the run's label: its name ``<algorithm>-seed<seed>-<dataset>-<config
+            hash>`` (:func:`fedplug.tracking.naming.command_line_run_name`) and tag
             ``fedplug.algorithm`` (default: the aggregator's name).
         project_root: folder of the default local store (default: ``$DVC_ROOT`` or the
             working folder).
@@ -337,13 +338,14 @@ def open_server_tracker(
         tags: extra tags (default none).
     """
     from fedplug.tracking import open_tracker
+    from fedplug.tracking.naming import command_line_run_name
 
     label = algorithm or experiment.train.aggregator.name
     seed = experiment.train.seed
     tracker = open_tracker(
         experiment,
         out_dir,
-        run_name=f"{experiment.data.dataset.name}-{label}-seed{seed}",
+        run_name=command_line_run_name(experiment, algorithm),
         tags={
             "fedplug.algorithm": label,
             "fedplug.seed": str(seed),

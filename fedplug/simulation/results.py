@@ -125,6 +125,27 @@ class RunResult:
         }
 
 
+WALL_CLOCK_KEYS = ("total_seconds", "setup_seconds")
+"""The measured (machine- and load-dependent) values of :meth:`RunResult.summary`; each
+round's are ``seconds``. Everything else in ``metrics.json`` is a function of the config."""
+
+
+def split_wall_clock(summary: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(reproducible, timings)`` of a :meth:`RunResult.summary`: the summary without its
+    measured times, and those times (``total_seconds``, ``setup_seconds`` and the rounds'
+    ``seconds`` as ``round_seconds``). Files a pipeline commits keep only the first, so a
+    re-run on another machine writes them byte for byte."""
+    reproducible = {key: value for key, value in summary.items() if key not in WALL_CLOCK_KEYS}
+    timings: dict[str, Any] = {key: summary[key] for key in WALL_CLOCK_KEYS if key in summary}
+    history = summary.get("history")
+    if isinstance(history, list):
+        reproducible["history"] = [
+            {key: value for key, value in record.items() if key != "seconds"} for record in history
+        ]
+        timings["round_seconds"] = [record.get("seconds") for record in history]
+    return reproducible, timings
+
+
 def first_round_reaching(history: Iterable[Mapping[str, Any]], target: float) -> Mapping[str, Any] | None:
     """The first round whose accuracy is at least ``target``, or None when none is.
 

@@ -6,6 +6,8 @@ plugin's tracker) through one observer.
 - :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend, URI resolution and the
   server check.
 - :mod:`fedplug.tracking.tensorboard_tracker`: the TensorBoard backend.
+- :mod:`fedplug.tracking.naming`: the experiment and run names of ``fedplug run``.
+- :mod:`fedplug.tracking.ui`: links that open MLflow's UI on the runs.
 
 Built-in backends are registered by the hook ``fedplug_register_trackers`` below, exactly
 as a third-party plugin registers its own.

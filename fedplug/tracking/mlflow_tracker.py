@@ -2,8 +2,12 @@
 
 Layout in MLflow:
 
-- one **experiment** per study (``study.name``);
-- one **run** per algorithm label and seed (run name ``<label>-seed<seed>``);
+- one **experiment** per study (``study.name``; ``fedplug run`` logs to its own
+  ``<study.name>-fedplug-run``, :mod:`fedplug.tracking.naming`), tagged
+  ``mlflow.experimentKind = custom_model_development`` (:func:`mark_training_experiment`):
+  model training, not a GenAI app;
+- one **run** per algorithm label and seed (the caller names it, e.g. ``fedavg-seed0@<group>``
+  in the pipeline, ``<algorithm>-seed<seed>-<dataset>-<config hash>`` for ``fedplug run``);
 - **params**: the resolved config flattened to dotted keys (:func:`fedplug.config.flatten`,
   e.g. ``train.aggregator.momentum``) plus the run's derived values under ``derived.``
   (FedAvgM's effective learning rate, model bytes, FLOPs per sample);
@@ -36,8 +40,11 @@ context providers resolve (``mlflow.source.name``, ``mlflow.source.git.commit``,
 Resuming: the tracker writes ``{run_id, fingerprint, tracking_uri}`` to a small state file
 in the run's output folder. A re-run with the same fingerprint (the same training config on
 the same federation) re-opens that MLflow run instead of starting a second one and logs only
-the rounds it does not hold yet (:attr:`MlflowTracker.logged_rounds`). The caller deletes
-the state file once the run is complete (:meth:`MlflowTracker.finish` does).
+the rounds it does not hold yet (:attr:`MlflowTracker.logged_rounds`).
+:meth:`MlflowTracker.finish` deletes the state file once the run is complete, or, opened with
+``keep_finished=True`` (``fedplug run``, whose folder keeps its finished run), marks it
+``"finished": true``: the same command run again then finds that finished MLflow run and
+logs nothing (:attr:`MlflowTracker.complete`), instead of a duplicate with the whole history.
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LENGTH = 6000
 REMOTE_SCHEMES = ("http://", "https://")
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag that records model training versus a GenAI app (``mlflow/server/js``:
+``ExperimentKind``; the UI's "Experiment type" selector of earlier MLflow 3 releases sets and
+reads it). MLflow 3.17's UI takes its mode from the "GenAI / Model training" switch and the
+link instead (:mod:`fedplug.tracking.ui`); the tag still says what the experiment holds."""
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
+"""Its value for model training ("Machine learning" in the UI's selector)."""
 
 
 # ----------------------------------------------------------------------------- URIs
@@ -280,6 +294,10 @@ class MlflowTracker:
         resumed: bool,
         logged_rounds: set[int],
         on_error: OnError = "continue",
+        *,
+        complete: bool = False,
+        keep_finished: bool = False,
+        experiment_id: str | None = None,
     ) -> None:
         self.client = client
         self.run_id = run_id
@@ -291,6 +309,12 @@ class MlflowTracker:
         """True when an earlier, interrupted MLflow run was re-opened."""
         self.logged_rounds = logged_rounds
         """Rounds (steps) whose metrics the MLflow run already holds."""
+        self.complete = complete
+        """True when the state file names this config's run as finished: the MLflow run
+        holds everything already, and every logging call is skipped."""
+        self.keep_finished = keep_finished
+        """:meth:`finish` keeps the state file, marked finished, instead of deleting it."""
+        self._experiment_id = experiment_id
 
     @classmethod
     def open(
@@ -305,9 +329,11 @@ class MlflowTracker:
         parent_run_id: str | None = None,
         resume: bool = True,
         on_error: OnError = "continue",
+        keep_finished: bool = False,
     ) -> MlflowTracker:
         """Start a run in ``experiment_name`` (created if missing), or re-open the run
-        recorded in ``state_path`` when its fingerprint and URI match.
+        recorded in ``state_path`` when its fingerprint and URI match (a finished one is
+        re-opened :attr:`complete`: nothing is logged to it again).
 
         Args:
             uri: tracking URI (from :func:`choose_tracking_uri`).
@@ -320,9 +346,13 @@ class MlflowTracker:
                 a state file with another fingerprint is replaced, and the interrupted run
                 it names is marked KILLED.
             parent_run_id: start a nested run under this run (default None: top level).
-            resume: False never re-opens the recorded run (it is marked KILLED).
+            resume: False never re-opens the recorded run (an unfinished one is marked
+                KILLED).
             on_error: ``tracking.on_error``, what a server that stops answering later
                 does to the run (:mod:`fedplug.tracking.outage`; default ``"continue"``).
+            keep_finished: :meth:`finish` marks the state file finished instead of
+                deleting it (default False), for an output folder that keeps its finished
+                run (``fedplug run``'s, whose checkpoint stays).
 
         Opening waits a bounded time for the server (:func:`bounded_http_requests`).
         """
@@ -343,6 +373,7 @@ class MlflowTracker:
                     parent_run_id,
                     resume,
                     on_error,
+                    keep_finished,
                 )
         except MlflowException as error:
             raise TrackingError(
@@ -362,6 +393,7 @@ class MlflowTracker:
         parent_run_id: str | None,
         resume: bool,
         on_error: OnError,
+        keep_finished: bool = False,
     ) -> MlflowTracker:
         """The body of :meth:`open`, whose MLflow errors it reports."""
         from mlflow.exceptions import MlflowException
@@ -369,15 +401,30 @@ class MlflowTracker:
         previous = _read_state(state_file)
         if previous and previous.get("tracking_uri") == uri:
             run_id: str | None = previous["run_id"]
+            recorded: Any = None
             try:
-                client.get_run(run_id)
+                recorded = client.get_run(run_id)
             except MlflowException:
                 run_id = None
-            if run_id is not None and resume and previous.get("fingerprint") == fingerprint:
+            else:
+                if recorded.info.lifecycle_stage == "deleted":
+                    run_id = None  # deleted in the UI: log the run again
+            finished = bool(previous.get("finished"))
+            same_run = run_id is not None and resume and previous.get("fingerprint") == fingerprint
+            if same_run and finished and recorded.info.status == "FINISHED":
+                # The same command again after it finished: the MLflow run holds it all.
+                mark_training_experiment(client, recorded.info.experiment_id)
+                steps = {int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")}
+                return cls(client, run_id, state_file, resumed=False, logged_rounds=steps,
+                           on_error=on_error, complete=True, keep_finished=keep_finished,
+                           experiment_id=recorded.info.experiment_id)
+            if same_run and not finished:
+                mark_training_experiment(client, recorded.info.experiment_id)
                 client.update_run(run_id, status="RUNNING")
                 steps = {int(metric.step) for metric in client.get_metric_history(run_id, "accuracy")}
-                return cls(client, run_id, state_file, resumed=True, logged_rounds=steps, on_error=on_error)
-            if run_id is not None:
+                return cls(client, run_id, state_file, resumed=True, logged_rounds=steps, on_error=on_error,
+                           keep_finished=keep_finished, experiment_id=recorded.info.experiment_id)
+            if run_id is not None and not finished:
                 # An interrupted run of another config: it will never be continued.
                 client.set_terminated(run_id, "KILLED")
         experiment = client.get_experiment_by_name(experiment_name)
@@ -392,18 +439,25 @@ class MlflowTracker:
             )
         else:
             experiment_id = experiment.experiment_id
+        mark_training_experiment(client, experiment_id)
         run = client.create_run(experiment_id, run_name=run_name, tags=start_run_tags(tags, parent_run_id))
         run_id = run.info.run_id
         if state_file is not None:
             _write_state(
                 state_file, {"run_id": run_id, "fingerprint": fingerprint, "tracking_uri": uri}
             )
-        return cls(client, run_id, state_file, resumed=False, logged_rounds=set(), on_error=on_error)
+        return cls(client, run_id, state_file, resumed=False, logged_rounds=set(), on_error=on_error,
+                   keep_finished=keep_finished, experiment_id=experiment_id)
 
     @property
     def uri(self) -> str:
         """The tracking URI this run lives at."""
         return str(self.client.tracking_uri)
+
+    @property
+    def experiment_id(self) -> str | None:
+        """The id of the run's experiment (None: not known when the run was opened)."""
+        return self._experiment_id
 
     # ---------------------------------------------------------------- logging
 
@@ -480,6 +534,8 @@ class MlflowTracker:
         Returns:
             The model URI ``runs:/<run id>/<name>``.
         """
+        if self.complete:
+            return f"runs:/{self.run_id}/{name}"  # logged when the run finished
         import numpy as np
         import torch
         from mlflow.models import infer_signature
@@ -566,18 +622,27 @@ class MlflowTracker:
         self._call("set tags", self.client.log_batch, self.run_id, tags=items)
 
     def finish(self) -> None:
-        """Mark the run FINISHED and forget the resume state; while calls are still unsent
-        (the server is down), keep the state, so that running the same command again
-        re-opens this run and sends what it lacks."""
+        """Mark the run FINISHED and forget the resume state (with :attr:`keep_finished`:
+        mark it finished); while calls are still unsent (the server is down), keep the
+        state, so that running the same command again re-opens this run and sends what it
+        lacks. A :attr:`complete` run is left as it is."""
+        if self.complete:
+            return
         self._call("finish the run", self.client.set_terminated, self.run_id, "FINISHED")
         if self.outbox.close() and self.state_path is not None:
-            self.state_path.unlink(missing_ok=True)
+            state = _read_state(self.state_path)
+            if self.keep_finished and state is not None and state["run_id"] == self.run_id:
+                _write_state(self.state_path, {**state, "finished": True})
+            else:
+                self.state_path.unlink(missing_ok=True)
 
     def fail(self) -> None:
         """Mark the run FAILED but keep the resume state, so a re-run continues it.
         Never raises: it is called while another error is on its way up."""
         from mlflow.exceptions import MlflowException
 
+        if self.complete:
+            return  # the finished run stays FINISHED
         try:
             if self.outbox.pending and not self.outbox.flush(now=True):
                 return  # the server is down: the resumed run sends what it lacks
@@ -587,13 +652,25 @@ class MlflowTracker:
             logger.warning("could not mark MLflow run %s as FAILED: %s", self.run_id, error)
 
     def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``method(*args, **kwargs)`` through :attr:`outbox` (None when kept for later).
+        """``method(*args, **kwargs)`` through :attr:`outbox` (None when kept for later,
+        or skipped: a :attr:`complete` run is logged no more).
 
         Raises:
             TrackingError: MLflow refused the call, or did not answer and
                 ``tracking.on_error`` is ``"stop"``.
         """
+        if self.complete:
+            return None
         return self.outbox.send(what, method, *args, **kwargs)
+
+
+def mark_training_experiment(client: Any, experiment_id: str) -> None:
+    """Tag experiment ``experiment_id`` ``mlflow.experimentKind = custom_model_development``
+    (model training: runs, metrics, charts; not a GenAI app's traces) unless it already has a
+    kind (one chosen in the UI stays)."""
+    experiment = client.get_experiment(experiment_id)
+    if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
 
 
 def local_artifact_location(uri: str) -> str | None:

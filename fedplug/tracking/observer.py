@@ -84,6 +84,9 @@ class TrackerContext:
     """Folder of the default local MLflow store ``mlflow.db``."""
     uri: str | None
     """An MLflow tracking URI chosen by the caller (None: decide from ``tracking``)."""
+    keep_finished: bool = False
+    """The output folder keeps its finished run: remember it there, so that the same run
+    started again logs nothing (``fedplug run``; see :func:`open_tracker`)."""
 
 
 BackendFactory = Callable[[TrackerContext], TrackerBackend]
@@ -122,9 +125,20 @@ class Tracker:
         return self.mlflow.uri if self.mlflow is not None else None
 
     @property
+    def experiment_id(self) -> str | None:
+        """The MLflow experiment's id (None when MLflow is not a backend)."""
+        return self.mlflow.experiment_id if self.mlflow is not None else None
+
+    @property
     def resumed(self) -> bool:
         """True when a backend continued an interrupted run."""
         return any(getattr(backend, "resumed", False) for backend in self.backends.values())
+
+    @property
+    def complete(self) -> bool:
+        """True when the MLflow run already holds this finished run (opened with
+        ``keep_finished``): nothing new is logged to it."""
+        return bool(self.mlflow is not None and getattr(self.mlflow, "complete", False))
 
     @property
     def logged_rounds(self) -> set[int]:
@@ -229,6 +243,7 @@ def open_tracker(
     backends: Sequence[str] | None = None,
     enabled: bool | None = None,
     registry: Any = None,
+    keep_finished: bool = False,
 ) -> Tracker:
     """Open the run's tracker, log its params and tags, and return it.
 
@@ -254,6 +269,11 @@ def open_tracker(
         enabled: track at all (default ``config.tracking.enabled``); False returns a
             tracker without backends that logs nothing.
         registry: the plugin registry whose trackers to use (default: the environment's).
+        keep_finished: ``out_dir`` keeps the finished run (its checkpoint stays, as
+            ``fedplug run``'s does): once finished, ``mlflow_run.json`` stays there marked
+            finished, and opening the same run (same fingerprint) again logs nothing to
+            MLflow (:attr:`Tracker.complete`) instead of a duplicate run (default False:
+            the file is deleted, and a re-run is a new MLflow run).
 
     Raises:
         TrackingError: an unknown backend, an unreachable server, a missing package.
@@ -280,6 +300,7 @@ def open_tracker(
         parent=parent,
         project_root=root,
         uri=uri,
+        keep_finished=keep_finished,
     )
     names = list(dict.fromkeys(backends if backends is not None else tracking.backends))
     factories = {name: registry.tracker(name) for name in names}  # unknown names fail first
@@ -369,6 +390,7 @@ def open_mlflow(context: TrackerContext) -> TrackerBackend:
         parent_run_id=context.parent,
         resume=context.resume,
         on_error=getattr(context.config.tracking, "on_error", "continue"),
+        keep_finished=context.keep_finished,
     )
     if fallback_from:
         tracker.set_tags({"fedplug.tracking_fallback_from": fallback_from})

@@ -1,0 +1,45 @@
+"""Where ``fedplug run`` logs in MLflow, and under which run name.
+
+- Experiment: ``<study.name>-fedplug-run`` (:func:`command_line_experiment`). The study's
+  own experiment (``study.name``) holds the pipeline's runs, each nested under the parent
+  run of its ``dvc repro`` or ``dvc exp run``; a quick start on another dataset or a
+  one-off variant typed on the command line must not land among them.
+- Run name: ``<algorithm>-seed<seed>-<dataset>-<config hash>``
+  (:func:`command_line_run_name`), e.g. ``fedprox+fedavgm-seed0-synthetic-8ecc5e74``:
+  the algorithm is ``--algorithm``'s entry, else the algorithm slots not at their default;
+  the hash (the first 8 characters of the one the default output folder
+  ``runs/<dataset>-<algorithm>-<hash>`` carries, of the resolved ``data`` and ``train``
+  sections) tells apart two configs that differ elsewhere (a learning rate, the rounds).
+  What differs most often comes first, where the UI's narrow name column still shows it,
+  as in the pipeline's ``<algorithm>-seed<seed>@<group>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMMAND_LINE_SUFFIX = "-fedplug-run"
+"""Appended to ``study.name`` for the experiment of ``fedplug run``'s runs."""
+HASH_LENGTH = 8
+"""Characters of the config hash in a run name (the default output folder's name starts
+with the same ones)."""
+
+
+def command_line_experiment(config: Any) -> str:
+    """The MLflow experiment of a ``fedplug run``: ``<study.name>-fedplug-run``."""
+    return f"{config.study.name}{COMMAND_LINE_SUFFIX}"
+
+
+def command_line_run_name(config: Any, algorithm: str | None = None) -> str:
+    """``<algorithm>-seed<seed>-<dataset>-<config hash>`` for a ``fedplug run``.
+
+    Args:
+        config: the resolved experiment config.
+        algorithm: the ``--algorithm`` entry applied (default None: the label is made of
+            the algorithm slots, :func:`fedplug.experiment.algorithm_label`).
+    """
+    from fedplug.experiment import algorithm_label, output_fingerprint
+
+    digest = output_fingerprint(config)[:HASH_LENGTH]
+    label = algorithm_label(config, algorithm)
+    return f"{label}-seed{config.train.seed}-{config.data.dataset.name}-{digest}"
