@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -247,8 +248,11 @@ def test_mlflow_runs_give_the_same_table(tmp_path: Path) -> None:
 
 def test_make_compare_runs_fedplug_compare_with_args() -> None:
     # -n: print the recipe only (the install prerequisite must not reinstall in a test).
+    # Not a sub-make of `make test` (which would print "Entering/Leaving directory").
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     dry_run = subprocess.run(
-        ["make", "-n", "compare", "ARGS=--by best"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "compare", "ARGS=--by best"],
+        cwd=ROOT, capture_output=True, text=True, check=True, env=env,
     )
     assert dry_run.stdout.strip().splitlines()[-1] == ".venv/bin/fedplug compare --by best"
 
