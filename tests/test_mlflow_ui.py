@@ -154,11 +154,20 @@ def logged_runs(project: Path) -> tuple[Any, list[Any]]:
 
 
 def click(driver: WebDriver, xpath: str) -> Any:
-    """Click the element at ``xpath`` once it can be clicked."""
+    """Click the element at ``xpath`` once it can be clicked. React may re-render it
+    between finding and clicking (a stale element): then find it again and retry."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     clickable = expected_conditions.element_to_be_clickable((By.XPATH, xpath))
-    element = WebDriverWait(driver, WAIT_SECONDS).until(clickable)
-    element.click()
-    return element
+
+    def found_and_clicked(browser: WebDriver) -> Any:
+        element = clickable(browser)
+        if element:
+            element.click()
+        return element
+
+    waiting = WebDriverWait(driver, WAIT_SECONDS, ignored_exceptions=[StaleElementReferenceException])
+    return waiting.until(found_and_clicked)
 
 
 def wait_for(driver: WebDriver, xpath: str) -> Any:
