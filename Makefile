@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: install test repro ui bench clean compare run
+.PHONY: install test repro ui bench bench-gpu clean compare run
 
 install: $(STAMP) $(PLOTS_TEMPLATE)
 
@@ -30,8 +30,12 @@ $(STAMP): pyproject.toml constraints.txt
 $(PLOTS_TEMPLATE): $(STAMP)
 	$(BIN)/python -m fedplug.dvc_plots $@
 
+# Two pytest-xdist workers (TEST_WORKERS=0: one process), each taking whole files (their
+# module fixtures and in-file order stay as in a serial run), the longest files first
+# (tests/conftest.py, SLOW_FILES_FIRST).
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The DVC pipeline (dvc.yaml) on params.yaml; its stages call `python`, so the venv's bin
 # goes first on PATH. Runs are logged to MLflow (sqlite:///mlflow.db unless
@@ -65,6 +69,12 @@ compare: install
 # Every benchmark (about an hour on two cores); rewrites docs/performance.md.
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# On a machine with CUDA: the CUDA smoke test (one vectorised round against the CPU), then
+# the engine benchmark on the GPU into benchmarks/results/engines_cuda.*, and the page.
+bench-gpu: install
+	$(BIN)/python -m pytest tests/test_cuda.py -q -rs
+	$(BIN)/python benchmarks/run_all.py --only engines_cuda
 
 clean:
 	rm -rf runs .pytest_cache

@@ -6,9 +6,13 @@ MNIST-sized federation: K clients of ``--samples-per-client`` random 1x28x28 inp
 (McMahan et al.'s 2NN) and ``cnn_mnist`` models at batch sizes 10 and 50. Random inputs
 cost exactly what real ones do; only the accuracy would differ, and it is not measured.
 
-Each case runs one untimed warm-up round on a few clients, then times ``--repeats``
-rounds of each engine of ``--engines`` (consuming the yielded updates as the simulator
-does) and reports the best. Printed: device, torch threads, the 1-minute load average at
+Each case runs one untimed warm-up round of each engine of ``--engines`` on a few
+clients, then times ``--repeats`` rounds of each, interleaved (the engine order rotating
+every repeat), consuming the yielded updates as the simulator does; it reports each
+engine's best round and, against the first engine, the ratio of the bests and the median
+ratio of adjacent rounds. For the ``mlp`` on a CPU it also times the model's matrix
+products alone (``matmul_seconds_per_step``): the most any engine that computes them
+client by client could gain. Printed: device, torch threads, the 1-minute load average at
 the start and the end, and per case the samples/s of each engine with its ratio to the
 first engine's; for the vectorised engine also its block size and memory per client (on
 CUDA ``torch.cuda.max_memory_allocated() / K`` during the round and the increment over the
@@ -18,7 +22,7 @@ RSS cannot be attributed to one engine); for the parallel engine (CPU only) its 
 count and the median wall time per timed round of forking its workers and of stopping
 them.
 
-Run: ``.venv/bin/python benchmarks/bench_engines.py [--device cuda] [--threads 1]``
+Run: ``.venv/bin/python benchmarks/bench_engines.py [--device cuda] [--threads 1] [--json out.json]``
 (sequential vs vectorised); the parallel engine against the sequential one on the CPU:
 ``.venv/bin/python benchmarks/bench_engines.py --threads 1 --engines sequential parallel --workers 2``
 """
@@ -26,13 +30,20 @@ Run: ``.venv/bin/python benchmarks/bench_engines.py [--device cuda] [--threads 1
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib
 
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import OptimizerConfig
@@ -126,25 +137,19 @@ def run_round(engine: Any, start: torch.Tensor, clients: list[int], context: Rou
         total.add_(outcome.vector.double(), alpha=outcome.weight)
 
 
-def time_engine(
-    engine: Any, start: torch.Tensor, context: RoundContext, repeats: int, device: torch.device
-) -> tuple[float, float, float]:
-    """Best seconds per round, peak CUDA bytes, and CUDA bytes held before the round."""
-    clients = list(range(context.federation.num_clients))
-    run_round(engine, start, clients[:WARMUP_CLIENTS], context)
+def time_round(engine: Any, start: torch.Tensor, context: RoundContext, device: torch.device) -> tuple[float, float, float]:
+    """Seconds of one round of every client, peak CUDA bytes, and CUDA bytes held before it."""
+    peak = baseline = 0.0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = float(torch.cuda.memory_allocated(device))
+    started = time.perf_counter()
+    run_round(engine, start, list(range(context.federation.num_clients)), context)
     synchronize(device)
-    best, peak, baseline = float("inf"), 0.0, 0.0
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            baseline = float(torch.cuda.memory_allocated(device))
-        started = time.perf_counter()
-        run_round(engine, start, clients, context)
-        synchronize(device)
-        best = min(best, time.perf_counter() - started)
-        if device.type == "cuda":
-            peak = max(peak, float(torch.cuda.max_memory_allocated(device)))
-    return best, peak, baseline
+    seconds = time.perf_counter() - started
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device))
+    return seconds, peak, baseline
 
 
 def make_engine(name: str, model: torch.nn.Module, workers: int | None) -> Any:
@@ -190,20 +195,88 @@ def bench_case(
     federation: Federation,
     args: argparse.Namespace,
     device: torch.device,
-) -> None:
+) -> dict[str, Any]:
+    """Time every engine of ``args.engines`` on one model and batch size, repeats
+    interleaved (engine order rotating), after one warm-up round each on a few clients."""
     model = build_model(model_name, device)
     context = build_context(federation, batch_size, args.lr)
     start = model_to_vector(model)
     samples = sum(client.num_samples for client in federation.clients)
-    entries, rates = [], []
-    for name in args.engines:
-        engine = make_engine(name, model, args.workers)
-        best, peak, baseline = time_engine(engine, start, context, args.repeats, device)
-        rates.append(samples / best)
-        notes = engine_notes(engine, model, batch_size, federation.num_clients, peak, baseline, device)
-        ratio = f", ratio {rates[-1] / rates[0]:5.2f}" if len(rates) > 1 else ""
-        entries.append(f"{name} {rates[-1]:10.0f} samples/s{ratio}{notes}")
+    engines = {name: make_engine(name, model, args.workers) for name in args.engines}
+    for engine in engines.values():
+        run_round(engine, start, list(range(WARMUP_CLIENTS)), context)
+        synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    peaks: dict[str, tuple[float, float]] = {}
+    names = list(engines)
+    for repeat in range(args.repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            seconds, peak, baseline = time_round(engines[name], start, context, device)
+            times[name].append(seconds)
+            peaks[name] = max(peaks.get(name, (0.0, 0.0)), (peak, baseline))
+    first = names[0]
+    entries, record = [], {"model": model_name, "batch_size": batch_size, "engines": {}}
+    first_rate = samples / min(times[first])
+    for name, engine in engines.items():
+        rate = samples / min(times[name])
+        paired = statistics.median(a / b for a, b in zip(times[first], times[name]))
+        notes = engine_notes(engine, model, batch_size, federation.num_clients, *peaks[name], device)
+        ratio = f", ratio {rate / first_rate:5.2f} (paired {paired:5.2f})" if name != first else ""
+        entries.append(f"{name} {rate:10.0f} samples/s{ratio}{notes}")
+        record["engines"][name] = {
+            "samples_per_second": round(rate, 1),
+            "seconds": [round(t, 4) for t in times[name]],
+            "ratio_best": round(rate / first_rate, 3),
+            "ratio_paired_median": round(paired, 3),
+            "notes": notes.strip(" ()"),
+        }
+        if isinstance(engine, VectorizedEngine):
+            record["engines"][name]["analytic_path"] = engine.analytic_groups > 0
+        engine.close()
     print(f"{model_name:9s} B={batch_size:3d}: " + "; ".join(entries), flush=True)
+    bound = matmul_seconds_per_step(model, batch_size) if device.type == "cpu" else None
+    if bound is not None and first == "sequential":
+        per_step = batch_size / first_rate
+        record["matmul_bound"] = round(per_step / bound, 3)
+        print(
+            f"{'':9s}        bound: the matmuls alone {bound * 1e3:.3f} ms per client step, the sequential "
+            f"engine {per_step * 1e3:.3f} ms (full batches): the same matmuls, however batched, "
+            f"can be at most {per_step / bound:.2f}x faster on this CPU",
+            flush=True,
+        )
+    return record
+
+
+def matmul_seconds_per_step(model: torch.nn.Module, batch_size: int, repeats: int = 300) -> float | None:
+    """Seconds of the matrix products alone in one client's SGD step of a model made of
+    ``nn.Linear`` layers (forward, input gradients, weight gradients), in a bare loop;
+    None for other models. Any engine computes these products per client (each client
+    has its own weights), so sequential time / this time bounds what batching clients
+    can gain on this CPU."""
+    layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    counted = sum(p.numel() for layer in layers for p in layer.parameters())
+    if not layers or counted != sum(p.numel() for p in model.parameters()):
+        return None
+    inputs = [torch.rand(batch_size, layer.in_features) for layer in layers]
+    grads = [torch.rand(batch_size, layer.out_features) for layer in layers]
+    weights = [layer.weight.detach().cpu() for layer in layers]
+
+    def step() -> None:
+        for n, weight in enumerate(weights):
+            torch.nn.functional.linear(inputs[n], weight)
+            torch.mm(grads[n].t(), inputs[n])
+            if n:
+                torch.mm(grads[n], weight)
+
+    for _ in range(repeats // 10):
+        step()
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        best = min(best, (time.perf_counter() - started) / repeats)
+    return best
 
 
 def load_average() -> str:
@@ -232,6 +305,7 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=None, help="parallel engine's workers (default: one per usable CPU)"
     )
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -245,10 +319,24 @@ def main() -> None:
         flush=True,
     )
     federation = random_federation(args.clients, args.samples_per_client, device, seed=0)
-    for model_name in args.models:
-        for batch_size in args.batch_sizes:
-            bench_case(model_name, batch_size, federation, args, device)
+    cases = [
+        bench_case(model_name, batch_size, federation, args, device)
+        for model_name in args.models
+        for batch_size in args.batch_sizes
+    ]
     print(f"load average (1 min) at the end {load_average()}")
+    if args.json:
+        result = {
+            "device": str(device),
+            "device_name": name,
+            "torch_threads": torch.get_num_threads(),
+            "num_clients": args.clients,
+            "samples_per_client": args.samples_per_client,
+            "repeats": args.repeats,
+            "machine": benchlib.machine_description(),
+            "cases": cases,
+        }
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

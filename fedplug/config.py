@@ -177,10 +177,12 @@ class TrainConfigBase(StrictModel):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of model initialisation, client sampling and local shuffling (at most 2**32 - 1)."""
     engine: Literal["auto", "sequential", "vectorized", "parallel"] = "auto"
-    """``sequential`` (one client after another), ``vectorized`` (clients in lockstep with
-    torch.func.vmap), ``parallel`` (the clients of a round spread over ``workers`` forked
-    CPU processes, one torch thread each; same results as ``sequential``, bit for bit), or
-    ``auto`` (vectorized on CUDA when the setup allows, else sequential)."""
+    """``sequential`` (one client after another), ``vectorized`` (clients in lockstep: with
+    torch.func.vmap, or as batched matrix products for Linear/ReLU models under plain
+    cross-entropy, faster than ``sequential`` on a CPU too), ``parallel`` (the clients of a
+    round spread over ``workers`` forked CPU processes, one torch thread each; same results
+    as ``sequential``, bit for bit), or ``auto`` (vectorized on CUDA when the setup allows,
+    else sequential: on a CPU, vmap loses to the loop, docs/performance.md)."""
     workers: int | None = Field(None, ge=1, le=1024)
     """Worker processes of engine ``parallel`` (None = one per CPU this process may run
     on, ``len(os.sched_getaffinity(0))``); a round with fewer chains starts fewer."""

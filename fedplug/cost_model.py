@@ -135,9 +135,10 @@ def chain_training_seconds(
     ``samples x local_epochs x train_flops_per_sample / device_flops``, times its speed
     factor (default 1)."""
     members = list(chain)
-    samples = np.asarray(samples_per_client, dtype=np.float64)[members]
+    # Index, then convert: the chain's members only, not all K clients.
+    samples = np.asarray(samples_per_client)[members].astype(np.float64)
     if speed_factors is not None:
-        samples = samples * np.asarray(speed_factors, dtype=np.float64)[members]
+        samples = samples * np.asarray(speed_factors)[members].astype(np.float64)
     return float(samples.sum()) * local_epochs * train_flops_per_sample / link.device_flops
 
 

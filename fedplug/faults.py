@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -320,8 +321,9 @@ class Faults:
             deadline, source = train_config.failures.client_timeout_seconds, "train.failures.client_timeout_seconds"
         return cls(config, train_config.seed, num_clients, factors, available, deadline, source)
 
-    @property
+    @functools.cached_property
     def has_stragglers(self) -> bool:
+        # Asked several times a round; the factors are fixed for the run (a K-long scan).
         return bool((self.speed_factors > 1).any())
 
     def candidates(self, clients: np.ndarray, round_index: int) -> np.ndarray:

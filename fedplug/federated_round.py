@@ -87,17 +87,19 @@ class Evaluation:
 def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> np.ndarray:
     """The sorted ids of this round's clients (at least one)."""
     count = max(1, int(round(fraction * num_clients)))
-    return sample_among(np.arange(num_clients), count, seed, round_index)
+    return sample_among(num_clients, count, seed, round_index)
 
 
-def sample_among(candidates: np.ndarray, count: int, seed: int, round_index: int) -> np.ndarray:
-    """``count`` of the sorted ``candidates`` (client ids), drawn with the round's sampling
-    stream, in ascending order."""
+def sample_among(candidates: np.ndarray | int, count: int, seed: int, round_index: int) -> np.ndarray:
+    """``count`` of the sorted ``candidates`` (client ids; an int K stands for all of
+    0 .. K-1, without building that array), drawn with the round's sampling stream, in
+    ascending order. numpy draws a few from many without replacement in O(count)."""
     if count == 0:
         return np.zeros(0, dtype=np.int64)
     rng = np.random.default_rng([seed, round_index, SAMPLING_STREAM])
-    picked = np.sort(rng.choice(len(candidates), size=count, replace=False))
-    return np.asarray(candidates, dtype=np.int64)[picked]
+    every = isinstance(candidates, (int, np.integer))
+    picked = np.sort(rng.choice(int(candidates) if every else len(candidates), size=count, replace=False))
+    return picked.astype(np.int64, copy=False) if every else np.asarray(candidates, dtype=np.int64)[picked]
 
 
 def group(train_config: Any, grouper: Grouper, clients: np.ndarray, round_index: int) -> RoundPlan:
@@ -151,9 +153,12 @@ def sampled_round(
 ) -> tuple[np.ndarray, RoundDropout]:
     """The sorted clients that take part in round ``round_index`` (before grouping), and
     who dropped out; see :func:`planned_round`."""
-    pool = np.arange(num_clients, dtype=np.int64) if candidates is None else np.asarray(candidates, dtype=np.int64)
     if count is None:
         count = max(1, int(round(train_config.client_fraction * num_clients)))
+    if candidates is None and faults.available is None:  # all K clients, without an array of K ids
+        sampled = sample_among(num_clients, min(count, num_clients), train_config.seed, round_index)
+        return faults.drop_out(sampled, (), round_index)
+    pool = np.arange(num_clients, dtype=np.int64) if candidates is None else np.asarray(candidates, dtype=np.int64)
     available = faults.candidates(pool, round_index)
     sampled = sample_among(available, min(count, len(available)), train_config.seed, round_index)
     unavailable = np.setdiff1d(pool, available) if len(available) < len(pool) else ()

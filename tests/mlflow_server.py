@@ -32,6 +32,9 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "NO_PROXY": "127.0.0.1,localhost",
     "no_proxy": "127.0.0.1,localhost",
+    # No job runner (GenAI scoring jobs, unused here), as `make ui`: the server answers
+    # in about half the time.
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
 }
 START_SECONDS = 180
 REPOSITORY = Path(__file__).resolve().parent.parent

@@ -878,7 +878,7 @@ CASES: tuple[BadInput, ...] = (
     BadInput(
         "synthetic-larger-than-memory",
         "a synthetic dataset larger than the machine's memory",
-        "num_train + num_test = 10000040 samples x num_features = 100000: needs about 24 TB of memory",
+        "num_train + num_test = 10000040 samples x num_features = 100000: needs about 4 TB of memory",
         edits=(("data.dataset", {"num_train": 10_000_000, "num_features": 100_000}),),
         setup=_sixteen_gigabytes,
         setup_doc="16 GB available",

@@ -274,6 +274,13 @@ def test_small_blocks_give_the_same_updates(registry, federation):
     assert vectorized.engine.engine.block_size == 4
 
 
+def test_a_cpu_block_holds_a_few_clients_by_default(registry, federation):
+    from fedplug.simulation.vectorized import DEFAULT_CPU_CLIENTS_PER_BLOCK
+
+    _, recorder = simulate(registry, federation, "vectorized", rounds=1)
+    assert recorder.engine.block_size == DEFAULT_CPU_CLIENTS_PER_BLOCK == 8
+
+
 def test_block_size_follows_the_memory_budget(registry, federation):
     # A budget far below one client's footprint still trains, one client per block.
     _, _, vectorized, log = compare_engines(
@@ -380,3 +387,76 @@ def test_stack_contexts_pads_the_first_dimension_and_stacks_nested_dicts():
 def test_stack_contexts_explains_what_it_cannot_stack(contexts, message):
     with pytest.raises(TypeError, match=message):
         stack_contexts(contexts)
+
+
+# ------------------------------------------------------------------ the analytic path
+
+
+def test_plain_sgd_steps_in_place_on_the_analytic_path(registry, federation):
+    plain_sgd = {"name": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0}
+    _, _, _, vectorized_log = compare_engines(registry, federation, optimizer=plain_sgd)
+    assert vectorized_log.engine.analytic_groups > 0
+
+
+@pytest.mark.parametrize(
+    ("train", "analytic"),
+    [
+        ({}, True),
+        ({"model": {"name": "logreg"}}, True),
+        ({"loss_transform": {"name": "fedprox", "mu": 0.5}}, False),  # a penalty
+        ({"aggregator": "scaffold", "optimizer": {"name": "sgd", "lr": 0.05}}, False),  # client penalty
+        ({"loss_transform": "fedshift"}, False),  # its own per-sample loss
+        ({"loss_transform": "sample_weighted"}, False),
+    ],
+    ids=["mlp", "logreg", "fedprox", "scaffold", "fedshift", "sample-weighted"],
+)
+def test_only_linear_relu_models_under_plain_cross_entropy_take_the_analytic_path(
+    registry, federation, train, analytic
+):
+    _, recorder = simulate(registry, federation, "vectorized", **{**train, "rounds": 1})
+    assert (recorder.engine.analytic_groups > 0) is analytic
+
+
+def test_linear_stack_recognises_only_flatten_linear_relu_sequences():
+    from fedplug.simulation.linear_stack import linear_stack
+
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    assert linear_stack(mlp) == [("1.weight", "1.bias"), ("3.weight", "3.bias")]
+    assert linear_stack(nn.Sequential(nn.Linear(4, 2, bias=False))) == [("0.weight", None)]
+    for other in (
+        nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)),  # not ReLU
+        nn.Sequential(nn.Linear(4, 3), nn.ReLU()),  # ends in an activation
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Linear(3, 2)),
+        nn.Linear(4, 2),  # not a Sequential
+    ):
+        assert linear_stack(other) is None
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_analytic_step_is_autograds_gradient_of_the_mean_over_real_samples(in_place):
+    from fedplug.simulation.linear_stack import LinearStackStep, linear_stack
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4, bias=False))
+    clients, width, lr = 3, 4, 0.1
+    inputs = torch.randn(clients, width, 2, 3)
+    targets = torch.randint(0, 4, (clients, width))
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])  # short batches
+    start = {name: p.detach() for name, p in model.named_parameters()}
+    params = {name: (value + 0.1 * torch.randn(clients, *value.shape)) for name, value in start.items()}
+    before = {name: value.clone() for name, value in params.items()}
+    step = LinearStackStep(linear_stack(model))
+    gradients, losses = step(params, inputs, targets, mask, lr if in_place else None)
+    for n in range(clients):
+        real = mask[n].bool()
+        client = {name: value[n].clone().requires_grad_() for name, value in before.items()}
+        logits = torch.func.functional_call(model, client, (inputs[n][real],))
+        loss = torch.nn.functional.cross_entropy(logits, targets[n][real])
+        expected = dict(zip(client, torch.autograd.grad(loss, list(client.values()))))
+        assert losses[n].item() == pytest.approx(loss.item(), abs=1e-6)
+        for name, gradient in expected.items():
+            if in_place:
+                torch.testing.assert_close(params[name][n], before[name][n] - lr * gradient, rtol=0.0, atol=1e-6)
+            else:
+                torch.testing.assert_close(gradients[name][n], gradient, rtol=0.0, atol=1e-6)
+    assert (gradients is None) is in_place

@@ -3,9 +3,11 @@
 Both engines run inside a real :class:`Simulator` on the same federation of clients of
 unequal sizes; a recording wrapper keeps every outcome each engine yields, in order, so
 the tests compare each chain's update (plan order included), the final global model,
-the round records and the client states. Then failures: a client that raises, a worker
-process that dies, every worker dying; the config checks; and resuming from a
-checkpoint.
+the round records and the client states. The round's workers then compute the
+evaluation's batches (with one torch thread, as here), which must give the numbers the
+main process would. Then failures: a client that raises, a worker process that dies,
+every worker dying, a worker dying while it evaluates; the config checks; and resuming
+from a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import os
 import pickle
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
 import torch
+from test_engines import DATA, TRAIN  # 6 clients of unequal sizes, 2 rounds, SGD with momentum
+from test_simulator import Faulty, FaultyConfig  # raises or returns NaN for chosen clients
 from torch import Tensor
 
+from fedplug.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import validate_section
 from fedplug.data.build import build_federation
@@ -30,12 +35,11 @@ from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.simulation import parallel
+from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.parallel import ParallelEngine, default_workers
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.simulator import Simulator
-from fedplug.simulation.vectors import model_to_vector
-from test_engines import DATA, TRAIN  # 6 clients of unequal sizes, 2 rounds, SGD with momentum
-from test_simulator import Faulty, FaultyConfig  # raises or returns NaN for chosen clients
+from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +52,28 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     },
     "iwds+fedshift": {"sampler": "iwds", "loss_transform": "fedshift"},
     "adam": {"optimizer": {"name": "adam", "lr": 0.01}},
+    "server state read by clients": {"aggregator": "counting"},  # Counting, below
 }
+
+
+class CountingConfig(FedAvgConfig):
+    name: Literal["counting"] = "counting"  # type: ignore[assignment]
+
+
+class Counting(FedAvg):
+    """FedAvg whose client side reads server state directly, not through the payload: a
+    proximal term scaled by the rounds aggregated so far (0 in round 1)."""
+
+    def __init__(self, config: CountingConfig, num_clients: int) -> None:
+        super().__init__(config, num_clients)
+        self.aggregations = 0
+
+    def client_penalty(self, params: dict[str, Tensor], anchor: dict[str, Tensor], context: Any) -> Tensor | None:
+        return 0.5 * self.aggregations * sum(((params[name] - anchor[name]) ** 2).sum() for name in params)
+
+    def aggregate(self, global_vector: Tensor, updates: Any) -> Tensor:
+        self.aggregations += 1
+        return super().aggregate(global_vector, updates)
 
 
 class Recorder:
@@ -75,10 +100,20 @@ class Recorder:
 # ------------------------------------------------------------------ fixtures and helpers
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The workers train with one torch thread; with one here too, they also evaluate."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def registry() -> Registry:
     registry = collect_registry(new_plugin_manager(autoload=False))
     registry.register("loss_transforms", "test", "faulty", FaultyConfig, Faulty)
+    registry.register("aggregators", "test", "counting", CountingConfig, Counting)
     return registry
 
 
@@ -221,12 +256,64 @@ def test_one_worker_and_more_workers_than_chains(registry, federation, monkeypat
     monkeypatch.setattr(ParallelEngine, "_fork", counting)
     sequential = simulate(registry, federation, "sequential", client_fraction=0.5)
     one = simulate(registry, federation, "parallel", 1, client_fraction=0.5)
-    assert forks == [0, 0]  # one worker per round
+    assert forks == [0]  # one worker, forked for round 1 and reused in round 2
     forks.clear()
     many = simulate(registry, federation, "parallel", 8, client_fraction=0.5)
-    assert forks == [0, 1, 2] * TRAIN["rounds"]  # 3 chains per round: 3 workers, not 8
+    assert forks == [0, 1, 2]  # 3 chains per round: 3 workers, not 8
     assert_same_run(sequential, one)
     assert_same_run(sequential, many)
+
+
+class Unpicklable:
+    """A component attribute that cannot be sent to a worker (as a lock or a lambda)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle this")
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedgsp"])
+def test_workers_are_reused_and_forked_again_when_the_state_cannot_be_sent(
+    registry, federation, sequential_run, monkeypatch, algorithm
+):
+    pids: list[list[int]] = []
+    original = ParallelEngine._collect
+
+    def recording(self, workers, *args):
+        pids.append([worker.process.pid for worker in workers])
+        return original(self, workers, *args)
+
+    monkeypatch.setattr(ParallelEngine, "_collect", recording)
+    reused = simulate(registry, federation, "parallel", 2, **ALGORITHMS[algorithm], rounds=3)
+    assert pids[0] == pids[1] == pids[2]  # the same two processes trained every round
+    assert_same_run(simulate(registry, federation, "sequential", **ALGORITHMS[algorithm], rounds=3), reused)
+    pids.clear()
+    sequential = sequential_run(algorithm)
+    config = validate_section("train", {**TRAIN, **ALGORITHMS[algorithm], "engine": "parallel", "workers": 2}, registry)
+    simulator = Simulator(config, federation, registry)
+    simulator.algorithm.aggregator.unsendable = Unpicklable()
+    recorder = Recorder(simulator.engine)
+    simulator.engine = recorder
+    simulator.result = simulator.run(resume=False)
+    assert not set(pids[0]) & set(pids[1])  # round 2 forked new workers
+    assert_same_run(sequential, (simulator, recorder))
+
+
+def test_a_worker_killed_while_it_stands_by_is_replaced(registry, federation, sequential_run):
+    sequential = sequential_run("fedavg")
+    config = validate_section("train", {**TRAIN, "engine": "parallel", "workers": 2}, registry)
+
+    def kill_one_worker(record: Any) -> None:
+        if record.round == 1:
+            victim = live_workers()[0]
+            victim.kill()
+            victim.join()
+
+    simulator = Simulator(config, federation, registry, observers=[kill_one_worker])
+    recorder = Recorder(simulator.engine)
+    simulator.engine = recorder
+    simulator.result = simulator.run(resume=False)
+    assert_same_run(sequential, (simulator, recorder))  # no chain failed
+    assert no_workers_left(simulator.engine)
 
 
 def _round_of_every_client(
@@ -364,16 +451,106 @@ def test_every_worker_dying_fails_every_chain_without_hanging(registry, federati
     assert no_workers_left(simulator.engine)
 
 
-def test_workers_exit_on_their_own_after_a_complete_round(registry, federation):
+def test_workers_stand_by_for_the_evaluation_and_exit_when_dismissed(registry, federation):
     engine, start, plan, context = _round_of_every_client(registry, federation)
     settle()
     outcomes = list(engine.run_round(start, plan, 0, context))
     assert len(outcomes) == federation.num_clients
     workers = live_workers()
+    assert len(workers) == 2 and all(worker.exitcode is None for worker in workers)  # waiting
+    assert engine.evaluator is not None
+    engine.evaluator.evaluate(engine.model, spread=engine.spread_evaluation)
+    assert all(worker.exitcode is None for worker in workers)  # waiting for the next round
+    engine._dismiss()  # what close() does before it joins them
     for worker in workers:
         worker.join(30)
     assert [worker.exitcode for worker in workers] == [0] * len(workers)
     engine.close()
+
+
+# ------------------------------------------------------------------ evaluation in the workers
+
+
+def _after_a_round(registry: Registry, federation: Federation, **train: Any) -> tuple[ParallelEngine, Evaluator]:
+    """A parallel engine whose 2 workers stand by after a round of every client alone,
+    small evaluation batches (the test set and the local splits take several each), and
+    the round's first update loaded into the model, as the simulator loads the aggregate."""
+    engine, start, plan, context = _round_of_every_client(registry, federation, eval_batch_size=16, **train)
+    settle()
+    outcomes = list(engine.run_round(start, plan, 0, context))
+    assert isinstance(outcomes[0], ClientUpdate)
+    vector_to_model(outcomes[0].vector, engine.model)
+    assert engine.evaluator is not None and len(engine.evaluator.batches()) >= 10
+    return engine, engine.evaluator
+
+
+def test_the_workers_evaluation_equals_the_main_process_bit_for_bit(registry, federation, monkeypatch):
+    engine, evaluator = _after_a_round(registry, federation)
+    expected = evaluator.evaluate(engine.model)
+    assert 0.0 < expected.accuracy < 1.0 and not np.isnan(expected.client_accuracy_mean)
+
+    def here(*args: Any) -> None:  # after the fork: only this process sees it
+        raise AssertionError("a batch was computed in the main process")
+
+    monkeypatch.setattr(Evaluator, "predict", here)
+    batches = evaluator.batches()
+    results = engine.spread_evaluation(evaluator, engine.model, batches)
+    assert results is not None and len(results) == len(batches)
+    monkeypatch.undo()
+    actual = evaluator.evaluate(engine.model, spread=lambda evaluator, model, batches: results)
+    assert actual == expected  # accuracy, loss (summed in batch order), local mean and spread
+    assert engine.model.training  # the main process's model is left in training mode
+    assert no_workers_left(engine)
+
+
+def test_a_worker_dying_while_it_evaluates_leaves_its_batches_to_the_others(registry, federation):
+    engine, evaluator = _after_a_round(registry, federation)
+    expected = evaluator.evaluate(engine.model)  # here: the workers go on standing by
+    victim = engine._standby[0].process
+    victim.kill()
+    victim.join()
+    assert evaluator.evaluate(engine.model, spread=engine.spread_evaluation) == expected
+    assert no_workers_left(engine)
+
+
+def test_every_worker_dying_while_they_evaluate_leaves_the_batches_to_the_main_process(registry, federation):
+    engine, evaluator = _after_a_round(registry, federation)
+    expected = evaluator.evaluate(engine.model)
+    for worker in engine._standby:
+        worker.process.kill()
+        worker.process.join()
+    assert evaluator.evaluate(engine.model, spread=engine.spread_evaluation) == expected
+    assert no_workers_left(engine)
+
+
+def test_an_error_in_a_workers_evaluation_is_raised_by_the_main_process(registry, federation, monkeypatch):
+    def broken(self, model, batch):  # in the workers (forked after this) and here
+        raise RuntimeError(f"cannot evaluate batch at {batch.start}")
+
+    monkeypatch.setattr(Evaluator, "predict", broken)
+    engine, evaluator = _after_a_round(registry, federation)
+    workers = live_workers()
+    with pytest.raises(RuntimeError, match="cannot evaluate batch at 0"):
+        evaluator.evaluate(engine.model, spread=engine.spread_evaluation)
+    engine._dismiss()
+    for worker in workers:
+        worker.join(30)
+    assert [worker.exitcode for worker in workers] == [0, 0]  # they reported the error, not died of it
+    engine.close()
+
+
+def test_with_more_torch_threads_or_another_evaluator_the_main_process_evaluates(registry, federation):
+    engine, evaluator = _after_a_round(registry, federation)
+    torch.set_num_threads(2)
+    try:
+        assert engine.spread_evaluation(evaluator, engine.model, evaluator.batches()) is None
+    finally:
+        torch.set_num_threads(1)
+    # nor when asked for another evaluator's batches (the workers hold the one they were forked with)
+    other = Evaluator(federation, 16)
+    assert engine.spread_evaluation(other, engine.model, other.batches()) is None
+    assert engine.spread_evaluation(evaluator, engine.model, evaluator.batches()) is not None
+    assert no_workers_left(engine)
 
 
 def _child_processes() -> set[int]:
@@ -393,13 +570,18 @@ def test_a_finished_run_leaves_no_worker_process_behind(registry, federation):
     assert _child_processes() <= before
 
 
-def test_workers_are_terminated_when_the_consumer_stops_early(registry, federation):
+@pytest.mark.parametrize("complete_rounds_before", [0, 1])
+def test_workers_are_terminated_when_the_consumer_stops_early(registry, federation, complete_rounds_before):
     engine, start, plan, context = _round_of_every_client(registry, federation)
     settle()
-    outcomes = engine.run_round(start, plan, 0, context)
+    for round_index in range(complete_rounds_before):  # then the stopped round reuses the workers
+        list(engine.run_round(start, plan, round_index, context))
+    standing_by = live_workers()
+    outcomes = engine.run_round(start, plan, complete_rounds_before, context)
     first = next(outcomes)
     assert isinstance(first, ClientUpdate) and first.chain == [0]
     assert len(live_workers()) == 2
+    assert set(live_workers()) >= set(standing_by)
     outcomes.close()
     assert not live_workers()  # terminated and joined by close(), not left to exit
 

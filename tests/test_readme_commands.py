@@ -434,7 +434,12 @@ def test_make_targets_run_the_documented_commands(project: dict[str, Path]) -> N
     assert subprocess.run(  # the copy's install is done: no block reinstalls from it
         ["make", "-q", ".venv/.installed"], cwd=project["project"], capture_output=True
     ).returncode == 0
-    assert re.search(r"^\.venv/bin/python -m pytest\s*$", recipe("test"), re.MULTILINE)
+    # The whole suite (no paths named), on pytest-xdist's workers (the Makefile's comment).
+    assert re.search(
+        r"^\.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder\s*$",
+        recipe("test"),
+        re.MULTILINE,
+    )
     assert re.search(r"\.venv/bin:.*\.venv/bin/dvc repro", recipe("repro"))
     assert ".venv/bin/fedplug list train" in recipe("run", "ARGS=list train")
 
@@ -468,6 +473,20 @@ def test_the_engine_benchmark_runs_on_a_small_federation(project: dict[str, Path
     )
     assert completed.returncode == 0, completed.stdout[-4000:]
     assert "samples/s" in completed.stdout, completed.stdout[-2000:]
+    # The block's `make bench-gpu`: the CUDA smoke test, then this benchmark into the page.
+    assert "```bash\nmake bench-gpu\n" in page
+    made = subprocess.run(
+        ["make", "-n", "bench-gpu"],
+        cwd=project["project"],
+        env=fresh_environment(project["home"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert made[-2:] == [
+        ".venv/bin/python -m pytest tests/test_cuda.py -q -rs",
+        ".venv/bin/python benchmarks/run_all.py --only engines_cuda",
+    ]
 
 
 # ------------------------------------------------------------------- README's config block

@@ -10,6 +10,7 @@ MLflow model is loaded back with ``mlflow.pytorch.load_model`` and scored on the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,16 @@ def test_accuracy(model_uri: str, tracking_uri: str, config: Any) -> float:
     import mlflow
     import mlflow.pytorch
 
+    # set_tracking_uri also sets $MLFLOW_TRACKING_URI: put both back, or every later test in
+    # this process (another file's, under make test's workers) would log to this server.
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(tracking_uri)
-    model = mlflow.pytorch.load_model(model_uri, map_location="cpu")
+    try:
+        model = mlflow.pytorch.load_model(model_uri, map_location="cpu")
+    finally:
+        mlflow.set_tracking_uri(None)
+        if previous is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
     dataset = load_dataset(config.data, default_registry())
     with torch.no_grad():
         logits = model(torch.as_tensor(dataset.test_x, dtype=torch.float32))

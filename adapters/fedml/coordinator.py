@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from torch import Tensor
 
 from fedplug.cost_model import LinkAndDevice
@@ -115,7 +114,7 @@ class Coordinator:
             grouper=schedule.grouper,
             num_clients=federation.num_clients,
             class_counts=federation.class_counts,
-            client_sizes=np.array([client.num_samples for client in federation.clients]),
+            client_sizes=federation.client_sizes,
             model_bytes=self.global_vector.numel() * 4,
             train_flops=training_flops_per_sample(self.model, federation.input_shape),
             link=link,

@@ -542,14 +542,14 @@ def cpd_summary(
     """
     if sigma <= 0:
         raise ValueError(f"sigma must be positive, got {sigma}")
-    class_counts = np.asarray(class_counts, dtype=np.float64)
+    class_counts = np.asarray(class_counts)  # only the members' rows become float64, not all K
     sizes = np.fromiter((len(group) for group in groups), dtype=np.int64, count=len(groups))
     members = np.fromiter(
         (client for group in groups for client in group), dtype=np.int64, count=int(sizes.sum())
     )
     group_of_member = np.repeat(np.arange(len(groups)), sizes)
     totals = np.zeros((len(groups), class_counts.shape[1]))
-    np.add.at(totals, group_of_member, class_counts[members])
+    np.add.at(totals, group_of_member, class_counts[members].astype(np.float64))
     mass = totals.sum(axis=1, keepdims=True)
     distributions = totals[mass[:, 0] > 0] / mass[mass[:, 0] > 0]
     count = distributions.shape[0]

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedplug.data.federation import ClientData, Federation
-from fedplug.data.partitions import add_feature_noise
+from fedplug.data.federation import DEFAULT_CACHE_CLIENTS, ClientArrays, Federation
+from fedplug.data.partitions import flat_indices
 from fedplug.errors import DataError
 from fedplug.registry import Registry
 
@@ -43,14 +43,6 @@ def make_partition(dataset: Any, data_config: Any, registry: Registry) -> Any:
     )
 
 
-def split_local_test(indices: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle a client's indices and keep ``fraction`` of them (at least one sample
-    stays for training) as its local test split."""
-    shuffled = rng.permutation(indices)
-    num_test = min(int(np.floor(fraction * len(shuffled))), max(len(shuffled) - 1, 0))
-    return shuffled[num_test:], shuffled[:num_test]
-
-
 def build_federation(
     data_config: Any,
     registry: Registry,
@@ -58,34 +50,31 @@ def build_federation(
     *,
     dataset: Any = None,
     partition: Any = None,
+    cache_clients: int = DEFAULT_CACHE_CLIENTS,
 ) -> Federation:
-    """Load (or take) the dataset and partition and build every client's tensors."""
+    """Load (or take) the dataset and partition; the federation keeps their arrays and
+    builds a client's tensors when it is first asked for (:class:`ClientArrays`: client
+    k's samples are shuffled by the generator ``[data.seed, k, 0x7E57]``, its local test
+    split cut off, its feature noise drawn; the last ``cache_clients`` clients built are
+    kept)."""
     if dataset is None:
         dataset = load_dataset(data_config, registry)
     if partition is None:
         partition = make_partition(dataset, data_config, registry)
     device = torch.device(device)
-    train_y = torch.as_tensor(dataset.train_y, dtype=torch.long)
-    clients = []
-    for client_id, indices in enumerate(partition.client_indices):
-        rng = np.random.default_rng([data_config.seed, client_id, 0x7E57])
-        train_ids, test_ids = split_local_test(np.asarray(indices), data_config.local_test_fraction, rng)
-        x_train, x_test = dataset.train_x[train_ids], dataset.train_x[test_ids]
-        if partition.noise_std is not None:
-            # Feature skew: the client's inputs, local test split included, carry its noise.
-            x_train = add_feature_noise(x_train, float(partition.noise_std[client_id]), rng)
-            x_test = add_feature_noise(x_test, float(partition.noise_std[client_id]), rng)
-        y_train = train_y[train_ids]
-        clients.append(
-            ClientData(
-                client_id=client_id,
-                train_x=torch.as_tensor(x_train, dtype=torch.float32).to(device),
-                train_y=y_train.to(device),
-                test_x=torch.as_tensor(x_test, dtype=torch.float32).to(device),
-                test_y=train_y[test_ids].to(device),
-                class_counts=np.bincount(y_train.numpy(), minlength=dataset.num_classes).astype(np.int64),
-            )
-        )
+    indices, offsets = flat_indices(partition.client_indices)
+    clients = ClientArrays(
+        np.asarray(dataset.train_x),
+        np.asarray(dataset.train_y, dtype=np.int64),
+        indices,
+        offsets,
+        num_classes=dataset.num_classes,
+        seed=data_config.seed,
+        local_test_fraction=data_config.local_test_fraction,
+        noise_std=partition.noise_std,
+        device=device,
+        cache_clients=cache_clients,
+    )
     return Federation(
         clients=clients,
         test_x=torch.as_tensor(dataset.test_x, dtype=torch.float32).to(device),

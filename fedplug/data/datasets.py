@@ -35,7 +35,7 @@ import gzip
 import importlib.util
 import json
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -816,39 +816,69 @@ def make_synthetic(
     """Generate the Gaussian classification task described in :class:`SyntheticConfig`.
 
     Draw order (fixed, so a seed always gives the same data): class means, train labels,
-    test labels, train noise, test noise. Labels are ``arange(n) % num_classes`` shuffled,
+    test labels, train noise, test noise. The noise is generated block by block, twice
+    (for the range, then for the scaled values), so the peak memory is the float32
+    result plus a few blocks, not three float64 copies of the data. Labels are ``arange(n) % num_classes`` shuffled,
     so each class has ``n // num_classes`` or one more samples in each split.
     """
     means = rng.normal(0.0, class_separation, size=(num_classes, num_features))
     train_y = rng.permutation(np.arange(num_train, dtype=np.int64) % num_classes)
     test_y = rng.permutation(np.arange(num_test, dtype=np.int64) % num_classes)
-    train_x = means[train_y] + rng.standard_normal((num_train, num_features))
-    test_x = means[test_y] + rng.standard_normal((num_test, num_features))
-    low = min(train_x.min(), test_x.min())
-    span = max(train_x.max(), test_x.max()) - low
+    # The noise is drawn twice, block by block, from the same generator state: once for
+    # the range of all samples, once to scale them. A block of standard normals is the
+    # next stretch of the same stream, so the values equal those of one large draw,
+    # while only a block of float64 temporaries is held at a time.
+    noise_state = rng.bit_generator.state
+    low, high = np.inf, -np.inf
+    for labels in (train_y, test_y):
+        for block in _noisy_blocks(means, labels, rng):
+            low, high = min(low, block.min()), max(high, block.max())
+    span = high - low
+    rng.bit_generator.state = noise_state
+    scaled = []
+    for labels in (train_y, test_y):
+        inputs = np.empty((len(labels), num_features), dtype=np.float32)
+        start = 0
+        for block in _noisy_blocks(means, labels, rng):
+            inputs[start : start + len(block)] = (block - low) / span
+            start += len(block)
+        scaled.append(inputs)
     return Dataset(
         name="synthetic",
-        train_x=((train_x - low) / span).astype(np.float32),
+        train_x=scaled[0],
         train_y=train_y,
-        test_x=((test_x - low) / span).astype(np.float32),
+        test_x=scaled[1],
         test_y=test_y,
         num_classes=num_classes,
         input_shape=(num_features,),
     ).validate("the synthetic generator")
 
 
-SYNTHETIC_BYTES_PER_VALUE = 24
-"""Peak bytes :func:`make_synthetic` holds per generated value: three float64 arrays at
-once (the class means gathered per sample, the noise, their sum), before the float32 result."""
+SYNTHETIC_BLOCK_VALUES = 1 << 22
+"""Values per block of :func:`make_synthetic`'s float64 temporaries (32 MiB each)."""
+SYNTHETIC_BYTES_PER_VALUE = 4
+"""Bytes :func:`make_synthetic` keeps per generated value (the float32 result); the
+labels add 24 bytes per sample while they are shuffled, and the float64 temporaries at
+most four blocks of :data:`SYNTHETIC_BLOCK_VALUES` values."""
+
+
+def _noisy_blocks(means: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """``means[labels] + N(0, I)`` in consecutive blocks of rows (float64), the noise
+    drawn from ``rng`` in row order."""
+    rows = max(1, SYNTHETIC_BLOCK_VALUES // max(means.shape[1], 1))
+    for start in range(0, len(labels), rows):
+        chosen = labels[start : start + rows]
+        yield means[chosen] + rng.standard_normal((len(chosen), means.shape[1]))
 
 
 def load_synthetic(config: SyntheticConfig, root: Path) -> Dataset:
     """Generate the synthetic task from ``config.seed``; ``root`` is not used. A size
     this machine cannot hold is refused before anything is allocated
     (:func:`fedplug.memory.check_fits`)."""
-    values = (config.num_train + config.num_test) * config.num_features
+    samples = config.num_train + config.num_test
+    values = samples * config.num_features
     check_fits(
-        values * SYNTHETIC_BYTES_PER_VALUE,
+        values * SYNTHETIC_BYTES_PER_VALUE + 24 * samples + 4 * 8 * SYNTHETIC_BLOCK_VALUES,
         f"data.dataset (synthetic) num_train + num_test = {config.num_train + config.num_test} samples x "
         f"num_features = {config.num_features}",
         "use fewer samples or features",

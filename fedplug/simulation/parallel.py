@@ -20,11 +20,17 @@ bit for bit:
   contexts a worker computes travel back too and are cached, as the sequential engine
   caches them, so later rounds do not compute them again.
 
-How (what we chose). Every round forks W fresh workers
+How (what we chose). The first round forks W workers
 (``multiprocessing.get_context("fork")``): a forked worker sees the current global
-vector, payload, client states and loss-transform state as they are, with nothing to
+vector, payload, client states and components' state as they are, with nothing to
 send, and the federation's tensors are shared copy-on-write. The forked copy of the
-engine's model is the worker's model. The main process hands out chain indices, keeping
+engine's model is the worker's model. Later rounds of the same run reuse the workers
+(forking and tearing down a copy of a large process every round cost more CPU than a
+small model's training): the main process sends each the new round's state, pickled
+once, which is what a worker forked then would see (start vector, plan, the components
+with their state, payload, the round's clients' states, and the cached loss contexts it
+lacks); when that state cannot be pickled (a component holding a lock or a lambda), the
+round forks its workers again. The main process hands out chain indices, keeping
 each worker :data:`QUEUED_CHAINS_PER_WORKER` ahead (one training, one waiting), so a
 worker never idles while the main process aggregates, and uneven chains balance
 themselves: whichever worker is free takes the next chain. Results come back through one
@@ -52,12 +58,14 @@ killed (``SIGKILL``). That chain fails with a reason naming the limit; the chain
 behind it go back to the queue, and a replacement worker is forked (from the main
 process as it is then: the same start vector and payload, and the states of the clients
 not yet trained are untouched) when chains are left to train, so the round goes on at
-full width. At the end of a complete round the workers' pipes close and they exit on their
-own while the main process goes on (evaluation): tearing down a forked copy of a large
-process takes about as long as forking it; they are joined when the next round starts,
-or by :meth:`ParallelEngine.close`. When the consumer stops early (closes the generator)
-or an error interrupts the round, the workers are terminated and joined at once. A
-worker ignores Ctrl-C, which the main process handles.
+full width. After a complete round the live workers stand by: they compute the
+evaluation's batches (:meth:`ParallelEngine.spread_evaluation`, combined in batch order,
+and only when the main process evaluates with one torch thread, as they do, so every
+number is the one the main process would compute), then train the next round; one that
+died meanwhile is replaced by a fork. :meth:`ParallelEngine.close` (the end of the run)
+dismisses them: their pipes close, they exit and are joined. When the consumer stops
+early (closes the generator) or an error interrupts the round, the workers are
+terminated and joined at once. A worker ignores Ctrl-C, which the main process handles.
 
 Limits: CPU only (the model must be on the CPU), and a platform with the ``fork`` start
 method (Linux, macOS; not Windows). Without ``client_timeout_seconds`` nothing bounds a
@@ -67,6 +75,7 @@ sequential engine.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import multiprocessing
 import os
@@ -87,14 +96,20 @@ from torch import Tensor, nn
 from fedplug.components import ClientUpdate, Context, RoundPlan
 from fedplug.deadline import KILL_MARGIN_SECONDS, grace_period
 from fedplug.errors import ConfigError
+from fedplug.simulation.evaluation import Batch, BatchResult, Evaluator
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import train_chain
+from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 QUEUED_CHAINS_PER_WORKER = 2
 """Chains handed to a worker ahead of its results: one it trains, one waiting."""
 
 STOP_SECONDS = 5.0
 """How long a worker may take to exit once told to before it is killed."""
+
+KEEP_FREED_BYTES = 1 << 30
+"""A worker's C allocator keeps freed blocks up to this size for reuse (see
+:func:`_keep_freed_memory`)."""
 
 _NUMPY_DTYPES = frozenset(
     {
@@ -132,6 +147,7 @@ class _TensorPickler(pickle.Pickler):
             and obj.layout is torch.strided
             and obj.device.type == "cpu"
             and obj.dtype in _NUMPY_DTYPES
+            and not obj.requires_grad  # torch's own pickling keeps the flag
         ):
             return torch.from_numpy, (obj.detach().numpy(),)
         return NotImplemented
@@ -156,7 +172,75 @@ class _ChainResult:
     """Loss contexts the worker computed (not cached when it was forked)."""
 
 
+@dataclass
+class _RoundState:
+    """What a standing-by worker needs to train the next round as a worker forked for it
+    would: everything of the main process that training reads and that may have changed."""
+
+    start_vector: Tensor
+    plan: RoundPlan
+    round_index: int
+    algorithm: Any
+    """``context.algorithm`` (sampler, loss transform, aggregator, with their state)."""
+    payload: dict[str, Tensor]
+    client_states: dict[int, dict[str, Tensor] | None]
+    """The round's clients' states (``None``: the client has none)."""
+    fields: dict[str, Any]
+    """The round context's other settings (seed, schedule, reply metrics, timeout)."""
+
+
+@dataclass
+class _NextRound:
+    state: bytes
+    """A pickled :class:`_RoundState`, the same for every worker."""
+    loss_contexts: dict[int, Context]
+    """Cached loss contexts of the round's clients that this worker lacks."""
+
+
+@dataclass
+class _LoadModel:
+    """To a worker standing by after its round: evaluate this global model next."""
+
+    vector: Tensor
+
+
+@dataclass
+class _EvaluateBatch:
+    index: int
+    """The batch's position in the evaluation's list."""
+    batch: Batch
+
+
+@dataclass
+class _BatchDone:
+    """What a worker sends back for one evaluation batch (``None``: it raised; the main
+    process computes that batch itself, and raises the same error there)."""
+
+    index: int
+    result: BatchResult | None
+
+
 # ------------------------------------------------------------------------ worker side
+
+
+def _keep_freed_memory() -> None:
+    """Let this process's C allocator (glibc) reuse freed blocks of up to
+    :data:`KEEP_FREED_BYTES` instead of returning them to the system.
+
+    By default a block over 32 MiB (an evaluation batch's activations: 1000 images
+    through ``cnn_mnist``'s first convolution take 100 MiB) is mapped fresh for every
+    batch and unmapped after it, so each batch page-faults its memory in again: about half
+    of a CNN evaluation's CPU time, spent in the kernel. The numbers computed do not
+    change (torch aligns every tensor to 64 bytes either way); the worker's memory stays
+    at its peak until it exits. Nothing happens on a C library without ``mallopt``.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS)
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    mallopt(m_mmap_threshold, KEEP_FREED_BYTES)
+    mallopt(m_trim_threshold, KEEP_FREED_BYTES)
 
 
 def _serve(
@@ -167,19 +251,49 @@ def _serve(
     plan: RoundPlan,
     round_index: int,
     context: RoundContext,
+    evaluator: Evaluator | None,
 ) -> None:
-    """A worker: train the chains whose indices arrive on ``connection`` until it closes."""
+    """A worker: train the chains whose indices arrive on ``connection``, then (standing by
+    after the round) evaluate the batches that arrive, until the connection closes."""
     for other in foreign:  # other pipes' main-process ends, inherited through fork
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops the workers
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held across fork (_fork)
     torch.set_num_threads(1)
+    _keep_freed_memory()
     cached = set(context.loss_contexts)
     while True:
         try:
-            index = connection.recv()
-        except EOFError:  # the round is over
+            message = connection.recv()
+        except EOFError:  # dismissed
             return
+        if isinstance(message, _NextRound):  # a standing-by worker is reused
+            state: _RoundState = pickle.loads(message.state)
+            start_vector, plan, round_index = state.start_vector, state.plan, state.round_index
+            context.algorithm, context.payload = state.algorithm, state.payload
+            for name, value in state.fields.items():
+                setattr(context, name, value)
+            for client, client_state in state.client_states.items():
+                if client_state is None:
+                    context.client_states.pop(client, None)
+                else:
+                    context.client_states[client] = client_state
+            context.loss_contexts.update(message.loss_contexts)
+            cached.update(message.loss_contexts)
+            continue
+        if isinstance(message, _LoadModel):  # the round is over: evaluation follows
+            vector_to_model(message.vector, model)
+            model.eval()
+            continue
+        if isinstance(message, _EvaluateBatch):
+            assert evaluator is not None
+            try:
+                result = evaluator.predict(model, message.batch)
+            except Exception:  # noqa: BLE001 - the main process computes it again and raises
+                result = None
+            connection.send_bytes(_dumps(_BatchDone(message.index, result)))
+            continue
+        index = message
         chain = plan.chains[index]
         outcome = train_chain(model, start_vector, chain, plan, round_index, context)
         states = {k: context.client_states[k] for k in chain if k in context.client_states}
@@ -187,7 +301,7 @@ def _serve(
         cached.update(computed)
         try:
             message = _dumps(_ChainResult(index, outcome, states, computed))
-        except Exception as error:  # an extra that cannot be pickled fails its chain only
+        except Exception as error:  # noqa: BLE001 - an extra that cannot be pickled fails its chain only
             failure = ClientFailure(chain, f"{type(error).__name__}: cannot send the result back: {error}")
             message = _dumps(_ChainResult(index, failure))
         connection.send_bytes(message)
@@ -206,6 +320,8 @@ class _Worker:
     head_started: float | None = None
     """``time.monotonic()`` when the worker started ``assigned[0]`` (an upper bound: when
     it was handed to the idle worker, or when the result before it arrived)."""
+    loss_contexts: set[int] = field(default_factory=set)
+    """The clients whose loss contexts the worker has (so they are not sent again)."""
 
 
 def _exit_description(exit_code: int | None) -> str:
@@ -224,6 +340,9 @@ class ParallelEngine:
         model: the simulator's model (on the CPU); each worker trains its forked copy.
         workers: worker processes per round (default None: one per usable CPU, see
             :func:`default_workers`); a round with fewer chains forks fewer.
+        evaluator: the simulator's evaluator (default None: the workers do not evaluate);
+            with it the round's workers stand by after the round and compute the
+            evaluation's batches (:meth:`spread_evaluation`).
 
     Raises:
         ConfigError: the model is not on the CPU, or the platform cannot fork.
@@ -235,7 +354,7 @@ class ParallelEngine:
         """The number of worker processes, beside the engine's name."""
         return {"engine_workers": self.workers}
 
-    def __init__(self, model: nn.Module, workers: int | None = None) -> None:
+    def __init__(self, model: nn.Module, workers: int | None = None, evaluator: Evaluator | None = None) -> None:
         if "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError(
                 f"train.engine 'parallel' forks worker processes, which this platform ({sys.platform}) "
@@ -251,25 +370,31 @@ class ParallelEngine:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.model = model
         self.workers = workers if workers is not None else default_workers()
+        self.evaluator = evaluator
         self.fork_seconds: list[float] = []
         """Per round: wall time of forking its workers."""
         self.stop_seconds: list[float] = []
         """Per round: wall time the main process spent stopping its workers."""
         self._exiting: list[BaseProcess] = []
+        self._standby: list[_Worker] = []
+        """The last complete round's live workers, waiting for its evaluation and the
+        next round."""
+        self._standby_context: RoundContext | None = None
+        """The round context (one per run) the standing-by workers were forked with."""
 
     def run_round(
         self, start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext
     ) -> Iterator[ClientUpdate | ClientFailure]:
         """Train every chain of ``plan`` in the workers; yield one update (or failure) per
         chain in plan order, each as soon as it and all before it are in."""
-        self.close()
         if not plan.chains:
             return
         workers: list[_Worker] = []
         finished = False
         try:
+            self._reuse(workers, start_vector, plan, round_index, context)
             started = time.perf_counter()
-            for _ in range(min(self.workers, len(plan.chains))):
+            while len(workers) < min(self.workers, len(plan.chains)):
                 workers.append(self._fork(workers, start_vector, plan, round_index, context))
             self.fork_seconds.append(time.perf_counter() - started)
 
@@ -280,6 +405,10 @@ class ParallelEngine:
             finished = True
         finally:
             started = time.perf_counter()
+            if finished:  # the live ones stand by for the evaluation and the next round
+                self._standby = [worker for worker in workers if worker.alive]
+                self._standby_context = context
+                workers = [worker for worker in workers if not worker.alive]
             for worker in workers:
                 worker.connection.close()  # a waiting worker reads end-of-file and exits
                 if finished:
@@ -291,18 +420,146 @@ class ParallelEngine:
             self.stop_seconds.append(time.perf_counter() - started)
 
     def close(self) -> None:
-        """Join the workers of the last complete round (they exit on their own)."""
+        """Dismiss the workers of the last complete round and join them."""
+        self._dismiss()
         _join(self._exiting)
         self._exiting = []
+
+    def _reuse(
+        self, workers: list[_Worker], start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext
+    ) -> None:
+        """Put into ``workers`` the standing-by workers of the last round (of the same
+        run) that are still alive, each sent the new round's state; dismiss the others,
+        and all of them when the state cannot be pickled (the round's workers are then
+        forked as they are). Every standing-by worker is in ``workers`` until it is
+        dismissed, so an interruption terminates it with the round's."""
+        workers.extend(self._standby)
+        self._standby = []
+        message = None
+        if workers and self._standby_context is context:
+            message = self._round_state(start_vector, plan, round_index, context)
+        wanted = min(self.workers, len(plan.chains))
+        clients = [k for chain in plan.chains for k in chain]
+        reused = 0
+        for worker in list(workers):
+            if message is not None and reused < wanted and worker.alive and worker.process.is_alive():
+                missing = {
+                    k: context.loss_contexts[k]
+                    for k in clients
+                    if k in context.loss_contexts and k not in worker.loss_contexts
+                }
+                try:
+                    worker.connection.send_bytes(_dumps(_NextRound(message, missing)))
+                except OSError:  # it died: dismissed below, replaced by a fork
+                    pass
+                else:
+                    worker.loss_contexts.update(missing)
+                    reused += 1
+                    continue
+            workers.remove(worker)
+            worker.connection.close()  # it reads end-of-file and exits
+            self._exiting.append(worker.process)
+        _join(self._exiting)  # the dismissed ones, and those of an earlier run
+        self._exiting = []
+
+    @staticmethod
+    def _round_state(start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext) -> bytes | None:
+        """The pickled :class:`_RoundState` of a round, or ``None`` when some of it cannot
+        be pickled (a component holding a lambda, a lock, an open file)."""
+        clients = [k for chain in plan.chains for k in chain]
+        state = _RoundState(
+            start_vector,
+            plan,
+            round_index,
+            context.algorithm,
+            context.payload,
+            {k: context.client_states.get(k) for k in clients},
+            {
+                "seed": context.seed,
+                "schedule": context.schedule,
+                "reply_metrics": context.reply_metrics,
+                "client_timeout": context.client_timeout,
+            },
+        )
+        try:
+            return _dumps(state)
+        except Exception:  # noqa: BLE001 - whatever pickling raises, forking needs no pickling
+            return None
+
+    def _dismiss(self) -> None:
+        """Close the standing-by workers' pipes: they read end-of-file and exit."""
+        for worker in self._standby:
+            worker.connection.close()
+            self._exiting.append(worker.process)
+        self._standby = []
+
+    def spread_evaluation(
+        self, evaluator: Evaluator, model: nn.Module, batches: list[Batch]
+    ) -> list[BatchResult] | None:
+        """Compute ``evaluator``'s ``batches`` for ``model`` (the aggregated global model)
+        in the last round's workers, which stand by for it (and then for the next round).
+
+        Returns ``None`` (the caller evaluates in this process) when no worker stands by,
+        when ``evaluator`` is not the one the workers were forked with, or when this
+        process evaluates with more than the workers' one torch thread, so that every
+        batch is computed exactly as this process would. A batch whose worker died or
+        raised is computed here.
+        """
+        standby = [worker for worker in self._standby if worker.alive]
+        if not standby or not batches or evaluator is not self.evaluator or torch.get_num_threads() != 1:
+            return None
+        results: list[BatchResult | None] = [None] * len(batches)
+        finished = False
+        try:
+            load = _dumps(_LoadModel(model_to_vector(model)))
+            for worker in standby:
+                try:
+                    worker.connection.send_bytes(load)
+                except OSError:  # it died; the next wait() reports it
+                    pass
+            pending = deque(range(len(batches)))
+            while pending or any(worker.alive and worker.assigned for worker in standby):
+                _hand_out(standby, pending, lambda index: _EvaluateBatch(index, batches[index]))
+                live = {worker.connection: worker for worker in standby if worker.alive}
+                if not live:
+                    break
+                for connection in wait(list(live)):
+                    worker = live[connection]  # type: ignore[index]
+                    try:
+                        done: _BatchDone = pickle.loads(connection.recv_bytes())
+                    except (EOFError, OSError):  # it died: its batches go to the others
+                        worker.alive = False
+                        pending.extendleft(reversed(worker.assigned))
+                        worker.assigned.clear()
+                        continue
+                    worker.assigned.remove(done.index)
+                    results[done.index] = done.result
+            finished = True
+        finally:
+            if not finished:  # interrupted (Ctrl-C): stop them at once
+                for worker in self._standby:
+                    worker.connection.close()
+                    if worker.process.is_alive():
+                        worker.process.terminate()
+                _join([worker.process for worker in self._standby])
+                self._standby = []
+        missing = [index for index, result in enumerate(results) if result is None]
+        if missing:
+            model.eval()
+            for index in missing:
+                results[index] = evaluator.predict(model, batches[index])
+            model.train()
+        return results  # type: ignore[return-value]
 
     def _fork(
         self, earlier: list[_Worker], start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext
     ) -> _Worker:
         here, there = multiprocessing.get_context("fork").Pipe(duplex=True)
         foreign = [worker.connection for worker in earlier] + [here]
+        loss_contexts = set(context.loss_contexts)
         process = multiprocessing.get_context("fork").Process(
             target=_serve,
-            args=(there, foreign, self.model, start_vector, plan, round_index, context),
+            args=(there, foreign, self.model, start_vector, plan, round_index, context, self.evaluator),
             name=f"fedplug-parallel-{len(earlier)}",
             daemon=True,
         )
@@ -317,7 +574,7 @@ class ParallelEngine:
             # Only the worker may hold its end, or its death would not show as end-of-file here.
             there.close()
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        return _Worker(process, here)
+        return _Worker(process, here, loss_contexts=loss_contexts)
 
     def _collect(
         self,
@@ -373,20 +630,24 @@ class ParallelEngine:
                 _bury(worker, pending, arrived, plan)
                 continue
             worker.assigned.remove(result.index)
+            worker.loss_contexts.update(result.loss_contexts)
             # it trains its chains in order: the next one started about now
             worker.head_started = time.monotonic() if worker.assigned else None
             arrived[result.index] = result
 
 
-def _hand_out(workers: list[_Worker], pending: deque[int]) -> None:
-    """Top every live worker up to :data:`QUEUED_CHAINS_PER_WORKER` chains, in plan order."""
+def _hand_out(
+    workers: list[_Worker], pending: deque[int], message: Callable[[int], Any] = lambda index: index
+) -> None:
+    """Top every live worker up to :data:`QUEUED_CHAINS_PER_WORKER` items (chain indices, or
+    evaluation batches through ``message``), in ``pending`` order."""
     for _ in range(QUEUED_CHAINS_PER_WORKER):
         for worker in workers:
             if not pending:
                 return
             if worker.alive and len(worker.assigned) < QUEUED_CHAINS_PER_WORKER:
                 try:
-                    worker.connection.send(pending[0])
+                    worker.connection.send(message(pending[0]))
                 except OSError:  # it died; the next wait() reports it
                     continue
                 if not worker.assigned:  # an idle worker starts it now

@@ -24,32 +24,37 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from fedplug.cost_model import LinkAndDevice
 from fedplug.components import PhaseCost
+from fedplug.cost_model import LinkAndDevice
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError
+from fedplug.federated_round import RoundCore, client_needs, sample_clients
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
+from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
 from fedplug.simulation.checkpoint_bounds import checkpoint_size_bound
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.federated_round import RoundCore, client_needs, sample_clients
-from fedplug.setup_phase import prepare_loss_transform
-from fedplug.simulation.round_context import RoundContext
 from fedplug.simulation.resume import restore_run
+from fedplug.simulation.round_context import RoundContext
 from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.vectors import model_to_vector, move_tensors, tensors_num_bytes, vector_to_model
+from fedplug.simulation.vectors import (
+    model_to_vector,
+    move_tensors,
+    tensors_num_bytes,
+    vector_to_model,
+)
 
 __all__ = ["Simulator", "build_model", "resolve_device", "sample_clients"]
 
@@ -59,11 +64,16 @@ RoundObserver = Callable[[RoundRecord], None]
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device ``train.device`` names, a CUDA one with its index: tensors moved to
+    ``cuda`` live on ``cuda:0`` (the current device), and the two must compare equal."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device is {name!r} but this machine has no CUDA device; use 'cpu' or 'auto'")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def build_model(train_config: Any, registry: Registry, federation: Federation, device: torch.device) -> torch.nn.Module:
@@ -77,7 +87,8 @@ def build_model(train_config: Any, registry: Registry, federation: Federation, d
 def config_fingerprint(train_config: Any, federation: Federation) -> str:
     """Identifies a run: the training config and the exact federation it trains on."""
     digest = hashlib.sha256(json.dumps(train_config.model_dump(mode="json"), sort_keys=True).encode())
-    digest.update(federation.class_counts.tobytes())
+    counts = federation.class_counts
+    digest.update(counts if counts.flags.c_contiguous else counts.tobytes())  # the K x C bytes, not a copy
     digest.update(federation.dataset_name.encode())
     return digest.hexdigest()[:16]
 
@@ -124,12 +135,12 @@ class Simulator:
         """The metrics every client reports with its model (none unless a component asks)."""
         check_reply_metrics(self.reply_metrics)
         self.schedule = LocalSchedule(train_config.local_epochs, train_config.batch_size, train_config.optimizer)
+        self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.engine = self._choose_engine()
         self._start: tuple[Tensor, dict, list[RoundRecord], PhaseCost] | None = None
         """Where :meth:`run` starts, once :meth:`prepare` has found it."""
         self._setup_seconds = 0.0
         """Wall time of the setup in :meth:`prepare` (restored from a checkpoint when resuming)."""
-        self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.fingerprint = config_fingerprint(train_config, federation)
         self.core = RoundCore(
             train_config,
@@ -137,7 +148,7 @@ class Simulator:
             grouper=self.grouper,
             num_clients=num_clients,
             class_counts=federation.class_counts,
-            client_sizes=np.array([client.num_samples for client in federation.clients]),
+            client_sizes=federation.client_sizes,
             model_bytes=model_to_vector(self.model).numel() * 4,
             train_flops=training_flops_per_sample(self.model, federation.input_shape),
             link=link,
@@ -159,7 +170,7 @@ class Simulator:
         if requested == "parallel":
             from fedplug.simulation.parallel import ParallelEngine
 
-            return ParallelEngine(self.model, self.config.workers)
+            return ParallelEngine(self.model, self.config.workers, evaluator=self.evaluator)
         return SequentialEngine(self.model)
 
     # ------------------------------------------------------------------------- run
@@ -183,7 +194,7 @@ class Simulator:
             size_bound = checkpoint_size_bound(
                 global_vector.numel() * global_vector.element_size(),
                 num_clients,
-                sum(client.num_samples for client in self.federation.clients),
+                int(self.federation.client_sizes.sum()),
                 self.config.rounds,
             )
             state = load_checkpoint(self.checkpoint_path, self.fingerprint, size_bound)
@@ -270,7 +281,8 @@ class Simulator:
             client_states=context,
         )
         vector_to_model(attempt.vector, self.model)
-        evaluation = self.evaluator.evaluate(self.model)
+        # the parallel engine's workers, idle after the round, may compute the batches
+        evaluation = self.evaluator.evaluate(self.model, spread=getattr(self.engine, "spread_evaluation", None))
         record = self.core.record(
             round_index,
             plan,

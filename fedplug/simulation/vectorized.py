@@ -34,8 +34,12 @@ samples, same order, same SGD arithmetic), up to floating-point rounding:
 One batch gather per step: each block keeps its clients' training data concatenated on
 the training device, plus a ``[clients, steps, width]`` matrix of indices into it.
 
+Models of ``Flatten``, ``Linear`` and ``ReLU`` layers under plain cross-entropy with no
+penalty skip ``vmap``: :mod:`fedplug.simulation.linear_stack` writes their step out as
+batched matrix products and applies plain SGD in place.
+
 Memory (what we chose). Chains are processed in blocks of at most
-``max_clients_per_block`` (default 128) clients, further capped so that the block's
+``max_clients_per_block`` (default 1024 on a GPU, 8 on a CPU) clients, further capped so that the block's
 estimated footprint fits in ``memory_fraction`` (default 0.5) of the memory available
 when the first round starts (free CUDA memory, or the host's available memory). The
 estimate per client is a few copies of the model's state (parameters, gradients,
@@ -92,12 +96,19 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from fedplug.components import TRAIN_LOSS, ClientUpdate, Context, LocalTraining, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import ConfigError
+from fedplug.simulation.linear_stack import LinearStackStep, linear_stack
 from fedplug.simulation.local_training import local_rng, mean_loss
 from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import timeout_reason
 
-DEFAULT_MAX_CLIENTS_PER_BLOCK = 128
-"""Most clients trained in lockstep at once."""
+DEFAULT_MAX_CLIENTS_PER_BLOCK = 1024
+"""Most clients trained in lockstep at once on a GPU (the memory budget may allow fewer):
+a block of 128 small clients is too little work per step to keep a large GPU busy."""
+
+DEFAULT_CPU_CLIENTS_PER_BLOCK = 8
+"""Most clients trained in lockstep at once on a CPU: the block's weights, gradients and
+activations stay in the core's caches (a block of 100 ``mlp`` clients, 80 MB of weights,
+streams from memory at every step and is slower than one client after another)."""
 
 DEFAULT_MEMORY_FRACTION = 0.5
 """Share of the available memory a block may use (the rest is left for everything else)."""
@@ -361,13 +372,14 @@ class VectorizedEngine:
     Args:
         model: the module whose structure every client shares (its own values are
             never changed). Must not contain BatchNorm.
-        max_clients_per_block: most clients trained at once (default 128).
+        max_clients_per_block: most clients trained at once (default 1024 on a GPU,
+            :data:`DEFAULT_CPU_CLIENTS_PER_BLOCK` on a CPU).
         memory_fraction: share of the available memory a block may use (default 0.5);
             the block size is the smaller of this bound and ``max_clients_per_block``.
     """
 
     model: nn.Module
-    max_clients_per_block: int = DEFAULT_MAX_CLIENTS_PER_BLOCK
+    max_clients_per_block: int | None = None
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
 
     name = "vectorized"
@@ -387,7 +399,7 @@ class VectorizedEngine:
                 "the vectorised engine cannot train a model with BatchNorm (its statistics "
                 "are per batch, not per client); use train.engine 'sequential'"
             )
-        if self.max_clients_per_block < 1:
+        if self.max_clients_per_block is not None and self.max_clients_per_block < 1:
             raise ConfigError(
                 f"max_clients_per_block must be at least 1, got {self.max_clients_per_block}"
             )
@@ -403,6 +415,11 @@ class VectorizedEngine:
         self._buffer_names = [name for name, _ in buffers]
         self._buffer_shapes = [tuple(b.shape) for _, b in buffers]
         self._num_parameter_elements = sum(math.prod(shape) for shape in self._parameter_shapes)
+        layers = linear_stack(self.model)
+        self._analytic_step = LinearStackStep(layers) if layers is not None and not buffers else None
+        """Steps of a Linear/ReLU model under plain cross-entropy (see linear_stack)."""
+        self.analytic_groups = 0
+        """Groups trained on the analytic path (the rest went through ``vmap``)."""
 
     # -------------------------------------------------------------------- the round
 
@@ -414,9 +431,8 @@ class VectorizedEngine:
         if not plan.chains:
             return
         block_size = self._block_size(context)
-        sizes = [
-            sum(context.federation.clients[k].num_samples for k in chain) for chain in plan.chains
-        ]
+        client_sizes = context.federation.client_sizes
+        sizes = [int(client_sizes[chain].sum()) for chain in plan.chains]
         # Largest chains first, so that a block holds chains of similar length.
         by_size = sorted(range(len(plan.chains)), key=lambda index: -sizes[index])
         pending: deque[list[int]] = deque(
@@ -486,6 +502,11 @@ class VectorizedEngine:
                     item.metrics,
                 )
 
+    def _analytic(self, context: RoundContext) -> bool:
+        """Whether this round's steps take the analytic path (:mod:`linear_stack`)."""
+        algorithm = context.algorithm
+        return self._analytic_step is not None and algorithm.plain_cross_entropy and not algorithm.has_penalty
+
     def _block_size(self, context: RoundContext) -> int:
         if self.block_size is None:
             device = context.federation.device
@@ -499,7 +520,10 @@ class VectorizedEngine:
                 penalty=context.algorithm.has_penalty,
             )
             fits = int(self.memory_fraction * available_bytes(device)) // max(per_client, 1)
-            self.block_size = max(1, min(self.max_clients_per_block, fits))
+            most = self.max_clients_per_block
+            if most is None:
+                most = DEFAULT_MAX_CLIENTS_PER_BLOCK if device.type == "cuda" else DEFAULT_CPU_CLIENTS_PER_BLOCK
+            self.block_size = max(1, min(most, fits))
         return self.block_size
 
     def _train_block(
@@ -574,15 +598,22 @@ class VectorizedEngine:
         local_ids = torch.from_numpy(plan.local_ids[rank]).to(device)
         global_ids = local_ids + torch.from_numpy(offsets).to(device).view(-1, 1, 1)
         mask = torch.from_numpy(plan.mask[rank]).to(device)
+        # Real samples come first in every batch row: at each step, the columns past the
+        # longest row still training are padding only and are not computed.
+        real = plan.mask[rank].sum(axis=2)
 
-        vectors = torch.stack([members[n].start.to(device, torch.float32) for n in rank])
+        starts = [members[n].start for n in rank]
+        if all(start is starts[0] for start in starts):  # a round's first position: one start
+            vectors = starts[0].to(device, torch.float32).unsqueeze(0).expand(len(starts), -1)
+        else:
+            vectors = torch.stack([start.to(device, torch.float32) for start in starts])
         # One contiguous [clients, *shape] tensor per parameter: batched matmuls run on
         # contiguous weights, and the SGD update is a handful of foreach ops on them.
         params = self._unflatten(vectors, self._parameter_names, self._parameter_shapes, 0)
         buffers = self._unflatten(
             vectors, self._buffer_names, self._buffer_shapes, self._num_parameter_elements
         )
-        del vectors
+        del vectors, starts
         anchor = (
             {name: tensor.clone() for name, tensor in params.items()}
             if algorithm.has_penalty
@@ -605,7 +636,11 @@ class VectorizedEngine:
             else None
         )
         report_loss = TRAIN_LOSS in context.reply_metrics
-        step_gradient = self._step_gradient(context, with_loss=report_loss)
+        analytic = self._analytic_step if self._analytic(context) else None
+        # Plain SGD steps in place on the analytic path (no gradient tensors).
+        in_place_lr = optimizer.lr if optimizer.momentum == 0 and optimizer.weight_decay == 0 else None
+        step_gradient = self._step_gradient(context, with_loss=report_loss) if analytic is None else None
+        self.analytic_groups += analytic is not None
         loss_sums = (
             torch.zeros(len(members), dtype=torch.float64, device=device) if report_loss else None
         )
@@ -627,23 +662,32 @@ class VectorizedEngine:
                     if momentum_buffers is not None
                     else []
                 )
-            batch = global_ids[:active, step]
-            step_result = step_gradient(
-                params_now,
-                buffers_now,
-                anchor_now,
-                data_x[batch],
-                data_y[batch],
-                local_ids[:active, step],
-                mask[:active, step],
-                loss_now,
-                aggregator_now,
-            )
-            if loss_sums is not None:
-                gradients, losses = step_result
-                loss_sums[:active] += losses.detach()
+            width = max(1, int(real[:active, step].max()))
+            batch = global_ids[:active, step, :width]
+            step_mask = mask[:active, step, :width]
+            if analytic is not None:
+                gradients, losses = analytic(params_now, data_x[batch], data_y[batch], step_mask, in_place_lr)
+                if loss_sums is not None:
+                    loss_sums[:active] += losses
+                if gradients is None:  # stepped in place
+                    continue
             else:
-                gradients = step_result
+                step_result = step_gradient(
+                    params_now,
+                    buffers_now,
+                    anchor_now,
+                    data_x[batch],
+                    data_y[batch],
+                    local_ids[:active, step, :width],
+                    step_mask,
+                    loss_now,
+                    aggregator_now,
+                )
+                if loss_sums is not None:
+                    gradients, losses = step_result
+                    loss_sums[:active] += losses.detach()
+                else:
+                    gradients = step_result
             # torch.optim.SGD's arithmetic (no dampening, no Nesterov), per client.
             updates = [gradients[name] for name in self._parameter_names]
             if optimizer.weight_decay != 0:
@@ -659,13 +703,13 @@ class VectorizedEngine:
 
         num_members = len(members)
         flat = [tensor.reshape(num_members, -1) for tensor in (*params.values(), *buffers.values())]
-        end = torch.cat(flat, dim=1) if flat else torch.zeros((num_members, 0), device=device)
-        end_vectors: list[Tensor] = [end[0]] * num_members
         step_counts = [0] * num_members
         metrics: list[dict[str, float]] = [{} for _ in range(num_members)]
         sums = loss_sums.tolist() if loss_sums is not None else None  # the one sync
+        end_vectors: list[Tensor] = [torch.zeros(0, device=device)] * num_members
         for position, n in enumerate(rank):
-            end_vectors[n] = end[position].clone()
+            if flat:  # one copy: the client's rows of every parameter, concatenated
+                end_vectors[n] = torch.cat([tensor[position] for tensor in flat])
             step_counts[n] = int(steps[position])
             if sums is not None:
                 metrics[n] = {TRAIN_LOSS: mean_loss(sums[position], step_counts[n])}

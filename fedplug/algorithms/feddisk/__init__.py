@@ -214,7 +214,7 @@ class SampleWeightedLoss(LossTransform):
         if not path.exists():
             return None, path
         result = load_weights(path, self.config)
-        sizes = [client.num_samples for client in federation.clients]
+        sizes = federation.client_sizes.tolist()
         check_sizes(result, sizes, source=f"cached FedDisk weights {str(path)!r}")
         return result, path
 
