@@ -1314,7 +1314,8 @@ compute the evaluation's batches (combined in batch order, so every number is th
 main process would compute; only when the main process, like the workers, uses one torch
 thread), and they keep freed memory for reuse instead of mapping fresh pages for every
 batch of CNN activations. The same benchmark, K=100 clients of 600 samples, one round of
-all 100 clients, every usable CPU as a worker ("fork" is the first round's):
+all 100 clients, every usable CPU as a worker ("fork" and "stop": medians over the timed
+rounds, 0 once the warm-up round's workers are reused):
 
 {render_text(results, "engines_parallel")}
 
