@@ -14,6 +14,7 @@ import torch
 from fedplug.algorithms.fedgsp import cpd_summary
 from fedplug.config import validate_section
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds
+from fedplug.data import partitions as partitions_module
 from fedplug.data.build import build_federation, load_dataset, make_partition
 from fedplug.data.datasets import make_synthetic
 from fedplug.data.federation import ClientArrays, ClientData, Federation
@@ -240,8 +241,7 @@ def test_a_saved_partition_loads_as_the_same_clients(tmp_path) -> None:
 
 
 def dirichlet_client_counts_reference(class_sizes, client_sizes, alpha, rng):
-    """The per-client loop as written before the fast path (rng.dirichlet, then the
-    general capped draw for every client)."""
+    """Client after client: q_k = rng.dirichlet, then the general capped draw."""
     class_sizes = np.asarray(class_sizes, dtype=np.int64)
     present = class_sizes > 0
     prior = class_sizes[present] / class_sizes.sum()
@@ -258,23 +258,56 @@ def dirichlet_client_counts_reference(class_sizes, client_sizes, alpha, rng):
 @pytest.mark.parametrize(
     ("class_sizes", "client_sizes", "alpha"),
     [
-        ([100] * 10, [10] * 100, 1.0),  # classes run out at the end: the general step
-        ([1000, 0, 50, 3000], [20] * 200 + [50], 0.5),  # an absent class: general step throughout
+        ([20] * 5, [10] * 10, 1.0),  # classes run out at the end
+        ([100, 0, 5, 300], [20] * 20, 0.5),  # an absent class, a class that runs out early
         ([30, 70], [20] * 5, 0.01),  # tiny alpha: numpy's stick-breaking dirichlet
-        ([5000] * 10, [50] * 1000, 100.0),
-        ([200, 200, 200, 1], [15] * 40 + [0, 1], 1.0),  # a class of one sample, empty clients
+        ([40, 40, 40, 1], [15] * 8 + [0, 1], 1.0),  # a class of one sample, empty clients
     ],
 )
-def test_dirichlet_client_counts_equal_the_per_client_reference(class_sizes, client_sizes, alpha) -> None:
+def test_dirichlet_client_counts_have_the_distribution_of_the_per_client_loop(
+    class_sizes, client_sizes, alpha
+) -> None:
     class_sizes = np.array(class_sizes)
     client_sizes = np.array(client_sizes)
     client_sizes[-1] += class_sizes.sum() - client_sizes.sum()
-    expected_rng, rng = np.random.default_rng(11), np.random.default_rng(11)
-    expected = dirichlet_client_counts_reference(class_sizes, client_sizes, alpha, expected_rng)
-    counts = dirichlet_client_counts(class_sizes, client_sizes, alpha, rng)
+    runs = 1500
+    batched = np.array(
+        [dirichlet_client_counts(class_sizes, client_sizes, alpha, np.random.default_rng(s)) for s in range(runs)]
+    )
+    reference = np.array(
+        [
+            dirichlet_client_counts_reference(class_sizes, client_sizes, alpha, np.random.default_rng(10**6 + s))
+            for s in range(runs)
+        ]
+    )
+    assert (batched.sum(axis=1) == class_sizes).all() and (batched.sum(axis=2) == client_sizes).all()
+    # Per (client, class): the difference of the two means in standard errors. At most
+    # 44 cells, so |z| > 4.5 by chance has probability below 3e-4 (normal tails).
+    for statistic in (batched.astype(float), (batched > 0).astype(float)):
+        other = reference if statistic.max() > 1 else (reference > 0)
+        error = np.sqrt(statistic.var(axis=0) / runs + other.var(axis=0) / runs)
+        z = np.abs(statistic.mean(axis=0) - other.mean(axis=0)) / np.maximum(error, 1e-9)
+        assert z.max() < 4.5, (np.unravel_index(z.argmax(), z.shape), z.max())
+
+
+def test_dirichlet_client_counts_on_an_ample_pool_are_one_dirichlet_and_one_multinomial_call() -> None:
+    # No class can run out (each holds more than all clients together take), so every
+    # client keeps its multinomial draw: the counts are numpy's two batched calls.
+    class_sizes, client_sizes, alpha = np.array([500, 300, 200]), np.array([7, 9, 4, 12]), 0.8
+    expected_rng = np.random.default_rng(3)
+    label_mix = expected_rng.dirichlet(alpha * class_sizes / class_sizes.sum(), size=4)
+    expected = expected_rng.multinomial(client_sizes, label_mix)
+
+    counts = dirichlet_client_counts(class_sizes, client_sizes, alpha, np.random.default_rng(3))
+
     assert np.array_equal(counts, expected)
-    assert counts.sum(axis=0).tolist() == class_sizes.tolist()
-    assert expected_rng.random() == rng.random()  # and the stream is left in the same place
+
+
+def test_dirichlet_client_counts_batches_join_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Batches of 3 clients: the pool carried from batch to batch is used up exactly.
+    monkeypatch.setattr(partitions_module, "DIRICHLET_CLIENT_BATCH", 3)
+    counts = dirichlet_client_counts(np.array([17, 9, 4]), np.array([3] * 10), 0.3, np.random.default_rng(5))
+    assert counts.sum(axis=0).tolist() == [17, 9, 4] and counts.sum(axis=1).tolist() == [3] * 10
 
 
 # ------------------------------------------------------------------ synthetic data

@@ -40,7 +40,6 @@ of a client into local train and test parts is never class-sorted.
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import tempfile
@@ -506,6 +505,11 @@ def dirichlet_class_counts(
     )
 
 
+DIRICHLET_CLIENT_BATCH = 1 << 16
+"""Clients whose label mixes and first multinomial draws :func:`dirichlet_client_counts`
+draws in one numpy call each."""
+
+
 def dirichlet_client_counts(
     class_sizes: np.ndarray,
     client_sizes: np.ndarray,
@@ -517,82 +521,76 @@ def dirichlet_client_counts(
     Client k (in order 0..K-1) draws q_k ~ Dir(alpha * p), p = ``class_sizes / n``, and
     fills its ``client_sizes[k]`` slots with classes drawn from q_k without replacement
     from the shared pool; once a class runs out, q_k is renormalised over the classes
-    left. Drawing the slots one by one is the same, in distribution, as drawing them in
-    batches: a multinomial over the open classes, capping each class at what is left and
-    redrawing the overflow over the classes still open (at most C batches per client).
-    Should q_k put no mass at all on the classes left (possible at tiny alpha), the client
-    is filled in proportion to the pool instead, where the one-by-one process would never
-    finish.
+    left. Should q_k put no mass at all on the classes left (possible at tiny alpha), the
+    client is filled in proportion to the pool instead, where the one-by-one process would
+    never finish.
+
+    Drawn in batches of :data:`DIRICHLET_CLIENT_BATCH` clients: the batch's q_k in one
+    call, then each client's slots as one multinomial over all classes, in one call. A
+    client whose multinomial fits in what the clients before it left keeps it (drawing
+    those same slots one by one would never meet an empty class); one whose draw does not
+    fit keeps what fits and redraws the overflow over the classes still open
+    (:func:`draw_without_replacement`). The distribution is that of drawing client after
+    client; the numbers of a seed are not those of fedplug's earlier client-by-client loop.
     """
     class_sizes = np.asarray(class_sizes, dtype=np.int64)
-    present = class_sizes > 0
-    prior = class_sizes[present] / class_sizes.sum()
-    concentration = alpha * prior
+    client_sizes = np.asarray(client_sizes, dtype=np.int64)
+    present = np.flatnonzero(class_sizes > 0)
+    concentration = alpha * class_sizes[present] / class_sizes.sum()
     remaining = class_sizes.copy()
     counts = np.zeros((len(client_sizes), class_sizes.size), dtype=np.int64)
-    # The fast path below draws exactly what the general step draws, with fewer numpy
-    # calls: it applies while every class is present and still holds at least the
-    # client's size (then no class can run out during the client's draw, so the draw
-    # is one multinomial). ``floor`` is a lower bound of the smallest class left,
-    # refreshed from ``counts`` only when it no longer proves that.
-    fast = bool(present.all())
-    mixture = _DirichletMixture(concentration, rng)
-    synced, floor = 0, _smallest(remaining)
-    for client, size in enumerate(np.asarray(client_sizes, dtype=np.int64).tolist()):
-        if fast and 0 < size and floor < size:
-            remaining -= counts[synced:client].sum(axis=0)
-            synced, floor = client, _smallest(remaining)
-        label_mix = None
-        if fast and 0 < size <= floor:
-            label_mix = mixture.draw()
-            total = np.add.reduce(label_mix)  # label_mix.sum(), without the method's wrappers
-            if math.isfinite(total) and total > 0:
-                counts[client] = rng.multinomial(size, np.divide(label_mix, total, out=label_mix))
-                floor -= size
-                continue
-            # Not reached in practice (the mixture sums to about 1): the general step
-            # falls back to the pool's proportions.
-        remaining -= counts[synced:client].sum(axis=0)
-        if label_mix is None:
-            label_mix = np.zeros(class_sizes.size)
-            label_mix[present] = mixture.draw()
-        counts[client] = draw_without_replacement(size, label_mix, remaining, rng)
-        remaining -= counts[client]
-        synced, floor = client + 1, _smallest(remaining)
+    for start in range(0, len(client_sizes), DIRICHLET_CLIENT_BATCH):
+        sizes = client_sizes[start : start + DIRICHLET_CLIENT_BATCH]
+        label_mix = np.zeros((len(sizes), class_sizes.size))
+        label_mix[:, present] = rng.dirichlet(concentration, size=len(sizes))
+        # A mix numpy could not normalise (every gamma variate underflowed) gets no
+        # multinomial of its own: its client is filled from the pool.
+        usable = np.isfinite(label_mix).all(axis=1) & (label_mix.sum(axis=1) > 0)
+        placeholder = 1.0 / class_sizes.size
+        drawn = rng.multinomial(sizes, np.where(usable[:, None], label_mix, placeholder))
+        drawn[~usable] = -1  # never fits
+        batch = counts[start : start + len(sizes)]
+        _keep_what_fits(batch, drawn, sizes, label_mix, remaining, rng)
     return counts
 
 
-def _smallest(values: np.ndarray) -> int:
-    return int(values.min()) if values.size else 0
-
-
-class _DirichletMixture:
-    """``rng.dirichlet(concentration)``, drawn again on each call: the same numbers from
-    the same stream. Where numpy normalises gamma variates (every concentration at least
-    0.1; below, numpy breaks a stick with beta variates and this calls it), the gammas
-    are drawn and normalised here as numpy's ``Generator.dirichlet`` does (sequential
-    sum, one reciprocal, one product each), without its per-call argument checks."""
-
-    def __init__(self, concentration: np.ndarray, rng: np.random.Generator) -> None:
-        self.concentration = np.ascontiguousarray(concentration, dtype=np.float64)
-        self.rng = rng
-        self.by_gammas = self.concentration.size > 0 and bool(self.concentration.max() >= 0.1)
-        self.equal = self.by_gammas and bool((self.concentration == self.concentration[0]).all())
-        """All concentrations equal (balanced classes): one scalar-shape gamma call draws
-        the same variates in the same order, several times faster than an array shape."""
-        self.shape = float(self.concentration[0]) if self.concentration.size else 0.0
-
-    def draw(self) -> np.ndarray:
-        if not self.by_gammas:
-            return self.rng.dirichlet(self.concentration)
-        if self.equal:
-            gammas = self.rng.standard_gamma(self.shape, self.concentration.size)
+def _keep_what_fits(
+    counts: np.ndarray,
+    drawn: np.ndarray,
+    sizes: np.ndarray,
+    label_mix: np.ndarray,
+    remaining: np.ndarray,
+    rng: np.random.Generator,
+) -> None:
+    """Fill a batch's rows of ``counts`` from its multinomial draws (rows of -1: none),
+    client after client in effect, taking them from ``remaining``. Runs of clients whose
+    draws fit are found by one cumulative sum over a window, doubled while every draw
+    fits: the pool runs short only near the end of a partition."""
+    position, window = 0, 64
+    while position < len(drawn):
+        block = drawn[position : position + window]
+        found = remaining - (np.cumsum(block, axis=0) - block)  # what each client finds
+        misfits = np.flatnonzero(((block > found) | (block < 0)).any(axis=1))
+        fitting = int(misfits[0]) if misfits.size else len(block)
+        counts[position : position + fitting] = block[:fitting]
+        remaining -= block[:fitting].sum(axis=0)
+        position += fitting
+        if not misfits.size:
+            window *= 2
+            continue
+        first_draw = block[fitting]
+        if first_draw[0] < 0:  # no usable mix: the pool's proportions
+            counts[position] = draw_without_replacement(
+                int(sizes[position]), label_mix[position], remaining, rng
+            )
         else:
-            gammas = self.rng.standard_gamma(self.concentration)
-        total = 0.0
-        for value in gammas.tolist():
-            total = total + value
-        return np.multiply(gammas, 1.0 / total, out=gammas)
+            kept = np.minimum(first_draw, remaining)
+            overflow = int(first_draw.sum() - kept.sum())
+            counts[position] = kept + draw_without_replacement(
+                overflow, label_mix[position], remaining - kept, rng
+            )
+        remaining -= counts[position]
+        position, window = position + 1, 64
 
 
 def draw_without_replacement(
