@@ -644,7 +644,8 @@ class VectorizedEngine:
         loss_sums = (
             torch.zeros(len(members), dtype=torch.float64, device=device) if report_loss else None
         )
-        self.model.train()
+        if analytic is None:  # functional_call runs the modules (the analytic path does not)
+            self.model.train()
 
         active = -1
         for step in range(int(steps[0]) if len(steps) else 0):
