@@ -240,14 +240,14 @@ class Simulator:
             reply_metrics=self.reply_metrics,
             client_timeout=config.failures.client_timeout_seconds,
         )
-        result = RunResult(
+        result = self.core.run_result(
             history,
-            self.target_accuracy,
-            setup_rounds=setup_cost.rounds,
-            setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
+            self.algorithm.loss_transform,
+            target_accuracy=self.target_accuracy,
+            engine=self.engine.name,
+            setup_cost=setup_cost,
             setup_seconds=self._setup_seconds,
-            derived_params=self.derived_params(),
-            setup_report=self.algorithm.loss_transform.setup_report(),
+            **self.engine.derived_params(),
         )
         try:
             for round_index in range(len(history), config.rounds):
