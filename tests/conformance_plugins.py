@@ -223,6 +223,14 @@ class MeanWeighted(LossTransform):
         weights = context[SAMPLE_WEIGHT_KEY].to(logits.device)
         return weights.gather(0, sample_ids) * F.cross_entropy(logits, targets, reduction="none")
 
+    def setup_report(self) -> dict[str, Any]:
+        """How many clients the phase weighted and their samples' mean weight (empty
+        where the weights stay on the clients, and before the phase)."""
+        if not self.weights:
+            return {}
+        pooled = torch.cat([self.weights[client] for client in sorted(self.weights)])
+        return {"weighted_clients": len(self.weights), "mean_weight": float(pooled.double().mean())}
+
     def state_dict(self) -> dict[str, Any]:
         return {} if self.weights is None else {"weights": dict(self.weights)}
 

@@ -28,10 +28,11 @@ sees all six, in chains of 6 and then 3):
   only).
 
 "The same" means: the same final model (within 1e-5; in one process it is bit for bit),
-round records with accuracy and loss within 1e-5 and every other field (failures,
-participants, bytes, cost model, the components' metrics) equal, the same setup phase
-cost, and the same derived params apart from each runtime's own entries. For the drop-in,
-the whole result summary (``metrics.json``) but the wall times.
+and the whole result summary (``metrics.json``) but the wall times: round records with
+accuracy and loss within 1e-5 and every other field (failures, participants, bytes, cost
+model, the components' metrics) equal, the same setup phase cost and setup report, and
+the same derived params apart from each runtime's own entries. The adapter's own run
+also measures its setup's wall time, as the simulator does.
 """
 
 from __future__ import annotations
@@ -362,11 +363,10 @@ def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunR
     result, vector = run_on_fedml(config, federation)
     assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
     assert len(result.history) == config.train.rounds
-    assert_same_history(result, reference)
-    assert result.setup_rounds == reference.setup_rounds
-    assert result.setup_bytes == reference.setup_bytes
+    assert_same_summary(result, reference)
+    # Both time their setup (the loss transform's preparation and phase), however short.
+    assert result.setup_seconds > 0 and reference.setup_seconds > 0
     assert result.derived_params["engine"] == ENGINE_NAME
-    assert without_runtime(result.derived_params) == without_runtime(reference.derived_params)
     return reference, result
 
 
@@ -414,8 +414,10 @@ def test_test_only_plugins_conform(federation):
     # Execute
     reference, result = assert_conform(config, federation)
 
-    # Assert: the setup phase ran (two steps) and the plugins' own reports arrived.
+    # Assert: the setup phase ran (two steps, weighting all 6 clients) and the plugins'
+    # own reports arrived.
     assert result.setup_rounds == 2
+    assert result.setup_report["weighted_clients"] == 6
     assert "conformance_effective_lr" in result.derived_params
     assert {"chain_count", "largest_chain"} <= result.history[0].metrics.keys()
     assert result.history[0].metrics["largest_chain"] == 2
