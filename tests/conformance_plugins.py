@@ -42,7 +42,7 @@ from fedplug.components import (
     RoundPlan,
     WeightedMean,
 )
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, RegisterGrouper, RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep
@@ -333,16 +333,16 @@ def make_plugin() -> types.ModuleType:
     module = types.ModuleType(PLUGIN_NAME)
 
     @hookimpl
-    def fedplug_register_aggregators(register: Register) -> None:
+    def fedplug_register_aggregators(register: RegisterAggregator) -> None:
         register(AGGREGATOR, ConformanceMomentumConfig, ConformanceMomentum)
 
     @hookimpl
-    def fedplug_register_loss_transforms(register: Register) -> None:
+    def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
         register(LOSS_TRANSFORM, MeanWeightedConfig, MeanWeighted)
         register(FAULTY_LOSS_TRANSFORM, FaultyConfig, Faulty)
 
     @hookimpl
-    def fedplug_register_groupers(register: Register) -> None:
+    def fedplug_register_groupers(register: RegisterGrouper) -> None:
         register(GROUPER, PairsConfig, Pairs)
 
     hooks = (
