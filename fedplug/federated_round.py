@@ -33,7 +33,8 @@ they move models and messages. Everything else about a round lives here, once:
    and the injected faults (``faults_*`` counts, and ``dropped``: which clients were
    dropped and why), as one :class:`RoundRecord`;
 6. **derived params** (:meth:`RoundCore.derived_params`): what the components' configs
-   report about themselves, plus the runtime's own entries.
+   report about themselves, plus the runtime's own entries; with the rounds and the
+   setup, they make the run's result (:meth:`RoundCore.run_result`).
 
 Nothing here names an algorithm: components describe themselves through
 :mod:`fedplug.components`.
@@ -53,12 +54,20 @@ import torch
 from torch import Tensor
 
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
-from fedplug.components import Aggregator, ClientNeeds, ClientUpdate, Grouper, RoundPlan
+from fedplug.components import (
+    Aggregator,
+    ClientNeeds,
+    ClientUpdate,
+    Grouper,
+    LossTransform,
+    PhaseCost,
+    RoundPlan,
+)
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
 from fedplug.round_screen import ClientFailure, HandedUpdates, Outcome, Tally, chain_key, retract, screen
 from fedplug.screening import ScreeningConfig, ScreeningRules, over_weight_share
-from fedplug.simulation.results import RoundRecord
+from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.vectors import all_finite
 
 logger = logging.getLogger("fedplug.round")
@@ -69,6 +78,8 @@ GROUPER_STREAM = 0x6E0
 """Tag of the generator handed to :meth:`fedplug.components.Grouper.plan`."""
 SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
 """The component slots of a ``train`` config."""
+NO_SETUP = PhaseCost(0, 0, 0)
+"""The cost of a run without a setup phase."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,14 @@ def sampled_round(
 def participants(plan: RoundPlan) -> list[int]:
     """Every client that trains in ``plan``, chain by chain."""
     return [client for chain in plan.chains for client in chain]
+
+
+def round_steps(plan: RoundPlan) -> int:
+    """The steps a round of ``plan`` takes on a runtime that trains one member of every
+    chain per step (FedML: one FedML round per step): its longest chain, and one for a
+    round that nobody is left to train (every sampled client dropped out,
+    ``train.faults.dropout``), which still happens and keeps the global model."""
+    return max((len(chain) for chain in plan.chains), default=1)
 
 
 # ----------------------------------------------------------------------- weight rule
@@ -609,6 +628,31 @@ class RoundCore:
         (:meth:`fedplug.components.ComponentConfig.derived_values`), the model's size and
         FLOPs, the engine, and the runtime's ``runtime_entries``."""
         return derived_params(self.config, engine, self.model_bytes, self.train_flops, **runtime_entries)
+
+    def run_result(
+        self,
+        history: list[RoundRecord],
+        loss_transform: LossTransform,
+        *,
+        target_accuracy: float | None,
+        engine: str,
+        setup_cost: PhaseCost = NO_SETUP,
+        setup_seconds: float = 0.0,
+        **runtime_entries: Any,
+    ) -> RunResult:
+        """The run's result, the same on every runtime: ``history`` (the list the runtime
+        appends each round's record to), the setup's cost (default none) and wall time, the
+        loss transform's :meth:`~fedplug.components.LossTransform.setup_report`, and
+        :meth:`derived_params` with ``engine`` and the runtime's ``runtime_entries``."""
+        return RunResult(
+            history,
+            target_accuracy,
+            setup_rounds=setup_cost.rounds,
+            setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
+            setup_seconds=setup_seconds,
+            derived_params=self.derived_params(engine, **runtime_entries),
+            setup_report=loss_transform.setup_report(),
+        )
 
 
 def derived_params(train_config: Any, engine: str, model_bytes: int, train_flops: int, **runtime_entries: Any) -> dict[str, Any]:

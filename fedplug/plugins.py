@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
@@ -150,57 +151,86 @@ def _fix(manager: pluggy.PluginManager, plugin_name: str) -> str:
 
 
 def collect_registry(manager: pluggy.PluginManager) -> Registry:
-    """Call every plugin's register hooks and gather what they register."""
+    """Call every register hook through pluggy and gather what the plugins register."""
     registry = Registry(sources=getattr(manager, "sources", {}))
     for kind in KINDS:
-        for implementation, plugin_name in _implementations(manager, f"fedplug_register_{kind}"):
-
-            def register(name: Any, config_class: Any, factory: Any, *, _kind=kind, _plugin=plugin_name) -> None:
-                registry.register(_kind, _plugin, name, config_class, factory)
-
-            _call_hook(manager, implementation, plugin_name, f"fedplug_register_{kind}", register)
-    collect_trackers(manager, registry)
+        add = functools.partial(registry.add, kind)
+        call_register_hook(manager, f"fedplug_register_{kind}", add)
+    call_register_hook(manager, "fedplug_register_trackers", registry.register_tracker)
     return registry
 
 
-def collect_trackers(manager: pluggy.PluginManager, registry: Registry) -> None:
-    """Call every plugin's ``fedplug_register_trackers`` and add what it registers."""
-    for implementation, plugin_name in _implementations(manager, "fedplug_register_trackers"):
-
-        def register(name: Any, factory: Any, *, _plugin: str = plugin_name) -> None:
-            registry.register_tracker(_plugin, name, factory)
-
-        _call_hook(manager, implementation, plugin_name, "fedplug_register_trackers", register)
-
-
-def _implementations(manager: pluggy.PluginManager, hook_name: str) -> list[tuple[Any, str]]:
-    """Each implementation of ``hook_name`` with the name of the plugin it belongs to."""
-    return [
-        (implementation, manager.get_name(implementation.plugin) or repr(implementation.plugin))
-        for implementation in getattr(manager.hook, hook_name).get_hookimpls()
-    ]
-
-
-def _call_hook(
-    manager: pluggy.PluginManager, implementation: Any, plugin_name: str, hook_name: str, register: Any
+def call_register_hook(
+    manager: pluggy.PluginManager, hook_name: str, add: Callable[..., None]
 ) -> None:
-    """Call one register hook; a plugin that raises or returns a value is named in the
-    error (with its distribution and entry point when it was installed)."""
-    source = describe_plugin(manager, plugin_name)
+    """Call ``hook_name`` once through pluggy (its order, ``tryfirst``/``trylast`` and
+    hook wrappers apply) with a ``register`` callback that hands ``add`` the name of the
+    plugin registering and the callback's arguments: ``add(plugin, *arguments)``.
+
+    Each implementation is labelled with its plugin for the call (:func:`_labelled`):
+    pluggy's hook wrappers and ``add_hookcall_monitoring`` see the hook call as a whole,
+    not which implementation is running, and calling the plugins one at a time
+    (``subset_hook_caller``) would run every wrapper once per plugin and put the order
+    back in our hands.
+    """
+    hook = getattr(manager.hook, hook_name)
+    running: list[str] = []  # the plugin whose implementation runs now; empty between them
+
+    def register(*arguments: Any) -> None:
+        if not running:
+            raise PluginError(
+                f"register(...) was called outside an implementation of {hook_name} "
+                "(from a hook wrapper?); register components from a plain @hookimpl"
+            )
+        add(running[-1], *arguments)
+
+    implementations = [
+        implementation
+        for implementation in hook.get_hookimpls()
+        if not (implementation.wrapper or implementation.hookwrapper)
+    ]
+    originals = [implementation.function for implementation in implementations]
+    for implementation in implementations:
+        # HookImpl.function is typed Final; it is swapped for this call only and restored.
+        implementation.function = _labelled(manager, implementation, hook_name, running)
     try:
-        result = implementation.function(register=register)
-    except Exception as error:  # a bug or a missing resource in the plugin
-        if isinstance(error, FedplugError) and source in str(error):
-            raise  # the registry's refusal of what the plugin registered: it names the plugin
-        raise PluginError(
-            f"{source}: {hook_name} raised {type(error).__name__}: {one_line(error)}; "
-            f"{_fix(manager, plugin_name)}"
-        ) from error
-    if result is not None:
-        raise PluginError(
-            f"{source}: {hook_name} must call register(...) and return "
-            f"None, but it returned {type(result).__name__}"
-        )
+        hook(register=register)
+    finally:
+        for implementation, function in zip(implementations, originals):
+            implementation.function = function
+
+
+def _labelled(
+    manager: pluggy.PluginManager, implementation: Any, hook_name: str, running: list[str]
+) -> Callable[..., None]:
+    """``implementation``'s function, marking its plugin as ``running`` while it runs; a
+    plugin whose hook raises or returns a value is named in the error (with its
+    distribution and entry point when it was installed)."""
+    function = implementation.function
+    plugin_name = implementation.plugin_name
+    source = describe_plugin(manager, plugin_name)
+
+    @functools.wraps(function)
+    def labelled(*args: Any, **kwargs: Any) -> None:
+        running.append(plugin_name)
+        try:
+            result = function(*args, **kwargs)
+        except Exception as error:  # a bug or a missing resource in the plugin
+            if isinstance(error, FedplugError) and source in str(error):
+                raise  # the registry's refusal of what the plugin registered: it names the plugin
+            raise PluginError(
+                f"{source}: {hook_name} raised {type(error).__name__}: {one_line(error)}; "
+                f"{_fix(manager, plugin_name)}"
+            ) from error
+        finally:
+            running.pop()
+        if result is not None:
+            raise PluginError(
+                f"{source}: {hook_name} must call register(...) and return "
+                f"None, but it returned {type(result).__name__}"
+            )
+
+    return labelled
 
 
 @functools.cache

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fedplug.components import ComponentConfig
 from fedplug.errors import ConfigError, PluginError
@@ -18,6 +19,16 @@ KINDS = (
     "aggregators",
     "groupers",
 )
+
+
+def literal_name(config_class: type[ComponentConfig]) -> str | None:
+    """``"fedavgm"`` for a config class declaring ``name: Literal["fedavgm"]``; None when
+    its ``name`` is not a Literal of exactly one string."""
+    annotation = config_class.model_fields["name"].annotation
+    arguments = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal and len(arguments) == 1:
+        return arguments[0] if isinstance(arguments[0], str) else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -71,13 +82,23 @@ class Registry:
             raise PluginError(f"{where}: the name must be a non-empty string")
         existing = self._trackers.get(name)
         if existing is not None:
-            raise PluginError(
-                f"{where}: the name is already registered by {self.describe(existing.plugin)}; "
-                "rename one of them"
-            )
+            raise self._taken("tracker", name, plugin, existing.plugin)
         if not callable(factory):
             raise PluginError(f"{where}: the factory must be callable, got {factory!r}")
         self._trackers[name] = TrackerRegistration(name, factory, plugin)
+
+    def _taken(self, what: str, name: str, plugin: str, first: str) -> PluginError:
+        """The error for two plugins registering one name. Which registers first is
+        pluggy's order (``tryfirst``, ``trylast``, the latest registered plugin first), so
+        the error leads with the installed plugin when only one of them is: it is the one
+        the user can rename or uninstall."""
+        lead, other = plugin, first
+        if other in self._sources and lead not in self._sources:
+            lead, other = other, lead
+        return PluginError(
+            f"{self.describe(lead)} registering {what} {name!r}: the name is also registered "
+            f"by {self.describe(other)}; rename one of them"
+        )
 
     def tracker_entries(self) -> list[TrackerRegistration]:
         return [self._trackers[name] for name in sorted(self._trackers)]
@@ -91,6 +112,41 @@ class Registry:
                 f"tracking.backends: unknown tracker {name!r}; registered: "
                 f"{', '.join(sorted(self._trackers)) or 'none'}"
             ) from None
+
+    def add(self, kind: str, plugin: str, *arguments: Any) -> None:
+        """Add what one ``register(...)`` call of ``plugin`` passed: ``(config_class,
+        factory)``, named by the config class, or the old ``(name, config_class,
+        factory)``."""
+        if len(arguments) == 3:
+            self.register(kind, plugin, *arguments)
+            return
+        if len(arguments) != 2:
+            raise PluginError(
+                f"{self.describe(plugin)} registering {kind[:-1]}: register takes "
+                f"(ConfigClass, factory), or the old (name, ConfigClass, factory); "
+                f"got {len(arguments)} arguments"
+            )
+        config_class, factory = arguments
+        name = self._declared_name(kind, plugin, config_class)
+        self.register(kind, plugin, name, config_class, factory)
+
+    def _declared_name(self, kind: str, plugin: str, config_class: Any) -> str:
+        """The one string of ``config_class.name: Literal[...]``: the component's name."""
+        class_name = getattr(config_class, "__name__", repr(config_class))
+        where = f"{self.describe(plugin)} registering {kind[:-1]} by config class {class_name}"
+        if not (isinstance(config_class, type) and issubclass(config_class, ComponentConfig)):
+            raise PluginError(
+                f"{where}: the config class must subclass fedplug.components.ComponentConfig"
+            )
+        name = literal_name(config_class)
+        if name is None:
+            annotation = config_class.model_fields["name"].annotation
+            shown = annotation.__name__ if isinstance(annotation, type) else repr(annotation)
+            raise PluginError(
+                f"{where}: {class_name}.name is {shown.replace('typing.', '')}; "
+                f"declare it as Literal['its-name'] (one string) to name the {kind[:-1]}"
+            )
+        return name
 
     def register(
         self,
@@ -106,19 +162,13 @@ class Registry:
             raise PluginError(f"{where}: the name must be a non-empty string")
         existing = self._entries[kind].get(name)
         if existing is not None:
-            raise PluginError(
-                f"{where}: the name is already registered by {self.describe(existing.plugin)}; "
-                "rename one of them"
-            )
+            raise self._taken(kind[:-1], name, plugin, existing.plugin)
         if not (isinstance(config_class, type) and issubclass(config_class, ComponentConfig)):
             raise PluginError(
                 f"{where}: the config class must subclass fedplug.components.ComponentConfig, "
                 f"got {config_class!r}"
             )
-        annotation = config_class.model_fields["name"].annotation
-        if typing.get_origin(annotation) is not typing.Literal or typing.get_args(annotation) != (
-            name,
-        ):
+        if literal_name(config_class) != name:
             raise PluginError(
                 f"{where}: {config_class.__name__}.name must be declared as Literal[{name!r}]"
             )

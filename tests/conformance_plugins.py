@@ -42,7 +42,7 @@ from fedplug.components import (
     RoundPlan,
     WeightedMean,
 )
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, RegisterGrouper, RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep
@@ -223,6 +223,14 @@ class MeanWeighted(LossTransform):
         weights = context[SAMPLE_WEIGHT_KEY].to(logits.device)
         return weights.gather(0, sample_ids) * F.cross_entropy(logits, targets, reduction="none")
 
+    def setup_report(self) -> dict[str, Any]:
+        """How many clients the phase weighted and their samples' mean weight (empty
+        where the weights stay on the clients, and before the phase)."""
+        if not self.weights:
+            return {}
+        pooled = torch.cat([self.weights[client] for client in sorted(self.weights)])
+        return {"weighted_clients": len(self.weights), "mean_weight": float(pooled.double().mean())}
+
     def state_dict(self) -> dict[str, Any]:
         return {} if self.weights is None else {"weights": dict(self.weights)}
 
@@ -325,16 +333,16 @@ def make_plugin() -> types.ModuleType:
     module = types.ModuleType(PLUGIN_NAME)
 
     @hookimpl
-    def fedplug_register_aggregators(register: Register) -> None:
+    def fedplug_register_aggregators(register: RegisterAggregator) -> None:
         register(AGGREGATOR, ConformanceMomentumConfig, ConformanceMomentum)
 
     @hookimpl
-    def fedplug_register_loss_transforms(register: Register) -> None:
+    def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
         register(LOSS_TRANSFORM, MeanWeightedConfig, MeanWeighted)
         register(FAULTY_LOSS_TRANSFORM, FaultyConfig, Faulty)
 
     @hookimpl
-    def fedplug_register_groupers(register: Register) -> None:
+    def fedplug_register_groupers(register: RegisterGrouper) -> None:
         register(GROUPER, PairsConfig, Pairs)
 
     hooks = (

@@ -58,8 +58,8 @@ def registered(module: Any, kind: str) -> Registry:
     registry = Registry()
     hook = getattr(module, f"fedplug_register_{kind}")
 
-    def register(name: str, config_class: Any, factory: Callable[..., Any]) -> None:
-        registry.register(kind, module.__name__, name, config_class, factory)
+    def register(*arguments: Any) -> None:
+        registry.add(kind, module.__name__, *arguments)
 
     assert hook(register=register) is None
     return registry

@@ -784,7 +784,7 @@ CASES: tuple[BadInput, ...] = (
         "plugin-name-taken",
         "an installed plugin registering a built-in's name",
         "of distribution 'fedplug-fedavg2' 1.0) registering aggregator 'fedavg': the name is "
-        "already registered by plugin 'fedplug.algorithms.fedavg'",
+        "also registered by plugin 'fedplug.algorithms.fedavg'",
         setup=_installed_plugin(
             "fedplug-fedavg2",
             _plugin_module("fedplug_register_aggregators", _register_fedavg_again),

@@ -297,3 +297,45 @@ def test_the_flower_strategy_refuses_a_damaged_checkpoint(tmp_path: Path) -> Non
     )
 
     assert "its 'global_vector' holds NaN or infinite values" in text and text.endswith(ADVICE)
+
+
+def test_a_flower_checkpoint_of_format_2_is_refused_saying_to_start_over(tmp_path: Path) -> None:
+    """Before the shared run state (format 3) the Flower strategy saved neither the loss
+    transform's state nor the client states nor the setup time; such a file is refused
+    with one line that says why and what to do, never resumed without them."""
+    from fedplug.adapters.flower import LoopbackGrid, make_client_app, run_on_grid
+
+    config = validate_experiment(experiment())
+    out = tmp_path / "out"
+    run_on_grid(LoopbackGrid(make_client_app(), 4), config, out_dir=out, federated_evaluation=False, track=False)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    state["history"] = state["history"][:1]
+    for key in ("loss_transform", "client_states", "setup_seconds"):
+        del state[key]
+    state["version"] = 2
+    torch.save(state, out / "checkpoint.pt")
+
+    text = refused_line(
+        lambda: run_on_grid(
+            LoopbackGrid(make_client_app(), 4), config, out_dir=out, federated_evaluation=False, track=False
+        ),
+        out / "checkpoint.pt",
+    )
+
+    assert "written by an older fedplug's Flower strategy (format 2)" in text
+    assert "'setup_seconds', 'loss_transform', 'client_states'" in text
+    assert text.endswith("delete it or pass another checkpoint_path to start over")
+
+
+def test_a_simulator_checkpoint_of_format_2_still_resumes(tmp_path: Path) -> None:
+    """The simulator's format 2 held what a run state holds: it resumes unchanged."""
+    out = tmp_path / "out"
+    config, state = finished_run(out, aggregator={"name": "fedavgm", "momentum": 0.9})
+    state["history"] = state["history"][:1]
+    state["version"] = 2
+    torch.save(state, out / "checkpoint.pt")
+
+    result = resume(config, out).run()
+
+    assert [record.round for record in result.history] == [1, 2]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["version"] == 3

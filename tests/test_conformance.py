@@ -6,24 +6,22 @@ the test-only plugins of :mod:`conformance_plugins` (a stateful aggregator with 
 and a reply extra, a loss transform with a two-step setup phase, a grouper with its own
 metrics), a two-round run on both runtimes must agree: accuracy and loss within 1e-5;
 the same participants, failures, bytes and component metrics every round; the same
-setup traffic and derived params (except ``engine``). So must a round where every client
-fails, a NaN update and a misshapen update.
+setup traffic and derived params (except ``engine``), a measured setup time on both, and
+the same checkpoint (``fedplug.run_state.RunState``) after the last round
+(:func:`assert_same_checkpoint` says what stays on Flower's nodes instead). So must a
+round where every client fails, a NaN update and a misshapen update.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, Message
-from flwr.clientapp import ClientApp
-
-import fedplug.plugins
-from conftest import SMALL_EXPERIMENT
 from conformance_plugins import (
     AGGREGATOR,
     FAULTY_LOSS_TRANSFORM,
@@ -32,8 +30,13 @@ from conformance_plugins import (
     conformance_registry,
     reset_faults,
 )
+from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import LoopbackGrid, make_client_app, run_on_grid
 from fedplug.adapters.flower.records import MODEL_KEY
+from flwr.app import Array, Message
+from flwr.clientapp import ClientApp
+
+import fedplug.plugins
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
@@ -156,6 +159,8 @@ def assert_same_records(flower: RunResult, simulated: RunResult) -> None:
         assert_same_record(ours, theirs)
     setup = ("setup_rounds", "setup_bytes")
     assert [getattr(flower, key) for key in setup] == [getattr(simulated, key) for key in setup]
+    # Both time their setup (the loss transform's preparation and phase), however short.
+    assert flower.setup_seconds > 0 and simulated.setup_seconds > 0
     assert without_engine(flower.derived_params) == pytest.approx(
         without_engine(simulated.derived_params), rel=1e-12
     )
@@ -179,15 +184,77 @@ def assert_same_record(ours: RoundRecord, theirs: RoundRecord) -> None:
     ), where
 
 
-def run_both(registry: Any, data: dict[str, Any]) -> tuple[Any, Any]:
-    """Run ``data`` on the simulator and on the loopback grid; the results and final
-    models, Flower's first."""
+def assert_same_checkpoint(
+    flower_out: Path, simulator_out: Path, reports: tuple[dict, dict], registry: Any, config: Any
+) -> None:
+    """The two runs' last checkpoints hold the same run state: the same keys, global
+    model, aggregator and grouper states, setup cost and round records (as
+    :func:`assert_same_record`), and a setup wall time each. What Flower keeps on its
+    nodes is in neither its checkpoint nor its result: the per-client states (the
+    simulator holds them exactly when a component declares ``client_state``), and the
+    result of the loss transform's setup phase, if it declares one (its state and setup
+    report, ``reports`` is Flower's and the simulator's, stay empty on the server);
+    without a phase both hold the same."""
+    flower = torch.load(flower_out / "checkpoint.pt", weights_only=True)
+    simulated = torch.load(simulator_out / "checkpoint.pt", weights_only=True)
+    assert flower.keys() == simulated.keys()
+    for key in ("global_vector", "aggregator", "grouper", "setup_cost", "version"):
+        assert_same_state(flower[key], simulated[key], key)
+    for ours, theirs in zip(flower["history"], simulated["history"], strict=True):
+        assert_same_record(RoundRecord.from_dict(ours), RoundRecord.from_dict(theirs))
+    assert flower["setup_seconds"] > 0 and simulated["setup_seconds"] > 0
+    train = config.train
+    loss_transform = registry.build("loss_transforms", train.loss_transform)
+    needs = client_needs(
+        registry.build("samplers", train.sampler),
+        loss_transform,
+        registry.build("aggregators", train.aggregator, NUM_CLIENTS),
+        registry.build("groupers", train.grouper),
+    )
+    assert flower["client_states"] == {}
+    assert bool(simulated["client_states"]) == needs.client_state
+    if loss_transform.setup_phase() is None:
+        assert_same_state(flower["loss_transform"], simulated["loss_transform"], "loss_transform")
+        assert reports[0] == reports[1]
+    else:
+        assert flower["loss_transform"] == {} and simulated["loss_transform"] != {}
+        assert reports[0] == {}
+
+
+def assert_same_state(ours: Any, theirs: Any, where: str) -> None:
+    """Equal nested states: tensors within 1e-5, every other value equal."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), where
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=where)
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
+        for key in theirs:
+            assert_same_state(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for index, (mine, other) in enumerate(zip(ours, theirs)):
+            assert_same_state(mine, other, f"{where}[{index}]")
+    else:
+        assert ours == theirs, where
+
+
+def run_both(registry: Any, data: dict[str, Any], out: Path | None = None) -> tuple[Any, Any]:
+    """Run ``data`` on the simulator and on the loopback grid (writing their folders,
+    checkpoint included, to ``out / "simulator"`` and ``out / "flower"`` when ``out`` is
+    given); the results and final models, Flower's first."""
     config = validate_experiment(data, registry)
     reset_faults()
-    simulated, simulator = run_experiment(config, None, registry=registry)
+    simulated, simulator = run_experiment(config, out / "simulator" if out else None, registry=registry)
     reset_faults()
     grid = LoopbackGrid(make_client_app(), NUM_CLIENTS)
-    flower, strategy = run_on_grid(grid, config, registry=registry, federated_evaluation=False)
+    flower, strategy = run_on_grid(
+        grid,
+        config,
+        out_dir=out / "flower" if out else None,
+        registry=registry,
+        federated_evaluation=False,
+        track=False,
+    )
     return (flower, strategy.final_vector), (simulated, simulator.final_vector)
 
 
@@ -196,14 +263,17 @@ def run_both(registry: Any, data: dict[str, Any]) -> tuple[Any, Any]:
 
 @pytest.mark.parametrize("names", combinations())
 def test_flower_gives_the_simulators_records(
-    plugins_everywhere: Any, names: dict[str, str]
+    plugins_everywhere: Any, names: dict[str, str], tmp_path: Path
 ) -> None:
     # Prepare
     data = experiment_dict(names)
     # Execute
-    (flower, flower_vector), (simulated, simulator_vector) = run_both(plugins_everywhere, data)
-    # Assert: the same records, and no combination agrees by failing alike.
+    (flower, flower_vector), (simulated, simulator_vector) = run_both(plugins_everywhere, data, tmp_path)
+    # Assert: the same records and checkpoints, and no combination agrees by failing alike.
     assert_same_records(flower, simulated)
+    config = validate_experiment(data, plugins_everywhere)
+    reports = (flower.setup_report, simulated.setup_report)
+    assert_same_checkpoint(tmp_path / "flower", tmp_path / "simulator", reports, plugins_everywhere, config)
     assert [record.failures for record in simulated.history] == [0] * ROUNDS
     torch.testing.assert_close(flower_vector, simulator_vector, rtol=0, atol=1e-5)
 
@@ -239,6 +309,8 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
         assert metrics == [{"chain_count": 2.0, "largest_chain": 2.0}] * ROUNDS
         assert result.derived_params["conformance_effective_lr"] == pytest.approx(0.5 / (1 - 0.5))
         assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4)
+    # The phase's weights, and so its report, stay on Flower's nodes.
+    assert simulated.setup_report["weighted_clients"] == NUM_CLIENTS and flower.setup_report == {}
 
 
 # ----------------------------------------------------------------------- failures

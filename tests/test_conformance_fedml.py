@@ -1,10 +1,14 @@
 """Conformance of the FedML adapter: the simulator and FedML's path give the same rounds.
 
 Run by ``make test-fedml`` in ``.venv-fedml``; skipped in the main environment (no
-FedML). FedML's path is the adapter's server (``Coordinator`` inside FedML's
-``ServerAggregator``) and workers (``Worker`` inside FedML's ``ClientTrainer``), called in
-process in the order FedML's cross-silo managers call them; the real ``mpirun`` runs are
-in tests/test_fedml.py.
+FedML). FedML's paths are called in process in the order FedML's cross-silo managers call
+them (the real ``mpirun`` runs are in tests/test_fedml.py):
+
+- the adapter's own run: its server (``Coordinator`` inside FedML's ``ServerAggregator``)
+  and workers (``Worker`` inside FedML's ``ClientTrainer``);
+- the drop-in: ``FedplugAggregator`` next to a FedML user's own ``ClientTrainer`` whose
+  replies are FedML's plain ``(sample count, state dict)`` (here each silo trains as the
+  simulator trains that client).
 
 Covered, each on a tiny synthetic federation (6 clients, 3 sampled, 2 rounds; FedGSP
 sees all six, in chains of 6 and then 3):
@@ -17,12 +21,18 @@ sees all six, in chains of 6 and then 3):
   with its own round metrics), together;
 - faults injected into one client's local training on both paths: a NaN model, a model
   of the wrong shape, and every client failing (the simulator retries then stops,
-  FedML stops at once, saying it cannot replay a round).
+  FedML stops at once, saying it cannot replay a round);
+- the drop-in: every combination above that a plain ClientTrainer can serve, and
+  ``train.faults.dropout`` (rounds that nobody is left to train included), on a
+  federation without local test splits (a FedML server evaluates on central test data
+  only).
 
 "The same" means: the same final model (within 1e-5; in one process it is bit for bit),
-round records with accuracy and loss within 1e-5 and every other field (failures,
-participants, bytes, cost model, the components' metrics) equal, the same setup phase
-cost, and the same derived params apart from each runtime's own entries.
+and the whole result summary (``metrics.json``) but the wall times: round records with
+accuracy and loss within 1e-5 and every other field (failures, participants, bytes, cost
+model, the components' metrics) equal, the same setup phase cost and setup report, and
+the same derived params apart from each runtime's own entries. The adapter's own run
+also measures its setup's wall time, as the simulator does.
 """
 
 from __future__ import annotations
@@ -41,23 +51,28 @@ from torch import Tensor
 
 pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-fedml`")
 
+from fedml.core import ClientTrainer
+
 from conformance_plugins import AGGREGATOR, GROUPER, LOSS_TRANSFORM, conformance_registry
 
+from fedplug.adapters.fedml import drop_in
 from fedplug.adapters.fedml import worker as worker_module
 from fedplug.adapters.fedml.coordinator import ENGINE_NAME, Coordinator
+from fedplug.adapters.fedml.drop_in import FedplugAggregator, unmet_needs
 from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer, FedplugServerAggregator
-from fedplug.adapters.fedml.protocol import plan_rounds
+from fedplug.adapters.fedml.protocol import Schedule, Task, WorkerInstructions, plan_rounds
 from fedplug.adapters.fedml.runtime import check_supported, fedml_dataset
 from fedplug.adapters.fedml.worker import Worker
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
-from fedplug.federated_round import participants
+from fedplug.federated_round import client_needs, participants
 from fedplug.plugins import default_registry
 from fedplug.simulation import local_training, sequential
-from fedplug.simulation.results import RunResult
+from fedplug.simulation.results import RunResult, split_wall_clock
 from fedplug.simulation.simulator import Simulator, build_model
+from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 REGISTRY = conformance_registry()
 """The built-in components and the test-only plugins."""
@@ -119,13 +134,21 @@ SLOTS = {
     "aggregator": "aggregators",
     "grouper": "groupers",
 }
+SLOT_NAMES = list(SLOTS)
 
 METRIC_TOLERANCE = 1e-5
 APPROXIMATE_FIELDS = {"accuracy", "loss", "client_accuracy_mean", "client_accuracy_std"}
 WALL_TIME_FIELDS = {"seconds"}
 """Measured, so never equal across runs."""
+SUMMARY_APPROXIMATE = {"final_accuracy", "best_accuracy", "final_loss"}
+"""Entries of a result summary computed from the rounds' accuracy and loss."""
 RUNTIME_ENTRIES = {"engine", "fedml_rounds", "fedml_workers"}
 """Derived params that name the runtime rather than the experiment."""
+CENTRAL_TEST_ONLY = {"local_test_fraction": 0.0}
+"""The drop-in's data: a FedML server evaluates on its own test data, so no client
+accuracies."""
+DROPOUT = {"faults": {"dropout": {"probability": 0.7}}, "rounds": 4}
+"""A dropout that empties some of the 4 rounds (3 of 6 clients sampled) and not others."""
 
 
 def component(kind: str, name: str) -> dict[str, Any]:
@@ -134,9 +157,14 @@ def component(kind: str, name: str) -> dict[str, Any]:
     return {"name": name, **settings}
 
 
-def experiment(**slots: str) -> Any:
-    """The base experiment with the named components (``sampler="iwds"``, ...)."""
+def experiment(
+    data_changes: dict[str, Any] | None = None, train_changes: dict[str, Any] | None = None, **slots: str
+) -> Any:
+    """The base experiment with the named components (``sampler="iwds"``, ...), and
+    ``data`` and ``train`` entries replaced by those of the changes (default none)."""
     data = copy.deepcopy(BASE)
+    data["data"].update(data_changes or {})
+    data["train"].update(train_changes or {})
     for slot, name in slots.items():
         data["train"][slot] = component(SLOTS[slot], name)
         if name in CLIENT_FRACTION:
@@ -164,10 +192,36 @@ def supported_combinations() -> list[tuple[str, str, str, str]]:
 COMBINATIONS = supported_combinations()
 
 
+def drop_in_combinations() -> list[tuple[str, str, str, str]]:
+    """Those of :data:`COMBINATIONS` that ``FedplugAggregator`` runs next to a plain FedML
+    ClientTrainer (given the class counts): no need beyond a model and a sample count."""
+    accepted = []
+    for names in COMBINATIONS:
+        train = experiment(**dict(zip(SLOTS, names))).train
+        needs = client_needs(
+            REGISTRY.build("samplers", train.sampler),
+            REGISTRY.build("loss_transforms", train.loss_transform),
+            REGISTRY.build("aggregators", train.aggregator, BASE["data"]["num_clients"]),
+            REGISTRY.build("groupers", train.grouper),
+        )
+        if not unmet_needs(needs, class_counts_given=True):
+            accepted.append(names)
+    return accepted
+
+
+DROP_IN_COMBINATIONS = drop_in_combinations()
+
+
 @pytest.fixture(scope="module")
 def federation() -> Federation:
     """One federation for every run (neither path changes it)."""
     return build_federation(experiment().data, REGISTRY)
+
+
+@pytest.fixture(scope="module")
+def central_federation() -> Federation:
+    """The federation of the drop-in's runs: the same, without local test splits."""
+    return build_federation(experiment(CENTRAL_TEST_ONLY).data, REGISTRY)
 
 
 # ---------------------------------------------------------------------------- the paths
@@ -209,12 +263,73 @@ def trainer_for(config: Any, federation: Federation, slot: int) -> FedplugClient
     return FedplugClientTrainer(model, SimpleNamespace(), worker)
 
 
-def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunResult]:
-    """Run both paths and assert they agree; return ``(simulator's, FedML's)`` results."""
-    reference, reference_vector = simulate(config, federation)
-    result, vector = run_on_fedml(config, federation)
-    assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
-    assert len(result.history) == len(reference.history) == config.train.rounds
+def run_drop_in(config: Any, federation: Federation) -> tuple[RunResult, Tensor]:
+    """``FedplugAggregator`` next to one :class:`SiloTrainer` per client (silo ``k`` is
+    client ``k``), called as FedML's cross-silo managers call them: the server's
+    ``get_model_params`` once, then each FedML round every silo trains from what it was
+    sent (one model for all, or a plain dict of one per silo) and replies
+    ``(sample count, state dict)``, and the server aggregates and stores the result."""
+    model = build_model(config.train, REGISTRY, federation, federation.device)
+    batch = config.train.eval_batch_size
+    aggregator = FedplugAggregator(
+        model,
+        SimpleNamespace(),
+        config.train,
+        num_clients=federation.num_clients,
+        class_counts=federation.class_counts,
+        test_data=[
+            (federation.test_x[start : start + batch], federation.test_y[start : start + batch])
+            for start in range(0, len(federation.test_y), batch)
+        ],
+        registry=REGISTRY,
+    )
+    schedule = Schedule(aggregator.plans)
+    silos = [SiloTrainer(config, federation, silo) for silo in range(federation.num_clients)]
+    message: Any = aggregator.get_model_params()
+    for step in range(aggregator.comm_round):
+        round_index, position = schedule.locate(step)
+        replies = []
+        for silo, trainer in enumerate(silos):
+            trainer.set_model_params(message[silo] if type(message) is dict else message)
+            trainer.train(None, "cpu", SimpleNamespace(round_idx=round_index, position=position))
+            replies.append((trainer.samples, copy.deepcopy(trainer.get_model_params())))
+        message = aggregator.aggregate(replies)
+        aggregator.set_model_params(message)
+    return aggregator.result, aggregator.vector
+
+
+class SiloTrainer(ClientTrainer):
+    """A FedML user's ClientTrainer, as far as the drop-in can tell (it replies FedML's
+    default state dict and a sample count), that trains its silo as the simulator trains
+    that client: through fedplug's :class:`Worker`, owning this one client."""
+
+    def __init__(self, config: Any, federation: Federation, silo: int) -> None:
+        model = build_model(config.train, REGISTRY, federation, federation.device)
+        super().__init__(model, SimpleNamespace())
+        self.silo = silo
+        self.worker = Worker(config.train, federation, REGISTRY, model, silo, federation.num_clients)
+        self.samples = 0
+
+    def get_model_params(self) -> Any:
+        return self.model.state_dict()
+
+    def set_model_params(self, model_parameters: Any) -> None:
+        self.model.load_state_dict(model_parameters)
+
+    def train(self, train_data: Any, device: Any, args: Any) -> None:
+        task = Task(self.silo, 0, model_to_vector(self.model).detach().clone())
+        self.worker.receive(
+            WorkerInstructions(0, args.round_idx, args.position, None, payload={}, tasks=[task])
+        )
+        (result,) = self.worker.train()["results"]
+        vector_to_model(result.vector, self.model)
+        self.samples = result.num_samples
+
+
+def assert_same_history(result: RunResult, reference: RunResult) -> None:
+    """The same rounds: accuracy and loss within METRIC_TOLERANCE, every other field but
+    the wall times equal."""
+    assert len(result.history) == len(reference.history)
     for mine, theirs in zip(result.history, reference.history):
         mine_values, their_values = mine.as_dict(), theirs.as_dict()
         assert mine_values.keys() == their_values.keys()
@@ -223,10 +338,35 @@ def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunR
                 assert close(mine_values[key], their_values[key]), (mine.round, key)
             else:
                 assert mine_values[key] == their_values[key], (mine.round, key)
-    assert result.setup_rounds == reference.setup_rounds
-    assert result.setup_bytes == reference.setup_bytes
+
+
+def assert_same_summary(result: RunResult, reference: RunResult) -> None:
+    """The same result summary (``metrics.json``) but the wall times: the rounds
+    (:func:`assert_same_history`), the entries computed from their accuracy and loss within
+    METRIC_TOLERANCE, the derived params apart from each runtime's own entries, every
+    other entry equal."""
+    assert_same_history(result, reference)
+    mine, _ = split_wall_clock(result.summary())
+    theirs, _ = split_wall_clock(reference.summary())
+    assert mine.keys() == theirs.keys()
+    for key in mine.keys() - {"history", "derived"}:
+        if key in SUMMARY_APPROXIMATE:
+            assert close(mine[key], theirs[key]), key
+        else:
+            assert mine[key] == theirs[key], key
+    assert without_runtime(mine["derived"]) == without_runtime(theirs["derived"])
+
+
+def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunResult]:
+    """Run both paths and assert they agree; return ``(simulator's, FedML's)`` results."""
+    reference, reference_vector = simulate(config, federation)
+    result, vector = run_on_fedml(config, federation)
+    assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
+    assert len(result.history) == config.train.rounds
+    assert_same_summary(result, reference)
+    # Both time their setup (the loss transform's preparation and phase), however short.
+    assert result.setup_seconds > 0 and reference.setup_seconds > 0
     assert result.derived_params["engine"] == ENGINE_NAME
-    assert without_runtime(result.derived_params) == without_runtime(reference.derived_params)
     return reference, result
 
 
@@ -274,11 +414,69 @@ def test_test_only_plugins_conform(federation):
     # Execute
     reference, result = assert_conform(config, federation)
 
-    # Assert: the setup phase ran (two steps) and the plugins' own reports arrived.
+    # Assert: the setup phase ran (two steps, weighting all 6 clients) and the plugins'
+    # own reports arrived.
     assert result.setup_rounds == 2
+    assert result.setup_report["weighted_clients"] == 6
     assert "conformance_effective_lr" in result.derived_params
     assert {"chain_count", "largest_chain"} <= result.history[0].metrics.keys()
     assert result.history[0].metrics["largest_chain"] == 2
+
+
+# ----------------------------------------------------------------------------- drop-in
+
+
+def assert_drop_in_conforms(config: Any, federation: Federation) -> tuple[RunResult, RunResult]:
+    """Run the simulator and the drop-in and assert they agree; return ``(simulator's,
+    the drop-in's)`` results."""
+    reference, reference_vector = simulate(config, federation)
+    result, vector = run_drop_in(config, federation)
+    assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
+    assert len(result.history) == config.train.rounds
+    assert_same_summary(result, reference)
+    assert result.derived_params["engine"] == drop_in.ENGINE_NAME
+    return reference, result
+
+
+def test_the_drop_in_covers_every_aggregator_a_plain_trainer_serves():
+    # A combination that stops passing the drop-in's check would vanish silently.
+    assert {names[SLOT_NAMES.index("aggregator")] for names in DROP_IN_COMBINATIONS} >= {
+        "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
+    }
+    assert {names[SLOT_NAMES.index("grouper")] for names in DROP_IN_COMBINATIONS} >= {"none", "fedgsp"}
+
+
+@pytest.mark.parametrize(
+    ("sampler", "loss_transform", "aggregator", "grouper"),
+    DROP_IN_COMBINATIONS,
+    ids=["-".join(names) for names in DROP_IN_COMBINATIONS],
+)
+def test_the_drop_in_conforms_to_the_simulator(central_federation, sampler, loss_transform, aggregator, grouper):
+    # Prepare
+    config = experiment(
+        CENTRAL_TEST_ONLY,
+        sampler=sampler,
+        loss_transform=loss_transform,
+        aggregator=aggregator,
+        grouper=grouper,
+    )
+
+    # Execute / Assert
+    assert_drop_in_conforms(config, central_federation)
+
+
+def test_the_drop_in_conforms_under_dropout(central_federation):
+    # Prepare: dropout that empties some rounds (the drop-in once crashed on those).
+    config = experiment(CENTRAL_TEST_ONLY, DROPOUT)
+
+    # Execute
+    _, result = assert_drop_in_conforms(config, central_federation)
+
+    # Assert: the row has rounds that nobody trained and rounds that somebody did, and
+    # every sampled client either trained or dropped out.
+    participants_per_round = [record.participants for record in result.history]
+    assert 0 in participants_per_round and max(participants_per_round) > 0
+    assert all(record.participants + record.faults_dropout == 3 for record in result.history)
 
 
 # ------------------------------------------------------------------------------ faults

@@ -631,6 +631,32 @@ def test_fedplug_aggregator_runs_fedgsp_chains_over_the_users_trainers() -> None
     torch.testing.assert_close(trainers[after].received[1], handed, rtol=0, atol=1e-6)
 
 
+def test_fedplug_aggregator_runs_rounds_that_everyone_dropped_out_of() -> None:
+    # Regression: with train.faults.dropout 0.9 some rounds have no chain, and the
+    # drop-in's comm_round raised "max() arg is an empty sequence".
+    # Prepare
+    model, data = user_app()
+    trainers = [UserTrainer(copy.deepcopy(model), None) for _ in range(3)]
+    train = {
+        "model": {"name": "mlp"},
+        "rounds": 6,
+        "client_fraction": 1.0,
+        "faults": {"dropout": {"probability": 0.9}},
+        "seed": 0,
+    }
+    aggregator = FedplugAggregator(copy.deepcopy(model), None, train, num_clients=3)
+    # Execute
+    drive_like_fedml_cross_silo(aggregator, trainers, data)
+    # Assert: one FedML round per fedplug round, the empty ones included; every sampled
+    # client either trained or dropped out.
+    history = aggregator.result.history
+    assert aggregator.comm_round == 6
+    assert [record.round for record in history] == [1, 2, 3, 4, 5, 6]
+    assert any(record.participants == 0 for record in history)
+    assert all(record.participants + record.faults_dropout == 3 for record in history)
+    assert aggregator.result.derived_params["fedml_rounds"] == 6
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

@@ -182,8 +182,8 @@ def test_default_cross_entropy_by_hand() -> None:
 def test_register_hook() -> None:
     registry = Registry()
 
-    def register(name: str, config_class: Any, factory: Any) -> None:
-        registry.register("loss_transforms", fedshift.__name__, name, config_class, factory)
+    def register(*arguments: Any) -> None:
+        registry.add("loss_transforms", fedshift.__name__, *arguments)
 
     fedshift.fedplug_register_loss_transforms(register=register)
     assert registry.names("loss_transforms") == ["fedshift", "reweighting"]

@@ -178,8 +178,8 @@ def test_defaults_are_the_authors() -> None:
 def test_register_hook() -> None:
     registry = Registry()
 
-    def register(name: str, config_class: Any, factory: Any) -> None:
-        registry.register("samplers", iwds.__name__, name, config_class, factory)
+    def register(*arguments: Any) -> None:
+        registry.add("samplers", iwds.__name__, *arguments)
 
     iwds.fedplug_register_samplers(register=register)
     assert registry.names("samplers") == ["iwds"]

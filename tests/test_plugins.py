@@ -7,6 +7,7 @@ import importlib.metadata
 import inspect
 import sys
 import types
+import typing
 from pathlib import Path
 from typing import Iterable, Literal
 
@@ -83,7 +84,7 @@ def make_plugin_module() -> types.ModuleType:
 
     @hookimpl
     def fedplug_register_aggregators(register):
-        register("trimmed_mean", TrimmedMeanConfig, TrimmedMean)
+        register(TrimmedMeanConfig, TrimmedMean)
 
     module.fedplug_register_aggregators = fedplug_register_aggregators
     return module
@@ -129,15 +130,19 @@ def _manager_with(module: types.ModuleType):
 
 
 def test_plugin_registering_a_taken_name_is_rejected_with_both_names():
+    from fedplug.algorithms.fedavg import FedAvgConfig
+
     module = types.ModuleType("evil_plugin")
 
     @hookimpl
     def fedplug_register_aggregators(register):
-        register("fedavg", TrimmedMeanConfig, TrimmedMean)
+        register(FedAvgConfig, TrimmedMean)
 
     module.fedplug_register_aggregators = fedplug_register_aggregators
-    with pytest.raises(PluginError, match=r"evil_plugin.*'fedavg'.*already registered by plugin 'fedplug.algorithms.fedavg'"):
+    with pytest.raises(PluginError, match=r"aggregator 'fedavg': the name is also registered by") as error:
         collect_registry(_manager_with(module))
+    assert "plugin 'evil_plugin'" in str(error.value)
+    assert "plugin 'fedplug.algorithms.fedavg'" in str(error.value)
 
 
 def test_plugin_returning_a_value_from_a_hook_is_rejected():
@@ -168,6 +173,173 @@ def test_plugin_whose_config_name_does_not_match_is_rejected():
     registry = Registry()
     with pytest.raises(PluginError, match=r"Literal\['other'\]"):
         registry.register("aggregators", "p", "other", TrimmedMeanConfig, TrimmedMean)
+
+
+def _aggregator_plugin(name: str, register_call, **marks) -> types.ModuleType:
+    """A plugin module ``name`` whose ``fedplug_register_aggregators`` (with ``marks``
+    such as ``tryfirst=True``) calls ``register_call(register)``."""
+    module = types.ModuleType(name)
+
+    @hookimpl(**marks)
+    def fedplug_register_aggregators(register):
+        register_call(register)
+
+    module.fedplug_register_aggregators = fedplug_register_aggregators
+    return module
+
+
+def test_register_names_the_component_by_its_config_class():
+    registry = collect_registry(
+        _manager_with(_aggregator_plugin("one_name", lambda register: register(TrimmedMeanConfig, TrimmedMean)))
+    )
+    entry = registry.get("aggregators", "trimmed_mean")
+    assert (entry.config_class, entry.factory, entry.plugin) == (TrimmedMeanConfig, TrimmedMean, "one_name")
+
+
+def test_the_old_three_argument_register_still_works():
+    old_form = _aggregator_plugin(
+        "old_form", lambda register: register("trimmed_mean", TrimmedMeanConfig, TrimmedMean)
+    )
+    entry = collect_registry(_manager_with(old_form)).get("aggregators", "trimmed_mean")
+    assert (entry.config_class, entry.plugin) == (TrimmedMeanConfig, "old_form")
+
+
+class LooseNameConfig(ComponentConfig):
+    """A config whose name is any string: it cannot name a component."""
+
+
+class TwoNamesConfig(ComponentConfig):
+    """A config that answers to two names."""
+
+    name: Literal["left", "right"]
+
+
+@pytest.mark.parametrize(
+    ("config_class", "shown"), [(LooseNameConfig, "name is str"), (TwoNamesConfig, "Literal['left', 'right']")]
+)
+def test_a_config_class_without_one_literal_name_cannot_name_a_component(config_class, shown):
+    plugin = _aggregator_plugin("vague_plugin", lambda register: register(config_class, TrimmedMean))
+    with pytest.raises(PluginError) as error:
+        collect_registry(_manager_with(plugin))
+    message = str(error.value)
+    assert message.startswith(f"plugin 'vague_plugin' registering aggregator by config class {config_class.__name__}")
+    assert shown in message
+    assert "declare it as Literal['its-name'] (one string)" in message
+
+
+def test_register_with_a_wrong_number_of_arguments_says_both_forms():
+    plugin = _aggregator_plugin("terse_plugin", lambda register: register(TrimmedMean))
+    with pytest.raises(PluginError, match=r"plugin 'terse_plugin' registering aggregator: register takes "
+                       r"\(ConfigClass, factory\), or the old \(name, ConfigClass, factory\); got 1 arguments"):
+        collect_registry(_manager_with(plugin))
+
+
+# -------------------------------------------------------------- pluggy's call loop
+
+
+class TwinConfig(ComponentConfig):
+    """An aggregator that two plugins both register."""
+
+    name: Literal["twin"] = "twin"
+
+
+@pytest.mark.parametrize(
+    ("early_marks", "late_marks", "first", "second"),
+    [
+        ({}, {}, "late", "early"),  # pluggy calls the plugin registered last first
+        ({"tryfirst": True}, {}, "early", "late"),
+        ({}, {"trylast": True}, "early", "late"),
+    ],
+    ids=["last-registered-first", "tryfirst", "trylast"],
+)
+def test_tryfirst_and_trylast_decide_which_plugin_registers_first(early_marks, late_marks, first, second):
+    def register_twin(register):
+        register(TwinConfig, TrimmedMean)
+
+    manager = new_plugin_manager(autoload=False)
+    manager.register(_aggregator_plugin("early", register_twin, **early_marks), name="early")
+    manager.register(_aggregator_plugin("late", register_twin, **late_marks), name="late")
+    with pytest.raises(PluginError) as error:
+        collect_registry(manager)
+    # Neither plugin is installed, so the error leads with the one that registered second.
+    assert str(error.value) == (
+        f"plugin {second!r} registering aggregator 'twin': the name is also registered by "
+        f"plugin {first!r}; rename one of them"
+    )
+
+
+@pytest.mark.parametrize("style", ["wrapper", "hookwrapper"])
+def test_a_hook_wrapper_sees_the_register_call_around_every_implementation(style):
+    calls: list[object] = []
+    watcher = types.ModuleType("watching_plugin")
+
+    if style == "wrapper":
+
+        @hookimpl(wrapper=True)
+        def fedplug_register_aggregators(register):
+            calls.append(("before", callable(register)))
+            result = yield
+            calls.append(("after", result))
+            return result
+
+    else:
+
+        @hookimpl(hookwrapper=True)
+        def fedplug_register_aggregators(register):
+            calls.append(("before", callable(register)))
+            outcome = yield
+            calls.append(("after", outcome.get_result()))
+
+    watcher.fedplug_register_aggregators = fedplug_register_aggregators
+
+    def register_trimmed_mean(register):
+        calls.append("implementation")
+        register(TrimmedMeanConfig, TrimmedMean)
+
+    manager = _manager_with(_aggregator_plugin("trimmed", register_trimmed_mean))
+    manager.register(watcher, name="watching_plugin")
+    registry = collect_registry(manager)
+    assert calls == [("before", True), "implementation", ("after", [])]
+    assert registry.get("aggregators", "trimmed_mean").plugin == "trimmed"
+    assert "fedavg" in registry.names("aggregators")  # the built-ins ran inside the wrapper too
+
+
+def test_a_hook_wrapper_that_registers_is_told_to_use_a_plain_hookimpl():
+    module = types.ModuleType("wrapping_registrar")
+
+    @hookimpl(wrapper=True)
+    def fedplug_register_aggregators(register):
+        register(TrimmedMeanConfig, TrimmedMean)
+        return (yield)
+
+    module.fedplug_register_aggregators = fedplug_register_aggregators
+    with pytest.raises(PluginError, match=r"outside an implementation of fedplug_register_aggregators"):
+        collect_registry(_manager_with(module))
+
+
+# -------------------------------------------------------------- typed registration
+
+
+def _protocol_arguments(protocol) -> tuple[list[object], dict[str, object]]:
+    """Placeholders for every argument of ``protocol.__call__``: the positional-only ones
+    by position, the keyword-only ones by name."""
+    parameters = list(inspect.signature(protocol.__call__).parameters.values())[1:]  # self
+    positional = [object() for parameter in parameters if parameter.kind is parameter.POSITIONAL_ONLY]
+    keywords = {parameter.name: None for parameter in parameters if parameter.kind is parameter.KEYWORD_ONLY}
+    return positional, keywords
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_is_typed_by_its_factory_protocol_and_the_builtins_match_it(kind):
+    factory_protocol = hookspecs.FACTORIES[kind]
+    hints = typing.get_type_hints(getattr(hookspecs, f"fedplug_register_{kind}"))
+    assert hints["register"] == hookspecs.Register[factory_protocol]
+    positional, keywords = _protocol_arguments(factory_protocol)
+    entries = collect_registry(new_plugin_manager(autoload=False)).entries(kind)
+    assert entries
+    for entry in entries:
+        # TypeError when the factory cannot be called as its kind's Protocol says
+        inspect.signature(entry.factory).bind(*positional, **keywords)
 
 
 def test_misspelt_hook_fails_loudly():
@@ -302,7 +474,7 @@ LOAD_ERRORS = {
     ),
     "registers-a-taken-name": (
         lambda: _module_with(fedplug_register_aggregators=_register_fedavg),
-        "the name is already registered by plugin 'fedplug.algorithms.fedavg'",
+        "the name is also registered by plugin 'fedplug.algorithms.fedavg'",
     ),
     "registers-a-bad-tracker": (
         lambda: _module_with(fedplug_register_trackers=lambda register: register("acme", 42)),

@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 from fedplug.errors import ConfigError, DataError
-from fedplug.study import load_records, mean_std, paired_comparison, summarise, summary_table
+from fedplug.study.records import load_records
+from fedplug.study.statistics import mean_std, paired_comparison, summarise
+from fedplug.study.tables import summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

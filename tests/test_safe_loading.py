@@ -39,6 +39,7 @@ from fedplug.experiment import output_fingerprint
 from fedplug.output_folder import claim
 from fedplug.plugins import default_registry
 from fedplug.simulation.checkpoint import (
+    CHECKPOINT_VERSION,
     from_storable,
     load_checkpoint,
     read_checkpoint,
@@ -444,7 +445,7 @@ def test_every_registered_component_keeps_its_state_through_a_weights_only_check
     state = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     loaded = read_checkpoint(tmp_path / "checkpoint.pt")
 
-    assert len(loaded["history"]) == 2 and state["version"] == 2
+    assert len(loaded["history"]) == 2 and state["version"] == CHECKPOINT_VERSION
     for other_slot in ("aggregator", "loss_transform", "grouper", "sampler"):
         live = _live_component(simulator, other_slot)
         if other_slot not in loaded or not hasattr(live, "state_dict"):
@@ -498,7 +499,7 @@ def test_numpy_state_round_trips_bit_for_bit_with_its_dtype(tmp_path: Path) -> N
     loaded = load_checkpoint(path, "f" * 16)
 
     assert loaded is not None
-    assert torch.load(path, weights_only=True)["version"] == 2  # no allow-list needed
+    assert torch.load(path, weights_only=True)["version"] == CHECKPOINT_VERSION  # no allow-list needed
     for key in ("prior", "counts", "mask", "pixels", "scalar", "count", "history", "velocity"):
         _assert_same(expected[key], loaded[key], key)
     assert loaded["big_endian"].tolist() == [1.5, -2.25] and loaded["big_endian"].dtype == np.float32

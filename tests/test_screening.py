@@ -23,7 +23,7 @@ from fedplug.components import MODEL_SHAPE, Aggregator, ClientNeeds, ClientUpdat
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
-from fedplug.federated_round import RoundCore, chain_update, plan_round
+from fedplug.federated_round import RoundCore, chain_update, plan_round, round_steps
 from fedplug.round_screen import unusable
 from fedplug.plugins import default_registry
 from fedplug.screening import (
@@ -434,15 +434,13 @@ def test_the_components_declare_their_reply_extras() -> None:
 
 
 def test_a_round_that_everyone_dropped_out_of_takes_one_fedml_round() -> None:
-    from fedplug.adapters.fedml.protocol import steps_of
-
     # Prepare: dropout 0.9 empties some rounds' plans (the drop-in's comm_round crashed on them).
     config = train_config(rounds=20, faults={"dropout": {"probability": 0.9}})
     grouper = default_registry().build("groupers", config.grouper)
     plans = [plan_round(config, grouper, 6, index) for index in range(20)]
     # Assert
     assert any(not plan.chains for plan in plans)
-    assert [steps_of(plan) for plan in plans] == [1] * 20
+    assert [round_steps(plan) for plan in plans] == [1] * 20
 
 
 def dataclass_replace(item: ClientUpdate, **changes: Any) -> ClientUpdate:

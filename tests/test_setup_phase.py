@@ -26,7 +26,7 @@ from fedplug.components import Context as LossContext
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.experiment import run_experiment
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.simulation.simulator import build_model
@@ -104,7 +104,7 @@ def registry_with_the_test_plugin() -> Registry:
     plugin = types.ModuleType("test_setup_phase_plugin")
 
     @hookimpl
-    def fedplug_register_loss_transforms(register: Register) -> None:
+    def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
         register("test_size_scaled", SizeScaledConfig, SizeScaled)
 
     hook = fedplug_register_loss_transforms

@@ -14,27 +14,14 @@ import pytest
 import yaml
 
 from fedplug.errors import ConfigError, DataError
-from fedplug.study import (
-    cell_id,
-    comparable_config,
-    config_hash,
-    expand_study,
-    grid_cells,
-    heatmap_matrix,
-    load_records,
-    parse_study,
-    draw_figures,
-    pending_runs,
-    planned_runs,
-    pooled_weight_histogram,
-    run_folder_state,
-    run_record,
-    run_row,
-    spread_scale,
-    summarise,
-    summary_table,
-    weight_record,
-)
+from fedplug.study.expansion import expand_study, planned_runs
+from fedplug.study.figures import draw_figures
+from fedplug.study.plots import heatmap_matrix, pooled_weight_histogram, spread_scale
+from fedplug.study.records import load_records, run_record, run_row, weight_record
+from fedplug.study.run_folders import comparable_config, config_hash, pending_runs, run_folder_state
+from fedplug.study.spec import cell_id, grid_cells, parse_study
+from fedplug.study.statistics import summarise
+from fedplug.study.tables import summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -690,6 +677,38 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
             if name == algorithm:
                 theirs = {(run.draw, run.seed) for run in groups[(cell, reference)]}
                 assert len({(run.draw, run.seed) for run in members} & theirs) >= 3
+
+
+def test_config_hash_is_the_sha256_of_the_sorted_comparable_config() -> None:
+    # Written by hand: the ignored fields dropped, engine parallel compared as sequential,
+    # {"data":{"seed":3},"train":{"engine":"sequential","seed":1}} -> sha256 -> 12 hex digits.
+    document = {"study": {"name": "x"}, "tracking": {"enabled": False}, "data": {"seed": 3, "root": "/data"},
+                "train": {"seed": 1, "engine": "parallel", "workers": 4}}
+
+    assert config_hash(document) == "bb1a54d8dbd5"
+
+
+@pytest.mark.parametrize("name", [*SHIPPED, "faults"])
+def test_committed_records_carry_the_config_hash_of_their_run(name: str) -> None:
+    """The runner reuses a committed record only when its ``config_hash`` is the hash of its
+    run's config, so every committed record's hash must be what the study's expansion
+    (with the record's own ``--set`` overrides) gives today."""
+    from fedplug.config import read_yaml
+
+    spec = parse_study(read_yaml(ROOT / "pipelines" / "studies" / f"{name}.yaml"), name)
+    records = load_records(ROOT / "pipelines" / "studies" / "results" / f"{name}.jsonl")
+    assert records, f"pipelines/studies/results/{name}.jsonl has no records"
+    by_overrides: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for record in records:
+        by_overrides.setdefault(tuple(record["overrides"]), []).append(record)
+
+    stale = []
+    for overrides, members in by_overrides.items():
+        runs = {run.run_id: run for run in expand_study(spec, overrides=overrides)}
+        stale += [record["run"] for record in members if record["run"] not in runs
+                  or config_hash(runs[record["run"]].config.model_dump(mode="json")) != record["config_hash"]]
+
+    assert not stale, f"{len(stale)} of {len(records)} committed records no longer match their run's config, e.g. {stale[:3]}"
 
 
 @pytest.mark.slow

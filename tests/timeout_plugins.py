@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fedplug.components import ComponentConfig, Context, LossTransform
 from fedplug.deadline import ClientTimeout
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 
@@ -129,7 +129,7 @@ class Hang(LossTransform):
 
 
 @hookimpl
-def fedplug_register_loss_transforms(register: Register) -> None:
+def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
     register(HANG, HangConfig, Hang)
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import Tensor
 
-from fedplug.cost_model import LinkAndDevice
 from fedplug.components import RoundPlan
+from fedplug.cost_model import LinkAndDevice
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
 from fedplug.federated_round import ClientFailure, Outcome, RoundCore, chain_update
@@ -39,7 +39,7 @@ from fedplug.registry import Registry
 from fedplug.screening import ScreeningConfig, count_problem, number_problem
 from fedplug.setup_phase import prepare_loss_transform
 from fedplug.simulation.evaluation import Evaluator
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.simulation.results import RoundRecord
 from fedplug.simulation.simulator import build_model
 from fedplug.simulation.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 
@@ -121,16 +121,19 @@ class Coordinator:
             can_replay=False,
             runtime="FedML",
         )
+        started = time.perf_counter()
         setup_cost = prepare_loss_transform(self.loss_transform, federation)
+        setup_seconds = time.perf_counter() - started
         self.aggregator.initialize(self.global_vector)
-        self.result = RunResult(
+        self.result = self.core.run_result(
             [],
-            target_accuracy,
-            setup_rounds=setup_cost.rounds,
-            setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
-            derived_params=self.core.derived_params(
-                ENGINE_NAME, fedml_rounds=schedule.fedml_rounds, fedml_workers=workers
-            ),
+            self.loss_transform,
+            target_accuracy=target_accuracy,
+            engine=ENGINE_NAME,
+            setup_cost=setup_cost,
+            setup_seconds=setup_seconds,
+            fedml_rounds=schedule.fedml_rounds,
+            fedml_workers=workers,
         )
         self.timeout: float | None = train_config.failures.client_timeout_seconds
         """``train.failures.client_timeout_seconds``: each task's deadline on the workers."""

@@ -47,13 +47,16 @@ from fedplug.federated_round import (
     RoundCore,
     chain_update,
     client_needs,
+    round_steps,
 )
+from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.screening import count_problem, dtype_problem
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
-from .protocol import steps_of
+ENGINE_NAME = "fedml-drop-in"
+"""The ``engine`` entry of the drop-in's derived params."""
 
 ClientReply = tuple[float, Mapping[str, Tensor]]
 """What FedML's server hands ``aggregate`` per silo: ``(sample count, state dict)``."""
@@ -69,6 +72,13 @@ def unmet_needs(needs: ClientNeeds, class_counts_given: bool) -> list[str]:
     if needs.pooled_data is not None:
         unmet.append(needs.pooled_data)
     return unmet
+
+
+def first_input_shape(batches: Iterable[tuple[Tensor, Tensor]]) -> tuple[int, ...] | None:
+    """The shape of one sample of the first batch of ``(x, y)`` (``None`` when empty)."""
+    for inputs, _ in batches:
+        return tuple(inputs.shape[1:])
+    return None
 
 
 def class_counts_of(
@@ -96,9 +106,14 @@ class FedplugAggregator(ServerAggregator):
             cross_entropy).
         num_clients: K, the number of FedML silos.
         class_counts: K x C class counts (:func:`class_counts_of`), for a grouper that
-            needs them (default: none).
+            needs them and for the cost model, which reads the clients' training-set
+            sizes as their row sums (default: none; the modelled compute time is 0).
         test_data: batches of ``(x, y)`` to evaluate the global model on after each
             round (default: no central evaluation, NaN accuracy).
+        input_shape: one sample's shape without the batch dimension, for the model's
+            training FLOPs (the cost model and ``train_flops_per_sample``; default: the
+            first batch of ``test_data``'s, else unknown and 0).
+        target_accuracy: for :attr:`RunResult.rounds_to_target` (default None).
         registry: the component registry (default: the installed plugins).
 
     Raises:
@@ -115,6 +130,8 @@ class FedplugAggregator(ServerAggregator):
         num_clients: int,
         class_counts: np.ndarray | None = None,
         test_data: Iterable[tuple[Tensor, Tensor]] | None = None,
+        input_shape: tuple[int, ...] | None = None,
+        target_accuracy: float | None = None,
         registry: Registry | None = None,
     ) -> None:
         super().__init__(model, args)
@@ -131,8 +148,8 @@ class FedplugAggregator(ServerAggregator):
         self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients)
         self.grouper = registry.build("groupers", train_config.grouper)
         sampler = registry.build("samplers", train_config.sampler)
-        loss_transform = registry.build("loss_transforms", train_config.loss_transform)
-        needs = client_needs(sampler, loss_transform, self.aggregator, self.grouper)
+        self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
+        needs = client_needs(sampler, self.loss_transform, self.aggregator, self.grouper)
         unmet = unmet_needs(needs, class_counts is not None)
         if unmet:
             names = ", ".join(
@@ -156,20 +173,24 @@ class FedplugAggregator(ServerAggregator):
         self.grouper.prepare(counts)
         self.vector = model_to_vector(model).detach().clone()
         self.aggregator.initialize(self.vector)
+        if input_shape is None and test_data is not None:
+            input_shape = first_input_shape(test_data)
         self.core = RoundCore(
             train_config,
             aggregator=self.aggregator,
             grouper=self.grouper,
             num_clients=num_clients,
             class_counts=counts if class_counts is not None else None,
-            client_sizes=None,
+            client_sizes=counts.sum(axis=1) if class_counts is not None else None,
             model_bytes=self.vector.numel() * 4,
+            train_flops=training_flops_per_sample(model, input_shape) if input_shape else 0,
             can_replay=False,
             runtime="FedML",
         )
         self.plans: list[RoundPlan] = [self.core.plan(index) for index in range(train_config.rounds)]
         self.test_data = test_data
         self.history: list[RoundRecord] = []
+        self.target_accuracy = target_accuracy
         self._round = 0
         self._position = 0
         self._chains: list[_Chain] = []
@@ -181,12 +202,19 @@ class FedplugAggregator(ServerAggregator):
     def comm_round(self) -> int:
         """The FedML rounds the run takes (``args.comm_round``): one per chain position
         of every fedplug round."""
-        return sum(steps_of(plan) for plan in self.plans)
+        return sum(round_steps(plan) for plan in self.plans)
 
     @property
     def result(self) -> RunResult:
-        """The finished rounds, as ``fedplug run``'s ``metrics.json`` holds them."""
-        return RunResult(list(self.history), None)
+        """The finished rounds and the run's derived params, as ``fedplug run``'s
+        ``metrics.json`` holds them (no setup phase: the components are client-free)."""
+        return self.core.run_result(
+            list(self.history),
+            self.loss_transform,
+            target_accuracy=self.target_accuracy,
+            engine=ENGINE_NAME,
+            fedml_rounds=self.comm_round,
+        )
 
     # ------------------------------------------------------------- FedML's calls
 
@@ -227,7 +255,7 @@ class FedplugAggregator(ServerAggregator):
                     self.core.screening_rules.config.max_num_examples,
                 )
         self._position += 1
-        if any(self._position < len(chain.members) for chain in self._chains):
+        if self._position < round_steps(self.plans[self._round]):
             return self._per_silo_models()
         self._finish_round()
         self._round += 1

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedplug.errors import ConfigError, FedplugError, TrainingError
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.simulation.results import RunResult
 
 if TYPE_CHECKING:
     from fedplug.tracking import Tracker
@@ -341,9 +341,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def _load_result(path: Path) -> RunResult:
-    data = json.loads(path.read_text())
-    data["history"] = [RoundRecord.from_dict(record) for record in data["history"]]
-    return RunResult(**data)
+    return RunResult.from_dict(json.loads(path.read_text()))
 
 
 def _blocked_network(out: Path) -> dict[int, list[str]]:

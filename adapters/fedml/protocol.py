@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fedplug.components import Grouper, RoundPlan
 from fedplug.errors import ConfigError
-from fedplug.federated_round import participants, plan_round
+from fedplug.federated_round import participants, plan_round, round_steps
 from fedplug.registry import Registry
 
 
@@ -108,8 +108,9 @@ class Schedule:
 
     @property
     def steps_per_round(self) -> list[int]:
-        """FedML rounds each fedplug round takes (:func:`steps_of`)."""
-        return [steps_of(plan) for plan in self.plans]
+        """FedML rounds each fedplug round takes
+        (:func:`fedplug.federated_round.round_steps`)."""
+        return [round_steps(plan) for plan in self.plans]
 
     @property
     def fedml_rounds(self) -> int:
@@ -122,14 +123,6 @@ class Schedule:
                 return round_index, step
             step -= steps
         return len(self.plans), 0
-
-
-def steps_of(plan: RoundPlan) -> int:
-    """FedML rounds a fedplug round of ``plan`` takes: its longest chain, and one for a
-    round that nobody is left to train (every sampled client dropped out,
-    ``train.faults.dropout``): FedML's server still runs that round, and the global model
-    stays as it was."""
-    return max((len(chain) for chain in plan.chains), default=1)
 
 
 def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray) -> Schedule:

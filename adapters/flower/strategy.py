@@ -46,7 +46,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,11 @@ from fedplug.federated_round import (
 )
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
-from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
-from fedplug.simulation.checkpoint_bounds import checkpoint_size_bound
-from fedplug.simulation.resume import restore_run
+from fedplug.run_state import RunState, resume_run
+from fedplug.simulation.checkpoint import save_checkpoint
 from fedplug.simulation.results import RoundRecord, RunResult
 from fedplug.simulation.simulator import build_model, resolve_device
-from fedplug.simulation.vectors import move_tensors, tensors_num_bytes, vector_to_model
+from fedplug.simulation.vectors import tensors_num_bytes, vector_to_model
 
 from .chains import ReplyDeadlineGrid, RoundInProgress, reply_wait
 from .messages import (
@@ -292,6 +291,7 @@ class FedplugStrategy(Strategy):
         self.directory: NodeDirectory | None = None
         self.core: RoundCore | None = None
         self.setup_cost = PhaseCost(0, 0, 0)
+        self.setup_seconds = 0.0
         self.fingerprint: str | None = None
         self._loss_records: tuple[ArrayRecord, ConfigRecord] | None = None
         self._began = False
@@ -400,7 +400,9 @@ class FedplugStrategy(Strategy):
                 "aggregators", self.config.aggregator, directory.num_clients
             )
         counts = directory.counts_or_zeros(self.num_classes)
+        setup_started = time.perf_counter()
         self.setup_cost = self._prepare_loss_transform(grid, directory, counts, timeout)
+        self.setup_seconds = time.perf_counter() - setup_started
         self.grouper.prepare(counts)
         self.core = RoundCore(
             self.config,
@@ -505,29 +507,24 @@ class FedplugStrategy(Strategy):
         """
         self._began = True
         self._total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
-        state = None
         initial = record_to_vector(arrays, self.layout)
+        restored = None
         if self.checkpoint_path is not None:
             assert self.fingerprint is not None  # set by setup()
-            clients = self.directory.num_clients if self.directory is not None else 1
-            size_bound = checkpoint_size_bound(
-                initial.numel() * initial.element_size(), clients, rounds=self.config.rounds
+            restored = resume_run(
+                self.checkpoint_path,
+                self.fingerprint,
+                initial_vector=initial,
+                num_clients=self._require_setup().num_clients,
+                rounds=self.config.rounds,
+                components=self._checkpointed_components(),
             )
-            state = load_checkpoint(self.checkpoint_path, self.fingerprint, size_bound)
-        if state is None:
+        if restored is None:
             self.aggregator.initialize(initial)
             return arrays
-        assert self.checkpoint_path is not None
-        # Checked (keys, types, a finite global model of this size) before anything uses it.
-        restored = restore_run(
-            self.checkpoint_path,
-            state,
-            model_size=initial.numel(),
-            components={"aggregator": self.aggregator, "grouper": self.grouper},
-        )
         vector = restored.global_vector
         self.history = restored.history
-        self.setup_cost = restored.setup_cost
+        self.setup_cost, self.setup_seconds = restored.setup_cost, restored.setup_seconds
         self._offset = len(self.history)
         if self.history:
             self._total_bytes = self.history[-1].cumulative_bytes
@@ -916,23 +913,25 @@ class FedplugStrategy(Strategy):
         for observer in self.observers:
             observer(record)
 
+    def _checkpointed_components(self) -> dict[str, Any]:
+        return {"aggregator": self.aggregator, "grouper": self.grouper, "loss_transform": self.loss_transform}
+
     def _checkpoint_state(self, vector: Tensor) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "global_vector": vector.detach().cpu(),
-            "aggregator": move_tensors(self.aggregator.state_dict(), "cpu"),
-            "grouper": self.grouper.state_dict(),
-            "history": [vars(record) for record in self.history],
-            "setup_cost": asdict(self.setup_cost),
-        }
+        """The run's :class:`RunState`; no client states: they live on the nodes."""
+        assert self.fingerprint is not None  # set by setup()
+        components = self._checkpointed_components()
+        return RunState.capture(
+            self.fingerprint, vector, self.history, self.setup_cost, self.setup_seconds, components, {}
+        ).to_dict()
 
     def _run_result(self) -> RunResult:
-        return RunResult(
+        return self._require_core().run_result(
             list(self.history),
-            self.target_accuracy,
-            setup_rounds=self.setup_cost.rounds,
-            setup_bytes=self.setup_cost.bytes_up + self.setup_cost.bytes_down,
-            derived_params=self.derived_params(),
+            self.loss_transform,
+            target_accuracy=self.target_accuracy,
+            engine="flower",
+            setup_cost=self.setup_cost,
+            setup_seconds=self.setup_seconds,
         )
 
     # ------------------------------------------------------------------------ start

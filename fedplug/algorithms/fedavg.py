@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, WeightedMean
 from fedplug.errors import TrainingError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 
 @dataclass(frozen=True)
@@ -107,5 +107,5 @@ class FedAvg(Aggregator):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
-    register("fedavg", FedAvgConfig, FedAvg)
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
+    register(FedAvgConfig, FedAvg)

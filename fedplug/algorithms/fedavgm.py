@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fedplug.algorithms.fedavg import average_models
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 
 class FedAvgMConfig(ComponentConfig):
@@ -104,5 +104,5 @@ class FedAvgM(Aggregator):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
-    register("fedavgm", FedAvgMConfig, FedAvgM)
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
+    register(FedAvgMConfig, FedAvgM)

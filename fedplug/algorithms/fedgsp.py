@@ -49,7 +49,7 @@ from ortools.graph.python.min_cost_flow import SimpleMinCostFlow
 from pydantic import Field
 
 from fedplug.components import ClientNeeds, ComponentConfig, Grouper, RoundPlan
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterGrouper, hookimpl
 
 GrowthKind = Literal["linear", "log", "exp"]
 
@@ -683,5 +683,5 @@ class FedGSPGrouper(Grouper):
 
 
 @hookimpl
-def fedplug_register_groupers(register: Register) -> None:
-    register("fedgsp", FedGSPConfig, FedGSPGrouper)
+def fedplug_register_groupers(register: RegisterGrouper) -> None:
+    register(FedGSPConfig, FedGSPGrouper)

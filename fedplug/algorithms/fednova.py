@@ -41,7 +41,7 @@ from fedplug.components import (
     ReplyExtra,
     WeightedMean,
 )
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 NORM_KEY = "a"
 """Key of a_k in :attr:`ClientUpdate.extras`."""
@@ -158,5 +158,5 @@ class FedNova(Aggregator):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
-    register("fednova", FedNovaConfig, FedNova)
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
+    register(FedNovaConfig, FedNova)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fedplug.algorithms.fedavg import average_models
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 
 class FedAdagradConfig(ComponentConfig):
@@ -169,7 +169,7 @@ class FedYogi(AdaptiveServerOptimizer):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
-    register("fedadagrad", FedAdagradConfig, FedAdagrad)
-    register("fedadam", FedAdamConfig, FedAdam)
-    register("fedyogi", FedYogiConfig, FedYogi)
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
+    register(FedAdagradConfig, FedAdagrad)
+    register(FedAdamConfig, FedAdam)
+    register(FedYogiConfig, FedYogi)

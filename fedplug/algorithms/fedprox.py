@@ -19,7 +19,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedplug.components import ComponentConfig, Context, LossTransform
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterLossTransform, hookimpl
 
 
 class FedProxConfig(ComponentConfig):
@@ -65,5 +65,5 @@ class FedProx(LossTransform):
 
 
 @hookimpl
-def fedplug_register_loss_transforms(register: Register) -> None:
-    register("fedprox", FedProxConfig, FedProx)
+def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
+    register(FedProxConfig, FedProx)

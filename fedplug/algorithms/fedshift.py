@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from fedplug.components import ClientNeeds, ComponentConfig, Context, LossTransform, as_tensor_context
 from fedplug.errors import DataError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterLossTransform, hookimpl
 
 SHIFT_KEY = "shift"
 CLASS_WEIGHT_KEY = "class_weight"
@@ -178,6 +178,6 @@ class Reweighting(_GlobalPriorTransform):
 
 
 @hookimpl
-def fedplug_register_loss_transforms(register: Register) -> None:
-    register("fedshift", FedShiftConfig, FedShift)
-    register("reweighting", ReweightingConfig, Reweighting)
+def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
+    register(FedShiftConfig, FedShift)
+    register(ReweightingConfig, Reweighting)

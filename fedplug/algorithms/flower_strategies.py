@@ -96,7 +96,7 @@ from torch import Tensor
 
 from fedplug.components import TRAIN_LOSS, Aggregator, ClientNeeds, ClientUpdate, ComponentConfig
 from fedplug.errors import ConfigError, TrainingError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 VECTOR_KEY = "vector"
 """The one array of every ArrayRecord handed to Flower: the flat model vector."""
@@ -505,6 +505,6 @@ class FlowerStrategyAggregator(Aggregator):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
     if flower_installed():
-        register("flower", FlowerStrategyConfig, FlowerStrategyAggregator)
+        register(FlowerStrategyConfig, FlowerStrategyAggregator)

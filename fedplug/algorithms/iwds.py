@@ -41,7 +41,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from fedplug.components import ComponentConfig, Sampler
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterSampler, hookimpl
 
 
 def beta_at(round_index: int, beta_0: float, beta_m: float, rho: float) -> float:
@@ -139,5 +139,5 @@ class IWDSSampler(Sampler):
 
 
 @hookimpl
-def fedplug_register_samplers(register: Register) -> None:
-    register("iwds", IWDSConfig, IWDSSampler)
+def fedplug_register_samplers(register: RegisterSampler) -> None:
+    register(IWDSConfig, IWDSSampler)

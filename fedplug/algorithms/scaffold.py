@@ -52,7 +52,7 @@ from fedplug.components import (
     ReplyExtra,
     WeightedMean,
 )
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterAggregator, hookimpl
 from fedplug.simulation.vectors import split_like
 
 SERVER_VARIATE_KEY = "c"
@@ -207,5 +207,5 @@ class Scaffold(Aggregator):
 
 
 @hookimpl
-def fedplug_register_aggregators(register: Register) -> None:
-    register("scaffold", ScaffoldConfig, Scaffold)
+def fedplug_register_aggregators(register: RegisterAggregator) -> None:
+    register(ScaffoldConfig, Scaffold)

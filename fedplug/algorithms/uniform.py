@@ -32,7 +32,7 @@ from fedplug.components import (
     RoundPlan,
     Sampler,
 )
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterGrouper, RegisterLossTransform, RegisterSampler, hookimpl
 
 
 class UniformSamplerConfig(ComponentConfig):
@@ -117,15 +117,15 @@ class NoGrouping(Grouper):
 
 
 @hookimpl
-def fedplug_register_samplers(register: Register) -> None:
-    register("uniform", UniformSamplerConfig, UniformSampler)
+def fedplug_register_samplers(register: RegisterSampler) -> None:
+    register(UniformSamplerConfig, UniformSampler)
 
 
 @hookimpl
-def fedplug_register_loss_transforms(register: Register) -> None:
-    register("cross_entropy", CrossEntropyConfig, build_cross_entropy)
+def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
+    register(CrossEntropyConfig, build_cross_entropy)
 
 
 @hookimpl
-def fedplug_register_groupers(register: Register) -> None:
-    register("none", NoGroupingConfig, NoGrouping)
+def fedplug_register_groupers(register: RegisterGrouper) -> None:
+    register(NoGroupingConfig, NoGrouping)

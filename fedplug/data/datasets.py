@@ -45,7 +45,7 @@ from pydantic import Field, model_validator
 
 from fedplug.components import ComponentConfig
 from fedplug.errors import DataError
-from fedplug.hookspecs import hookimpl
+from fedplug.hookspecs import RegisterDataset, hookimpl
 from fedplug.memory import check_fits
 
 REDOWNLOAD_HINT = (
@@ -925,9 +925,9 @@ def prepare_dataset(config: DatasetConfig, root: Path) -> list[Path]:
 
 
 @hookimpl
-def fedplug_register_datasets(register: Callable[..., None]) -> None:
-    register("mnist", MnistConfig, load_mnist)
-    register("fashion_mnist", FashionMnistConfig, load_fashion_mnist)
-    register("cifar10", Cifar10Config, load_cifar10)
-    register("femnist", FemnistConfig, load_femnist)
-    register("synthetic", SyntheticConfig, load_synthetic)
+def fedplug_register_datasets(register: RegisterDataset) -> None:
+    register(MnistConfig, load_mnist)
+    register(FashionMnistConfig, load_fashion_mnist)
+    register(Cifar10Config, load_cifar10)
+    register(FemnistConfig, load_femnist)
+    register(SyntheticConfig, load_synthetic)

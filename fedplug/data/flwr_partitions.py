@@ -48,7 +48,7 @@ from pydantic import Field, field_validator, model_validator
 from fedplug.components import ComponentConfig
 from fedplug.data.partitions import Partition, _check_request, class_counts_of
 from fedplug.errors import DataError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterPartitioner, hookimpl
 
 LABEL_COLUMN = "label"
 USER_COLUMN = "user"
@@ -234,8 +234,8 @@ def flwr_partition(
 
 
 @hookimpl
-def fedplug_register_partitioners(register: Register) -> None:
+def fedplug_register_partitioners(register: RegisterPartitioner) -> None:
     # Registers nothing, without error, when flwr-datasets is not installed: `flwr` then
     # shows up in neither `fedplug list` nor the config's list of partitioners.
     if flwr_datasets_installed():
-        register("flwr", FlwrPartitionConfig, flwr_partition)
+        register(FlwrPartitionConfig, flwr_partition)

@@ -44,7 +44,7 @@ import operator
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -54,7 +54,7 @@ from pydantic import Field
 
 from fedplug.components import ComponentConfig
 from fedplug.errors import DataError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import PartitionerFactory, RegisterPartitioner, hookimpl
 from fedplug.output_folder import default_file_mode
 
 # ------------------------------------------------------------------------------ result
@@ -872,24 +872,22 @@ def natural(
     return _partition(labels, num_classes, assignment, num_clients, rng)
 
 
-PartitionerFactory = Callable[..., Partition]
-
-PARTITIONERS: dict[str, tuple[type[ComponentConfig], PartitionerFactory]] = {
-    "iid": (IidConfig, iid),
-    "dirichlet_class": (DirichletClassConfig, dirichlet_class),
-    "dirichlet_client": (DirichletClientConfig, dirichlet_client),
-    "shards": (ShardsConfig, shards),
-    "llt": (LltConfig, llt),
-    "feature_noise": (FeatureNoiseConfig, feature_noise),
-    "natural": (NaturalConfig, natural),
-}
-"""The built-in partitioners by name: (config class, factory)."""
+PARTITIONERS: tuple[tuple[type[ComponentConfig], PartitionerFactory], ...] = (
+    (IidConfig, iid),
+    (DirichletClassConfig, dirichlet_class),
+    (DirichletClientConfig, dirichlet_client),
+    (ShardsConfig, shards),
+    (LltConfig, llt),
+    (FeatureNoiseConfig, feature_noise),
+    (NaturalConfig, natural),
+)
+"""The built-in partitioners: (config class, which names the partitioner; factory)."""
 
 
 @hookimpl
-def fedplug_register_partitioners(register: Register) -> None:
-    for name, (config_class, factory) in PARTITIONERS.items():
-        register(name, config_class, factory)
+def fedplug_register_partitioners(register: RegisterPartitioner) -> None:
+    for config_class, factory in PARTITIONERS:
+        register(config_class, factory)
 
 
 # --------------------------------------------------------------------------------- I/O

@@ -55,7 +55,7 @@ from torch import nn
 
 from fedplug.components import ComponentConfig
 from fedplug.errors import ConfigError
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import ModelFactory, RegisterModel, hookimpl
 from fedplug.memory import allocation_failed, check_fits, human_bytes
 
 MAX_WIDTH = 65_536
@@ -326,19 +326,19 @@ def with_memory_check(factory: Callable[..., nn.Module]) -> Callable[..., nn.Mod
 
 # ------------------------------------------------------------------------ registration
 
-MODELS: dict[str, tuple[type[ComponentConfig], Callable[..., nn.Module]]] = {
-    "mlp": (MLPConfig, build_mlp),
-    "logreg": (LogisticRegressionConfig, build_logistic_regression),
-    "cnn_mnist": (CNNMnistConfig, build_cnn_mnist),
-    "cnn_femnist": (CNNFemnistConfig, build_cnn_femnist),
-    "vgg9": (VGG9Config, build_vgg9),
-    "resnet18": (ResNet18Config, build_resnet18),
-}
-"""Built-in models by name: config class and factory."""
+MODELS: tuple[tuple[type[ComponentConfig], ModelFactory], ...] = (
+    (MLPConfig, build_mlp),
+    (LogisticRegressionConfig, build_logistic_regression),
+    (CNNMnistConfig, build_cnn_mnist),
+    (CNNFemnistConfig, build_cnn_femnist),
+    (VGG9Config, build_vgg9),
+    (ResNet18Config, build_resnet18),
+)
+"""Built-in models: config class (which names the model) and factory."""
 
 
 @hookimpl
-def fedplug_register_models(register: Register) -> None:
+def fedplug_register_models(register: RegisterModel) -> None:
     """Register the built-in models."""
-    for name, (config_class, factory) in MODELS.items():
-        register(name, config_class, with_memory_check(factory))
+    for config_class, factory in MODELS:
+        register(config_class, with_memory_check(factory))

@@ -19,11 +19,13 @@ a checkpoint that could not be loaded.
 A file that unpickles safely can still be crafted to exhaust memory (shared references
 that expand when copied) or be damaged: :func:`load_checkpoint` checks its size, then its
 fingerprint, then its structure (:mod:`fedplug.simulation.checkpoint_bounds`) before
-anything copies it, and :func:`fedplug.simulation.resume.restore_run` checks its content
+anything copies it, and :meth:`fedplug.run_state.RunState.from_dict` checks its content
 before a run continues from it.
 
 Format versions: 1 stored numpy values as pickled numpy objects (a version-1 checkpoint
-that holds none still loads); 2 stores them as tagged tensors.
+that holds none still loads); 2 stores them as tagged tensors; 3 is the same file, whose
+content is one :class:`fedplug.run_state.RunState` for every runtime (see there for
+which earlier checkpoints resume).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ import torch
 from fedplug.errors import FedplugError, PluginError, TrainingError
 from fedplug.simulation.checkpoint_bounds import ADVICE, check_file_size, check_structure
 
-CHECKPOINT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+CHECKPOINT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 """Formats :func:`load_checkpoint` reads (see the module docstring)."""
 
 NDARRAY_TAG = "__fedplug_ndarray__"
@@ -89,7 +91,7 @@ def load_checkpoint(path: Path, fingerprint: str, max_bytes: int | None = None) 
     fingerprint and format; then its structure (depth, expanded size, tensors within their
     storage); only then are numpy values restored, which copies the tree. Whether its
     content fits the run (keys, types, shapes, finite values) is
-    :func:`fedplug.simulation.resume.restore_run`'s check.
+    :meth:`fedplug.run_state.RunState.from_dict`'s check.
 
     Args:
         path: the checkpoint file.

@@ -84,8 +84,16 @@ class RunResult:
     """What the loss transform's setup reports about its result
     (:meth:`fedplug.components.LossTransform.setup_report`: FedDisk's per-client
     sample-weight quantiles and their histogram), JSON-ready; ``setup_report`` in
-    metrics.json. Filled by the simulator; empty where the setup's result stays on the
-    clients (Flower)."""
+    metrics.json. Filled by every runtime from its loss transform
+    (:meth:`fedplug.federated_round.RoundCore.run_result`); empty where the setup's result
+    stays on the clients (Flower)."""
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> RunResult:
+        """Read ``dataclasses.asdict(result)`` back (a FedML rank's ``run_result.json``);
+        runs build theirs with :meth:`fedplug.federated_round.RoundCore.run_result`."""
+        history = [RoundRecord.from_dict(record) for record in values["history"]]
+        return cls(**{**values, "history": history})
 
     @property
     def final_accuracy(self) -> float:

@@ -25,7 +25,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +39,16 @@ from fedplug.federated_round import RoundCore, client_needs, sample_clients
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
+from fedplug.run_state import RunState, resume_run
 from fedplug.setup_phase import prepare_loss_transform
-from fedplug.simulation.checkpoint import load_checkpoint, save_checkpoint
-from fedplug.simulation.checkpoint_bounds import checkpoint_size_bound
+from fedplug.simulation.checkpoint import save_checkpoint
 from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.resume import restore_run
 from fedplug.simulation.round_context import RoundContext
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.vectors import (
     model_to_vector,
-    move_tensors,
     tensors_num_bytes,
     vector_to_model,
 )
@@ -188,36 +185,25 @@ class Simulator:
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
         setup_cost = PhaseCost(0, 0, 0)
-        state = None
+        restored = None
         if self.checkpoint_path and resume:
-            num_clients = self.federation.num_clients
-            size_bound = checkpoint_size_bound(
-                global_vector.numel() * global_vector.element_size(),
-                num_clients,
-                int(self.federation.client_sizes.sum()),
-                self.config.rounds,
-            )
-            state = load_checkpoint(self.checkpoint_path, self.fingerprint, size_bound)
-        if state is not None:
-            assert self.checkpoint_path is not None
-            restored = restore_run(
+            restored = resume_run(
                 self.checkpoint_path,
-                state,
-                model_size=global_vector.numel(),
-                components={
-                    "aggregator": self.algorithm.aggregator,
-                    "grouper": self.grouper,
-                    "loss_transform": self.algorithm.loss_transform,
-                },
+                self.fingerprint,
+                initial_vector=global_vector,
+                num_clients=self.federation.num_clients,
+                rounds=self.config.rounds,
+                components=self._components(),
+                num_samples=int(self.federation.client_sizes.sum()),
                 device=self.device,
-                num_clients=num_clients,
             )
+        if restored is not None:
             global_vector = restored.global_vector
             client_states = restored.client_states
             history = restored.history
             setup_cost = restored.setup_cost
             self._setup_seconds = restored.setup_seconds
-            logger.info("resuming from %s after round %d", self.checkpoint_path, len(history))
+            logger.info("resuming from %s after round %d", self.checkpoint_path, restored.rounds_done)
         else:
             started = time.perf_counter()
             setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
@@ -240,14 +226,14 @@ class Simulator:
             reply_metrics=self.reply_metrics,
             client_timeout=config.failures.client_timeout_seconds,
         )
-        result = RunResult(
+        result = self.core.run_result(
             history,
-            self.target_accuracy,
-            setup_rounds=setup_cost.rounds,
-            setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
+            self.algorithm.loss_transform,
+            target_accuracy=self.target_accuracy,
+            engine=self.engine.name,
+            setup_cost=setup_cost,
             setup_seconds=self._setup_seconds,
-            derived_params=self.derived_params(),
-            setup_report=self.algorithm.loss_transform.setup_report(),
+            **self.engine.derived_params(),
         )
         try:
             for round_index in range(len(history), config.rounds):
@@ -294,17 +280,23 @@ class Simulator:
         )
         return attempt.vector, record
 
+    def _components(self) -> dict[str, Any]:
+        """The components whose state a checkpoint holds, by checkpoint key."""
+        return {
+            "aggregator": self.algorithm.aggregator,
+            "grouper": self.grouper,
+            "loss_transform": self.algorithm.loss_transform,
+        }
+
     def _checkpoint_state(
         self, global_vector: Tensor, client_states: dict, history: list[RoundRecord], setup_cost: PhaseCost
     ) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "global_vector": global_vector.cpu(),
-            "aggregator": move_tensors(self.algorithm.aggregator.state_dict(), "cpu"),
-            "grouper": self.grouper.state_dict(),
-            "loss_transform": self.algorithm.loss_transform.state_dict(),
-            "client_states": move_tensors(client_states, "cpu"),
-            "history": [vars(record) for record in history],
-            "setup_cost": asdict(setup_cost),
-            "setup_seconds": self._setup_seconds,
-        }
+        return RunState.capture(
+            self.fingerprint,
+            global_vector,
+            history,
+            setup_cost,
+            self._setup_seconds,
+            self._components(),
+            client_states,
+        ).to_dict()

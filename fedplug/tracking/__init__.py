@@ -15,7 +15,7 @@ as a third-party plugin registers its own.
 
 from __future__ import annotations
 
-from fedplug.hookspecs import hookimpl
+from fedplug.hookspecs import RegisterTracker, hookimpl
 from fedplug.tracking.mlflow_tracker import (
     HEALTH_TIMEOUT_SECONDS,
     LOCAL_STORE_NAME,
@@ -76,6 +76,6 @@ __all__ = [
 
 
 @hookimpl
-def fedplug_register_trackers(register):  # type: ignore[no-untyped-def]
+def fedplug_register_trackers(register: RegisterTracker) -> None:
     register("mlflow", open_mlflow)
     register("tensorboard", open_tensorboard)

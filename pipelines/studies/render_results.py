@@ -61,7 +61,7 @@ VERSION = re.compile(
 """A PEP 440 version (its Appendix B pattern, as ``packaging.version.VERSION_PATTERN``,
 without surrounding whitespace)."""
 NUMBER_FIELDS = ("rounds", "target", "train_seconds", "setup_seconds")
-"""Numeric record fields the page uses besides :data:`fedplug.study.SUMMARY_COLUMNS`."""
+"""Numeric record fields the page uses besides :data:`fedplug.study.statistics.SUMMARY_COLUMNS`."""
 PAIRED = re.compile(r"\{\{paired ([\w.+-]+) vs ([\w.+-]+)(?:@([\w.+-]+))?\}\}")
 """``{{paired A vs B}}``: algorithm A against algorithm B in every cell both run in;
 ``{{paired A vs B@CELL}}``: A in every cell against B in the one cell ``CELL`` (a cell id,
@@ -103,7 +103,7 @@ def study_names(layout: Layout) -> list[str]:
 
 def load_spec(layout: Layout, name: str) -> Any:
     from fedplug.config import read_yaml
-    from fedplug.study import parse_study
+    from fedplug.study.spec import parse_study
 
     path = layout.studies / f"{name}.yaml"
     return parse_study(read_yaml(path), str(path.relative_to(layout.root)))
@@ -144,7 +144,8 @@ def record_problem(record: dict[str, Any], planned: dict[str, Any]) -> str | Non
     """What is wrong with one record for the page (None: nothing). ``planned``: the
     spec's runs by id; a record of a planned run must have that run's cell, algorithm,
     draw and seed (the page shows them as the spec names them)."""
-    from fedplug.study import RUN_ID_PATTERN, SUMMARY_COLUMNS
+    from fedplug.study.spec import RUN_ID_PATTERN
+    from fedplug.study.statistics import SUMMARY_COLUMNS
 
     run = record.get("run")
     if not isinstance(run, str) or not RUN_ID_PATTERN.fullmatch(run):
@@ -194,7 +195,7 @@ def check_records(records: list[dict[str, Any]], source: str, spec: Any) -> list
             re-run the study"`` for the first record that did not.
     """
     from fedplug.errors import DataError
-    from fedplug.study import planned_runs
+    from fedplug.study.expansion import planned_runs
 
     planned = {run.run_id: run for run in planned_runs(spec)}
     for record in records:
@@ -226,7 +227,9 @@ def provenance(records: list[dict[str, Any]]) -> str:
 
 def plan_line(spec: Any) -> str:
     """What the spec runs: cells, algorithms, draws x seeds, rounds, target, headline metric."""
-    from fedplug.study import grid_cells, metric_name, planned_runs
+    from fedplug.study.expansion import planned_runs
+    from fedplug.study.spec import grid_cells
+    from fedplug.study.tables import metric_name
 
     planned = planned_runs(spec)
     cells = len(grid_cells(spec.grid))
@@ -265,7 +268,7 @@ def rounds_text(spec: Any, planned: list[Any], default: Any) -> str:
     """``"30 rounds"``, or, when an algorithm or a grid cell sets other rounds, the most
     common number with the others and their run counts (most runs first, ties in plan
     order): ``"30 rounds (300 in 12 runs)"``."""
-    from fedplug.study import run_document
+    from fedplug.study.expansion import run_document
 
     counts = Counter((run_document(spec, run).get("train") or {}).get("rounds", default) for run in planned)
     (common, _), *others = counts.most_common() or [(default, 0)]
@@ -279,7 +282,7 @@ def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
     """The measured cost of the committed runs: training time summed over the runs, in
     total and per model (an algorithm's ``model`` override, else the base's), and the setup
     phases' time (:func:`setup_text`), or what is planned when no run is committed."""
-    from fedplug.study import planned_runs
+    from fedplug.study.expansion import planned_runs
 
     planned = {run.run_id for run in planned_runs(spec)}
     records = [record for record in records if record["run"] in planned]
@@ -319,7 +322,10 @@ def setup_text(records: list[dict[str, Any]]) -> str:
 def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, Any]]) -> str:
     """The generated part of a study's section: source, commit, table and figures, or
     the statement that the study has not been re-run."""
-    from fedplug.study import figure_plan, planned_runs, summarise, summary_table
+    from fedplug.study.expansion import planned_runs
+    from fedplug.study.figures import figure_plan
+    from fedplug.study.statistics import summarise
+    from fedplug.study.tables import summary_table
 
     source = f"pipelines/studies/results/{name}.jsonl"
     command = f"python pipelines/studies/run_study.py pipelines/studies/{name}.yaml"
@@ -377,7 +383,10 @@ def paired_block(name: str, spec: Any, records: list[dict[str, Any]], method: st
             ``reference_cell`` is not one of its cells.
     """
     from fedplug.errors import ConfigError
-    from fedplug.study import cell_id, display_name, grid_cells, metric_name, paired_comparison, planned_runs
+    from fedplug.study.expansion import planned_runs
+    from fedplug.study.spec import cell_id, display_name, grid_cells
+    from fedplug.study.statistics import paired_comparison
+    from fedplug.study.tables import metric_name
 
     placeholder = f"{{{{paired {method} vs {reference}{'@' + reference_cell if reference_cell else ''}}}}}"
     for algorithm in (method, reference):
@@ -422,7 +431,7 @@ def paired_block(name: str, spec: Any, records: list[dict[str, Any]], method: st
 
 def status_table(layout: Layout, studies: list[tuple[str, Any, list[dict[str, Any]]]]) -> str:
     """One line per study: committed runs of the planned ones, rounds, commit, source."""
-    from fedplug.study import planned_runs
+    from fedplug.study.expansion import planned_runs
 
     lines = ["| study | runs committed / planned | rounds | produced by | results file |", "|---|---:|---:|---|---|"]
     for name, spec, records in studies:
@@ -443,7 +452,7 @@ def default_fragment(name: str, spec: Any) -> str:
 
 def render_page(layout: Layout = Layout()) -> str:
     """The whole page, from the spec files, results files and fragments under ``layout``."""
-    from fedplug.study import load_records
+    from fedplug.study.records import load_records
 
     studies = []
     for name in study_names(layout):
@@ -485,7 +494,8 @@ def fill(text: str, values: dict[str, str], source: str, forms: tuple[str, ...] 
 
 def draw_all_figures(layout: Layout = Layout()) -> list[Path]:
     """Every study's figures from its committed records into ``docs/img/studies/``."""
-    from fedplug.study import draw_figures, load_records
+    from fedplug.study.figures import draw_figures
+    from fedplug.study.records import load_records
 
     written = []
     for name in study_names(layout):

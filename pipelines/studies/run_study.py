@@ -11,7 +11,7 @@ checkout had uncommitted changes of the code).
 
 **Reuse.** A run counts as done only when its folder's ``config.yaml`` (the resolved
 config) equals the run's, apart from fields that cannot change results
-(:data:`fedplug.study.IGNORED_CONFIG_FIELDS`), or when the study's committed results file
+(:data:`fedplug.study.run_folders.IGNORED_CONFIG_FIELDS`), or when the study's committed results file
 holds a record of it with the same config hash. A folder of other settings (e.g. trained
 with ``--set train.rounds=1``) stops the runner with one line that names the run and the
 difference; ``--redo-mismatched`` deletes such folders and trains them again. A run killed

@@ -70,7 +70,7 @@ from torch.nn import functional as F
 
 from fedplug.components import ClientNeeds, Context, LossTransform, PhaseCost
 from fedplug.data.federation import Federation
-from fedplug.hookspecs import Register, hookimpl
+from fedplug.hookspecs import RegisterLossTransform, hookimpl
 
 from .cache import (
     WEIGHTS_VERSION,
@@ -353,6 +353,6 @@ class FedDiskAb(SampleWeightedLoss):
 
 
 @hookimpl
-def fedplug_register_loss_transforms(register: Register) -> None:
-    register("feddisk", FedDiskConfig, FedDisk)
-    register("feddisk_ab", FedDiskAbConfig, FedDiskAb)
+def fedplug_register_loss_transforms(register: RegisterLossTransform) -> None:
+    register(FedDiskConfig, FedDisk)
+    register(FedDiskAbConfig, FedDiskAb)

@@ -1,0 +1,212 @@
+"""A finished run as one line of a study's committed results file
+(``pipelines/studies/results/<study>.jsonl``): the numbers kept (:func:`run_record`), and
+writing and reading those files."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedplug.errors import DataError
+from fedplug.simulation.results import first_round_reaching
+from fedplug.study.expansion import StudyRun
+from fedplug.study.run_folders import config_hash
+
+
+def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
+    """The summary numbers of one run from its ``metrics.json`` dict.
+
+    ``rounds_to_target`` is the first training round with accuracy >= ``target``;
+    ``effective_rounds_to_target`` adds the setup rounds (FedDisk's density phase);
+    ``bytes_to_target`` is the cumulative traffic at that round (setup included);
+    ``final_client_accuracy`` is the last round's mean accuracy over the clients' own
+    test splits; ``cpd_median`` is the median over rounds of each round's ``cpd_median`` (None when
+    no round reported one); ``last3_accuracy`` is the mean accuracy of the last 3 rounds
+    (fewer when the run has fewer); ``compute_seconds_model`` and
+    ``communication_seconds_model`` are the cost model's totals over the rounds;
+    ``compute_seconds_to_target`` is the cost model's compute time summed over the rounds
+    up to and including the one that reaches ``target`` (time to accuracy; None when none does);
+    ``seconds`` and ``setup_seconds`` are the measured wall times of the rounds and of the
+    setup phase.
+
+    Raises:
+        DataError: ``summary`` has no ``history`` list.
+    """
+    history = summary.get("history")
+    if not isinstance(history, list):
+        raise DataError("metrics.json has no 'history' list; delete the run folder and run the study again")
+    setup = int(summary.get("setup_rounds") or 0)
+    reached = first_round_reaching(history, target)
+    to_target: float | None = None
+    if reached is not None:
+        to_target = 0.0
+        for record in history:
+            to_target += float(record.get("compute_seconds_model") or 0.0)
+            if record is reached:
+                break
+    cpds = [float(record["cpd_median"]) for record in history if is_finite_number(record.get("cpd_median"))]
+    accuracies = [float(record["accuracy"]) for record in history if is_finite_number(record.get("accuracy"))]
+    last3 = [float(record["accuracy"]) for record in history[-3:] if is_finite_number(record.get("accuracy"))]
+    return {
+        "final_accuracy": float(history[-1]["accuracy"]) if history and is_finite_number(history[-1].get("accuracy")) else None,
+        "last3_accuracy": float(np.mean(last3)) if last3 else None,
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "final_client_accuracy": (float(history[-1]["client_accuracy_mean"])
+                                  if history and is_finite_number(history[-1].get("client_accuracy_mean")) else None),
+        "final_loss": float(history[-1]["loss"]) if history and is_finite_number(history[-1].get("loss")) else None,
+        "rounds_to_target": float(reached["round"]) if reached else None,
+        "effective_rounds_to_target": float(reached["round"]) + setup if reached else None,
+        "bytes_to_target": float(reached["cumulative_bytes"]) if reached else None,
+        "setup_rounds": float(setup),
+        "total_bytes": float(summary.get("total_bytes") or 0),
+        "compute_seconds_model": float(sum(float(record.get("compute_seconds_model") or 0.0) for record in history)),
+        "compute_seconds_to_target": to_target,
+        "communication_seconds_model": float(sum(float(record.get("communication_seconds_model") or 0.0)
+                                                 for record in history)),
+        "cpd_median": float(np.median(cpds)) if cpds else None,
+        "seconds": float(summary.get("total_seconds") or 0.0),
+        "setup_seconds": float(summary.get("setup_seconds") or 0.0),
+    }
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool) and neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: float | None) -> int | None:
+    return None if value is None else int(round(value))
+
+
+def _rounded(value: Any, digits: int = 6) -> float | None:
+    return round(float(value), digits) if is_finite_number(value) else None
+
+
+def _significant(value: Any, digits: int = 6) -> float | None:
+    """``value`` to ``digits`` significant digits (the cost model's times can be microseconds)."""
+    return float(f"{float(value):.{digits}g}") if is_finite_number(value) else None
+
+
+def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: dict[str, Any] | None = None,
+               provenance: dict[str, Any] | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One line of a study's results file: what identifies the run, its numbers and
+    where they came from.
+
+    ``metrics`` is the run's ``metrics.json``, ``info`` its ``run_info.json`` (the git
+    commit and package versions at training time), ``provenance`` the runner's
+    ``provenance.json`` (whether the checkout had uncommitted changes). ``accuracy`` is the
+    test accuracy of every round (6 decimals), ``cpd`` each round's median CPD (only when
+    the grouper reports one), ``compute_seconds`` each round's cost-model compute time
+    (4 significant digits; only when the model reports one), ``weights`` the setup phase's
+    sample-weight summary (:func:`weight_record`; only for runs whose loss transform reports
+    one, e.g. FedDisk), ``setup_seconds`` the measured wall time of the run's setup phase
+    (only when it took 0.01 s or more: a run without a setup phase takes none, one that
+    loads a cached setup about none),
+    ``config_hash`` is :func:`~fedplug.study.run_folders.config_hash` of the run's config.
+    """
+    numbers = run_row(metrics, target)
+    history = metrics["history"]
+    record: dict[str, Any] = {
+        "run": run.run_id,
+        "cell": dict(run.cell),
+        "algorithm": run.algorithm,
+        "draw": run.draw,
+        "seed": run.seed,
+        "headline": run.headline,
+        "dataset": run.config.data.dataset.name,
+        "rounds": len(history),
+        "final_accuracy": numbers["final_accuracy"],
+        "last3_accuracy": _rounded(numbers["last3_accuracy"], 8),
+        "best_accuracy": numbers["best_accuracy"],
+        "final_loss": _rounded(numbers["final_loss"]),
+        "final_client_accuracy": _rounded(numbers["final_client_accuracy"]),
+        "target": target,
+        "rounds_to_target": _integer(numbers["rounds_to_target"]),
+        "setup_rounds": _integer(numbers["setup_rounds"]),
+        "effective_rounds_to_target": _integer(numbers["effective_rounds_to_target"]),
+        "bytes_to_target": _integer(numbers["bytes_to_target"]),
+        "total_bytes": _integer(numbers["total_bytes"]),
+        "compute_seconds_model": _significant(numbers["compute_seconds_model"]),
+        "compute_seconds_to_target": _significant(numbers["compute_seconds_to_target"]),
+        "communication_seconds_model": _significant(numbers["communication_seconds_model"]),
+        "train_seconds": _rounded(numbers["seconds"], 2),
+        "cpd_median": _rounded(numbers["cpd_median"]),
+        "accuracy": [_rounded(record.get("accuracy")) for record in history],
+    }
+    setup_seconds = _rounded(numbers["setup_seconds"], 2)
+    if setup_seconds:
+        record["setup_seconds"] = setup_seconds
+    if any(is_finite_number(record.get("cpd_median")) for record in history):
+        record["cpd"] = [_rounded(record.get("cpd_median")) for record in history]
+    if any(is_finite_number(record.get("compute_seconds_model")) and record["compute_seconds_model"] > 0 for record in history):
+        record["compute_seconds"] = [_significant(record.get("compute_seconds_model"), 4) for record in history]
+    weights = weight_record(metrics.get("setup_report") or {})
+    if weights is not None:
+        record["weights"] = weights
+    info = info or {}
+    record["commit"] = info.get("git_commit")
+    record["dirty"] = (provenance or {}).get("git_dirty")
+    record["fedplug"] = (info.get("packages") or {}).get("fedplug")
+    record["config_hash"] = config_hash(run.config.model_dump(mode="json"))
+    record["overrides"] = list(overrides)
+    return record
+
+
+WEIGHT_CLIENT_STATS = ("q05", "median", "q95", "std")
+"""The per-client sample-weight statistics a record keeps (of FedDisk's ``sample_weight.*``)."""
+
+
+def weight_record(setup_report: dict[str, Any]) -> dict[str, Any] | None:
+    """The compact form of a setup phase's sample-weight summary (metrics.json's
+    ``setup_report``, :func:`fedplug.algorithms.feddisk.weights.weight_summary`): the
+    pooled histogram ``{"edges", "counts"}`` and, per client (client order), the weights'
+    5% quantile, median, 95% quantile and std, 4 significant digits. None when the report
+    has no histogram (no setup phase, or one that reports no weights)."""
+    histogram = setup_report.get("sample_weight.histogram")
+    if not isinstance(histogram, dict) or not histogram.get("counts"):
+        return None
+    compact: dict[str, Any] = {
+        "edges": [_significant(edge, 4) for edge in histogram["edges"]],
+        "counts": [int(count) for count in histogram["counts"]],
+    }
+    for stat in WEIGHT_CLIENT_STATS:
+        values = setup_report.get(f"sample_weight.{stat}")
+        if isinstance(values, list):
+            compact[stat] = [_significant(value, 4) for value in values]
+    return compact
+
+
+def dump_records(records: Iterable[dict[str, Any]]) -> str:
+    """A results file's text: one compact JSON object per line."""
+    return "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a results file (empty when it does not exist).
+
+    Raises:
+        DataError: a line is not a JSON object with ``run``, ``cell``, ``algorithm``,
+            ``draw``, ``seed`` (the message names the file and line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{number}: not JSON ({error.msg}); restore the file from git or re-run the study") from None
+        missing = [key for key in ("run", "cell", "algorithm", "draw", "seed") if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise DataError(f"{path}:{number}: a study record needs {', '.join(missing)}; restore the file from git or re-run the study")
+        records.append(record)
+    return records
+

@@ -1,0 +1,278 @@
+"""A study file: its schema (:class:`StudySpec`), its validation (:func:`parse_study`) and
+the grid cells it names.
+
+The file format, with an example, is described in docs/pipeline.md ("Study files").
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from fedplug.components import StrictConfig
+from fedplug.config import format_validation_error
+from fedplug.errors import ConfigError
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.+-]+$")
+"""Grid value labels and algorithm labels become folder names: keep them to these characters."""
+
+HEADLINE_METRICS = ("final_accuracy", "last3_accuracy")
+"""What a study's verdict rests on: the final round's accuracy, or the mean of the last 3
+rounds (less sensitive to a run that oscillates); best-over-rounds is only shown beside it."""
+
+EXTRA_COLUMNS = ("cpd_median", "compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
+                 "total_bytes", "final_loss", "final_client_accuracy", "train_seconds")
+"""Columns a spec may add to its summary table (``columns:``)."""
+
+
+class PlotSpec(StrictConfig):
+    """One figure of a study's report."""
+
+    kind: Literal["curves", "vs_axis", "cpd_box", "heatmap", "bars", "dots", "weight_histogram"]
+    """``curves``: accuracy vs round (mean ± std over runs) and, with a ``baseline``, the
+    paired difference to it, one figure per grid cell; ``vs_axis``: ``metric`` against the
+    numeric value of grid axis ``axis``, one line per algorithm; ``cpd_box``: box plot of
+    the per-round median CPD of every algorithm; ``heatmap``: ``metric`` over grid axes
+    ``rows`` x ``columns``, one panel per value of ``panels``; ``dots``: ``metric`` per
+    algorithm and grid cell, mean with ± std error bars and every run as a small dot;
+    ``bars``: the same as bars from zero; ``weight_histogram``: FedDisk's sample weights
+    (the records' ``weights``, from the setup phase), one histogram per grid cell x
+    algorithm, pooled over the runs, with the value 1 (no reweighting) marked."""
+    metric: str = "final_accuracy"
+    """A column of :func:`~fedplug.study.statistics.summarise` (default ``final_accuracy``)."""
+    axis: str | None = None
+    """Grid axis on the x axis of ``vs_axis`` (its labels must be numbers)."""
+    rows: str | None = None
+    """Grid axis of the heatmap's rows."""
+    columns: str | None = None
+    """Grid axis of the heatmap's columns."""
+    panels: str | None = None
+    """Grid axis that splits a heatmap into panels (default None: one panel)."""
+    log_x: bool = False
+    """Logarithmic x axis for ``vs_axis`` (default False)."""
+    log_y: bool = False
+    """Logarithmic y axis for ``dots`` (default False), for a metric whose values span
+    orders of magnitude (a CNN's cost-model seconds beside an MLP's). Not for ``bars``,
+    which start at zero."""
+
+
+class HeadlineSpec(StrictConfig):
+    """The runs a study's verdict rests on: they get every partition draw x training seed."""
+
+    cells: list[str] | None = None
+    """Grid cell ids (the labels joined by ``_``, e.g. ``"0.1"`` or ``"log_2_10"``;
+    ``"base"`` without a grid); default None: every cell."""
+    algorithms: list[str] | None = None
+    """Algorithm labels; default None: every algorithm."""
+
+
+class StudySpec(StrictConfig):
+    """A study file (format and example: docs/pipeline.md, "Study files")."""
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Study name: the report folder, the results file and (prefixed ``study-``) the MLflow
+    experiment. A plain name: letters, digits, ``-``, ``_`` and ``.``, not only dots (``..``
+    would name the folder above ``reports/studies/``)."""
+    description: str = ""
+    """What the paper claims and what the study checks."""
+    base: dict[str, Any]
+    """One experiment config (``study``, ``data``, ``train``; ``algorithms`` is not allowed)."""
+    grid: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
+    """Axis name -> value label -> ``{dotted.key: value}`` overrides; the runs cover the
+    Cartesian product of the axes (default: one cell, the base)."""
+    algorithms: dict[str, dict[str, Any]] = Field(min_length=1)
+    """Label -> overrides of ``train`` (``{}`` = the base as is)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Algorithm label -> the name shown in tables and legends (default: the label)."""
+    baseline: str | None = None
+    """The algorithm every other one is compared with, run by run (same cell, draw and
+    seed): paired wins and the mean paired difference (default None: no comparison)."""
+    baselines: dict[str, str] = Field(default_factory=dict)
+    """Algorithm label -> the algorithm it is compared with instead of ``baseline``, e.g.
+    ``{fedshift-cnn: fedavg-cnn}`` for a variant pair (default: none). The reference must
+    run in every cell the algorithm runs in."""
+    cells: dict[str, list[str]] = Field(default_factory=dict)
+    """Algorithm label -> the grid cells (ids, as in ``headline.cells``) it runs in, e.g.
+    an expensive CNN variant only in the headline cell (default: every algorithm in every cell)."""
+    headline_metric: Literal["final_accuracy", "last3_accuracy"] = "final_accuracy"
+    """The number a verdict rests on: ``final_accuracy`` or ``last3_accuracy`` (the mean
+    of the last 3 rounds); best-over-rounds is shown beside it, never instead."""
+    draws: list[int] | None = Field(None, min_length=1)
+    """``data.seed`` of each partition draw (default None: the base's ``data.seed``, one draw)."""
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    """``train.seed`` of each run (default [0])."""
+    headline: HeadlineSpec | None = None
+    """The headline runs (every draw x seed); default None: every run is a headline run."""
+    other_pairs: Literal["all", "diagonal"] | list[list[int]] = "diagonal"
+    """The (draw, seed) pairs of the runs outside ``headline``: ``all`` (every draw x seed),
+    ``diagonal`` (draws and seeds paired in order: (d0, s0), (d1, s1), ...; the default), or
+    a list of ``[draw, seed]`` pairs. Only with ``headline``."""
+    columns: list[Literal[EXTRA_COLUMNS]] = Field(default_factory=list)  # type: ignore[valid-type]
+    """Extra columns of the summary table, e.g. ``compute_seconds_model`` (the FedGSP cost
+    model's training time)."""
+    plots: list[PlotSpec] = Field(default_factory=lambda: [PlotSpec(kind="curves")])
+    """Figures of the report (default: the learning curves)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if set(name) == {"."}:
+            raise ValueError(f"{name!r} is not a plain name; use letters, digits, '-', '_' and '.', not only dots")
+        return name
+
+
+def parse_study(data: Any, source: str = "study") -> StudySpec:
+    """Validate a study dict (as read from YAML).
+
+    Raises:
+        ConfigError: unknown keys, a missing section, labels that cannot be folder names,
+            an empty grid axis, ``algorithms`` inside ``base``, names (baseline, labels,
+            headline cells and algorithms) that the study does not have, ``other_pairs``
+            without ``headline`` or outside the draws and seeds, repeated draws or seeds, or a
+            grid axis that sets a seed.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with name, base, algorithms, got {type(data).__name__}")
+    try:
+        spec = StudySpec.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: invalid study:\n" + format_validation_error(error, data)) from None
+    if "algorithms" in spec.base:
+        raise ConfigError(f"{source}: base.algorithms: put the algorithms in the study's top-level `algorithms:`")
+    for axis, values in spec.grid.items():
+        if not values:
+            raise ConfigError(f"{source}: grid.{axis}: give at least one value label")
+        for label, overrides in values.items():
+            _check_label(label, f"{source}: grid.{axis}")
+            for key, value in overrides.items():
+                if _sets_seed(key, value, "train") or (spec.draws is not None and _sets_seed(key, value, "data")):
+                    section = "train" if _sets_seed(key, value, "train") else "data"
+                    raise ConfigError(f"{source}: grid.{axis}.{label}: sets {section}.seed, which the study's "
+                                      f"`{'seeds' if section == 'train' else 'draws'}:` sets; remove it from the grid")
+    for label in spec.algorithms:
+        _check_label(label, f"{source}: algorithms")
+    known = ", ".join(spec.algorithms)
+    if spec.baseline is not None and spec.baseline not in spec.algorithms:
+        raise ConfigError(f"{source}: baseline {spec.baseline!r} is not one of the algorithms ({known})")
+    for label in spec.labels:
+        if label not in spec.algorithms:
+            raise ConfigError(f"{source}: labels: {label!r} is not one of the algorithms ({known})")
+    for field, values in (("seeds", spec.seeds), ("draws", spec.draws or [])):
+        if len(set(values)) != len(values):
+            raise ConfigError(f"{source}: {field}: {values} repeats a value; give each once")
+        if any(value < 0 for value in values):
+            raise ConfigError(f"{source}: {field}: seeds are whole numbers >= 0, got {values}")
+    _check_headline(spec, source)
+    _check_cells_and_baselines(spec, source)
+    for plot in spec.plots:
+        for field in ("axis", "rows", "columns", "panels"):
+            axis = getattr(plot, field)
+            if axis is not None and axis not in spec.grid:
+                raise ConfigError(f"{source}: plots: {field} {axis!r} is not a grid axis; axes: {', '.join(spec.grid) or '(none)'}")
+        if plot.kind == "vs_axis" and plot.axis is None:
+            raise ConfigError(f"{source}: plots: a vs_axis plot needs `axis:` (a grid axis with numeric labels)")
+        if plot.kind == "heatmap" and (plot.rows is None or plot.columns is None):
+            raise ConfigError(f"{source}: plots: a heatmap needs `rows:` and `columns:` (grid axes)")
+        if plot.log_y and plot.kind != "dots":
+            raise ConfigError(f"{source}: plots: log_y is for `dots` plots only, not {plot.kind!r}")
+    return spec
+
+
+def _sets_seed(key: str, value: Any, section: str) -> bool:
+    return key == f"{section}.seed" or (key == section and isinstance(value, dict) and "seed" in value)
+
+
+def _check_headline(spec: StudySpec, source: str) -> None:
+    if spec.headline is None:
+        if "other_pairs" in spec.model_fields_set:
+            raise ConfigError(f"{source}: other_pairs applies to the runs outside `headline:`; add `headline:` or remove other_pairs")
+        return
+    cells = [cell_id(cell) for cell in grid_cells(spec.grid)]
+    for cell in spec.headline.cells or []:
+        if cell not in cells:
+            raise ConfigError(f"{source}: headline.cells: {cell!r} is not a grid cell; cells: {', '.join(cells)}")
+    for algorithm in spec.headline.algorithms or []:
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: headline.algorithms: {algorithm!r} is not one of the algorithms ({', '.join(spec.algorithms)})")
+    draws = spec.draws if spec.draws is not None else [base_data_seed(spec.base)]
+    if spec.other_pairs == "diagonal" and len(draws) != len(spec.seeds):
+        raise ConfigError(f"{source}: other_pairs: diagonal pairs draws and seeds one to one, but there are {len(draws)} "
+                          f"draws and {len(spec.seeds)} seeds; give the pairs as a list of [draw, seed] or use `all`")
+    if isinstance(spec.other_pairs, list):
+        if not spec.other_pairs:
+            raise ConfigError(f"{source}: other_pairs: give at least one [draw, seed] pair")
+        for pair in spec.other_pairs:
+            if len(pair) != 2 or pair[0] not in draws or pair[1] not in spec.seeds:
+                raise ConfigError(f"{source}: other_pairs: {pair} is not a [draw, seed] pair of draws {draws} and seeds {spec.seeds}")
+        if len({tuple(pair) for pair in spec.other_pairs}) != len(spec.other_pairs):
+            raise ConfigError(f"{source}: other_pairs: {spec.other_pairs} repeats a pair; give each once")
+
+
+def _check_cells_and_baselines(spec: StudySpec, source: str) -> None:
+    cells = [cell_id(cell) for cell in grid_cells(spec.grid)]
+    known = ", ".join(spec.algorithms)
+    for algorithm, restricted in spec.cells.items():
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: cells: {algorithm!r} is not one of the algorithms ({known})")
+        if not restricted:
+            raise ConfigError(f"{source}: cells.{algorithm}: give at least one grid cell, or remove the entry to run it in every cell")
+        for cell in restricted:
+            if cell not in cells:
+                raise ConfigError(f"{source}: cells.{algorithm}: {cell!r} is not a grid cell; cells: {', '.join(cells)}")
+        if len(set(restricted)) != len(restricted):
+            raise ConfigError(f"{source}: cells.{algorithm}: {restricted} repeats a cell; give each once")
+    for algorithm, reference in spec.baselines.items():
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: baselines: {algorithm!r} is not one of the algorithms ({known})")
+        if reference not in spec.algorithms:
+            raise ConfigError(f"{source}: baselines.{algorithm}: {reference!r} is not one of the algorithms ({known})")
+        if reference == algorithm:
+            raise ConfigError(f"{source}: baselines.{algorithm}: an algorithm cannot be its own baseline")
+        for cell in algorithm_cells(spec, algorithm):
+            if cell not in algorithm_cells(spec, reference):
+                raise ConfigError(f"{source}: baselines.{algorithm}: {reference!r} does not run in cell {cell!r}, where "
+                                  f"{algorithm!r} runs; add the cell to cells.{reference} or restrict cells.{algorithm}")
+
+
+def algorithm_cells(spec: StudySpec, algorithm: str) -> list[str]:
+    """The ids of the grid cells ``algorithm`` runs in: its ``cells:`` entry, else every cell."""
+    every = [cell_id(cell) for cell in grid_cells(spec.grid)]
+    restricted = spec.cells.get(algorithm)
+    return [cell for cell in every if restricted is None or cell in restricted]
+
+
+def baseline_of(spec: StudySpec, algorithm: str) -> str | None:
+    """The algorithm ``algorithm`` is compared with: its ``baselines:`` entry, else ``baseline``."""
+    return spec.baselines.get(algorithm, spec.baseline)
+
+
+def _check_label(label: str, where: str) -> None:
+    if not RUN_ID_PATTERN.match(label):
+        raise ConfigError(f"{where}: label {label!r} must use only letters, digits and . _ + - (it names a folder)")
+
+
+def base_data_seed(document: dict[str, Any]) -> int:
+    """The draw of a study without ``draws:``: the experiment's ``data.seed`` (0 when it has none)."""
+    data = document.get("data") if isinstance(document.get("data"), dict) else {}
+    seed = data.get("seed", 0)
+    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0
+
+
+def display_name(algorithm: str, labels: dict[str, str] | None) -> str:
+    """The name shown for ``algorithm``: its ``labels:`` entry, else the label itself."""
+    return (labels or {}).get(algorithm, algorithm)
+
+
+def cell_id(cell: dict[str, str]) -> str:
+    """``"0.1"`` for one axis, ``"log_2_10"`` for three, ``"base"`` for no grid."""
+    return "_".join(cell.values()) if cell else "base"
+
+
+def grid_cells(grid: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, str]]:
+    """The Cartesian product of the axes, in file order (the last axis varies fastest)."""
+    axes = list(grid)
+    return [dict(zip(axes, labels)) for labels in itertools.product(*(list(grid[axis]) for axis in axes))]
+

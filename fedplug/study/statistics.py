@@ -1,0 +1,83 @@
+"""The statistics a study's verdict rests on: mean and sample std over runs, and the
+paired comparison with a baseline (same draw and seed), per grid cell x algorithm."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedplug.study.spec import cell_id
+
+SUMMARY_COLUMNS = (
+    "final_accuracy", "last3_accuracy", "best_accuracy", "final_client_accuracy", "final_loss", "rounds_to_target",
+    "effective_rounds_to_target", "bytes_to_target", "setup_rounds", "total_bytes", "compute_seconds_model",
+    "compute_seconds_to_target", "communication_seconds_model", "cpd_median", "train_seconds",
+)
+"""The numeric columns of :func:`summarise` (mean over runs, and ``<column>_std``)."""
+
+
+def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1 in the denominator) of the values that
+    are not None; (None, None) without values, std None with one."""
+    present = [float(value) for value in values if value is not None]
+    if not present:
+        return None, None
+    return float(np.mean(present)), (float(np.std(present, ddof=1)) if len(present) > 1 else None)
+
+
+def paired_comparison(values: dict[tuple[int, int], float | None],
+                      reference: dict[tuple[int, int], float | None]) -> dict[str, Any]:
+    """A method against a reference on the runs both have (same draw, same seed): how
+    many pairs the method wins (strictly higher), ties and loses, and the mean and sample
+    std of the paired difference method - reference (None without pairs)."""
+    pairs = [key for key in values if key in reference and values[key] is not None and reference[key] is not None]
+    differences = [float(values[key]) - float(reference[key]) for key in pairs]  # type: ignore[arg-type]
+    mean, std = mean_std(differences)
+    return {
+        "pairs": len(pairs),
+        "wins": sum(difference > 0 for difference in differences),
+        "ties": sum(difference == 0 for difference in differences),
+        "losses": sum(difference < 0 for difference in differences),
+        "difference": mean,
+        "difference_std": std,
+    }
+
+
+def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
+              baseline: str | None = None, baselines: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One row per grid cell x algorithm (in record order): the cell's axis labels,
+    ``cell`` (its id), ``algorithm``, ``runs``, ``draws`` and ``seeds`` (distinct counts),
+    ``reached`` (runs that reached the target), each of :data:`SUMMARY_COLUMNS` as the mean
+    over the runs with a value (the target columns: the runs that reached it) plus
+    ``<column>_std`` (sample std), ``metric`` (the headline metric's name),
+    ``reference`` (the algorithm it is compared with: its ``baselines`` entry, else
+    ``baseline``; None on the baseline's own row) and, against the reference in the same
+    cell, ``paired`` = :func:`paired_comparison` of ``metric``."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((cell_id(record["cell"]), record["algorithm"]), []).append(record)
+    rows = []
+    for (cell, algorithm), members in groups.items():
+        row: dict[str, Any] = dict(members[0]["cell"])
+        row["cell"] = cell
+        row["algorithm"] = algorithm
+        row["runs"] = len(members)
+        row["draws"] = len({member["draw"] for member in members})
+        row["seeds"] = len({member["seed"] for member in members})
+        row["reached"] = sum(member.get("rounds_to_target") is not None for member in members)
+        for column in SUMMARY_COLUMNS:
+            row[column], row[f"{column}_std"] = mean_std(member.get(column) for member in members)
+        row["metric"] = metric
+        row["paired"] = None
+        reference = (baselines or {}).get(algorithm, baseline)
+        row["reference"] = reference if reference != algorithm else None
+        if row["reference"] is not None and (cell, reference) in groups:
+            row["paired"] = paired_comparison(
+                {(member["draw"], member["seed"]): member.get(metric) for member in members},
+                {(member["draw"], member["seed"]): member.get(metric) for member in groups[(cell, reference)]},
+            )
+        rows.append(row)
+    return rows
+

@@ -1,0 +1,135 @@
+"""The summary table of a study as markdown (:func:`summary_table`) and the readable
+names of its columns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fedplug.study.spec import display_name
+
+
+def _cell(value: Any, std: Any = None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:.{digits}f}"
+    return f"{text} ± {std:.{digits}f}" if std is not None else text
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _rounds(row: dict[str, Any], key: str) -> str:
+    if row[key] is None:
+        return "not reached"
+    text = f"{row[key]:.0f}" if float(row[key]).is_integer() else f"{row[key]:.1f}"
+    return text if row["reached"] == row["runs"] else f"{text} ({row['reached']}/{row['runs']} reached)"
+
+
+def _runs(row: dict[str, Any]) -> str:
+    if row["runs"] == row["draws"] * row["seeds"]:
+        return f"{row['runs']} ({row['draws']}×{row['seeds']})"
+    return f"{row['runs']} ({row['draws']} draws, {row['seeds']} seeds)"
+
+
+METRIC_NAMES = {
+    "final_accuracy": "final acc",
+    "last3_accuracy": "acc, mean of last 3 rounds",
+    "best_accuracy": "best acc",
+    "final_loss": "final loss",
+    "final_client_accuracy": "final client acc",
+    "rounds_to_target": "rounds to target",
+    "compute_seconds_model": "cost-model compute s",
+    "compute_seconds_to_target": "cost-model compute s to target",
+    "communication_seconds_model": "cost-model communication s",
+    "total_bytes": "total bytes",
+    "train_seconds": "train s (measured)",
+    "cpd_median": "median CPD",
+}
+"""Readable names of :func:`~fedplug.study.statistics.summarise`'s columns, for tables and axes."""
+
+
+def metric_name(metric: str) -> str:
+    return METRIC_NAMES.get(metric, metric.replace("_", " "))
+
+
+def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: float, *,
+                  labels: dict[str, str] | None = None, baseline: str | None = None,
+                  columns: Sequence[str] = (), baselines: dict[str, str] | None = None) -> str:
+    """The summary table as markdown: one line per grid cell x algorithm, the headline
+    metric (mean ± std over runs) first, best-over-rounds beside it, then rounds and bytes
+    to ``target``, the setup rounds where any run has them, ``columns`` (e.g. the median CPD),
+    and the paired comparison with each row's reference (``baseline``, or the algorithm's
+    ``baselines`` entry, named in the cell): wins/ties/losses and mean ± std of the paired
+    difference. ``compute_seconds_to_target`` is the mean ± std over the runs that reached
+    the target, with ``k/n reached``."""
+    metric = rows[0]["metric"] if rows else "final_accuracy"
+    target_label = f"{100 * target:g}%"
+    show_setup = any((row.get("setup_rounds") or 0) > 0 for row in rows)
+    header = [*axes, "algorithm", "runs (draws×seeds)", f"{metric_name(metric)} (mean ± std)"]
+    if metric != "best_accuracy":
+        header.append("best acc (over rounds)")
+    header.append(f"rounds to {target_label}")
+    if show_setup:
+        header += ["setup rounds", f"effective rounds to {target_label}"]
+    header.append(f"bytes to {target_label}")
+    header += [metric_name(column) for column in columns]
+    if baseline is not None or baselines:
+        what = (f"vs {display_name(baseline, labels)}" if not baselines else
+                f"vs baseline ({display_name(baseline, labels)} unless named)" if baseline else "vs baseline")
+        header += [f"{what}: wins/ties/losses", "paired difference"]
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "---|" * (len(axes) + 1) + "---:|" * (len(header) - len(axes) - 1)]
+    for row in rows:
+        cells = [str(row[axis]) for axis in axes] + [display_name(row["algorithm"], labels), _runs(row),
+                                                     _cell(row[metric], row[f"{metric}_std"])]
+        if metric != "best_accuracy":
+            cells.append(_cell(row["best_accuracy"], row["best_accuracy_std"]))
+        cells.append(_rounds(row, "rounds_to_target"))
+        if show_setup:
+            cells += [f"{row['setup_rounds']:.0f}", _rounds(row, "effective_rounds_to_target")]
+        cells.append(_bytes(row["bytes_to_target"]))
+        for column in columns:
+            if column == "total_bytes":
+                cells.append(_bytes(row[column]))
+            elif column == "compute_seconds_to_target":
+                cells.append("not reached" if row[column] is None else
+                             f"{_seconds(row[column], row[f'{column}_std'])} ({row['reached']}/{row['runs']} reached)")
+            elif "seconds" in column:
+                cells.append(_seconds(row[column], row[f"{column}_std"]))
+            else:
+                cells.append(_cell(row[column], row[f"{column}_std"], 3 if column == "cpd_median" else 4))
+        if baseline is not None or baselines:
+            paired = row.get("paired")
+            reference = (baselines or {}).get(row["algorithm"], baseline)
+            named = f" vs {display_name(reference, labels)}" if row["algorithm"] in (baselines or {}) else ""
+            if reference is None:
+                cells += ["-", ""]
+            elif reference == row["algorithm"]:
+                cells += ["(baseline)", ""]
+            elif not paired or not paired["pairs"]:
+                cells += ["no paired runs" + named, ""]
+            else:
+                cells += [f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}{named}",
+                          _signed(paired["difference"], paired["difference_std"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None, std: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" + (f" ± {std:.2g}" if std is not None else "")
+
+
+def _signed(value: float | None, std: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.4f}" + (f" ± {std:.4f}" if std is not None else "")
+
