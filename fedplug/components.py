@@ -5,7 +5,8 @@ object built from it. Components describe themselves through these interfaces: w
 need from the clients (:class:`ClientNeeds`), the per-round metrics they report
 (:meth:`Grouper.round_metrics`), the values derived from their config
 (:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
-(:meth:`LossTransform.setup_phase`). The round itself lives in
+(:meth:`LossTransform.setup_phase`), and what a study keeps and draws of those reports
+(:attr:`ComponentConfig.analysis`). The round itself lives in
 :mod:`fedplug.federated_round`; the simulator, Flower and FedML move models and messages
 and read nothing else about an algorithm, so a third-party plugin runs wherever a
 built-in does.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, get_args
+from typing import Any, ClassVar, Iterable, Literal, Mapping, get_args
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from torch import Tensor
 from torch.nn import functional as F
+
+from fedplug.analysis import Analysis
 
 Context = dict[str, Any]
 """Tensors (or nested dicts of tensors) a client's loss needs; stacked across clients by
@@ -78,6 +81,9 @@ class ComponentConfig(StrictConfig):
     """
 
     name: str
+    analysis: ClassVar[Analysis] = Analysis()
+    """What a study summarises and draws of this component's per-round metrics and setup
+    report (:class:`fedplug.analysis.Analysis`; default: nothing)."""
 
     def incompatibilities(self, train: Any) -> list[str]:
         """Reasons why this component cannot run with the rest of ``train`` (the whole
