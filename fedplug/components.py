@@ -97,6 +97,23 @@ class ComponentConfig(StrictConfig):
         them under ``derived`` in metrics.json."""
         return {}
 
+    def setup_file(self, federation: Any) -> str | None:
+        """The name of the file in this config's ``cache_dir`` that keeps its component's
+        setup-phase result for ``federation`` (named by a key of the data and of every
+        parameter the result depends on), so that the pipeline's ``setup`` stage computes
+        it once and the train stage's component loads it in ``prepare`` instead of
+        running the phase; None (the default): nothing is kept. A config that names a
+        file has a ``cache_dir`` field, and its component writes the file when it runs
+        the phase with ``cache_dir`` set."""
+        return None
+
+    def setup_file_cost(self, path: Any) -> PhaseCost:
+        """The rounds and bytes of the setup phase whose result the file ``path`` holds
+        (a config that names a :meth:`setup_file` defines it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} names a setup file but not its cost; define setup_file_cost"
+        )
+
 
 # ------------------------------------------------------------------------ client needs
 

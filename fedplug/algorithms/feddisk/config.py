@@ -8,7 +8,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fedplug.analysis import Analysis, HistogramFigure, SetupSummary
-from fedplug.components import ComponentConfig
+from fedplug.components import ComponentConfig, PhaseCost
 
 WEIGHT_NOTE = ("Each panel: the sample weights of all clients pooled, counts averaged over the runs (log scale; "
                "runs of one partition draw share their weights). Dashed line: weight 1 = an untrained D / no "
@@ -95,6 +95,19 @@ class SampleWeightConfig(ComponentConfig):
                 f"clip_min ({self.clip_min}) must be smaller than clip_max ({self.clip_max})"
             )
         return self
+
+    def setup_file(self, federation: Any) -> str | None:
+        """``<cache_key>.npz``: phase 1's density ratios for ``federation``
+        (:func:`~.cache.cache_path`), which the pipeline's setup stage computes once."""
+        from fedplug.algorithms.feddisk.cache import cache_path
+
+        return cache_path(".", federation, self).name
+
+    def setup_file_cost(self, path: Any) -> PhaseCost:
+        """The MADE phase's rounds and bytes, as the weights file keeps them."""
+        from fedplug.algorithms.feddisk.cache import load_weights
+
+        return load_weights(path, self).cost
 
 
 class FedDiskConfig(SampleWeightConfig):
