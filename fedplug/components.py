@@ -3,7 +3,8 @@
 A component is a config class (a strict pydantic model tagged by ``name``) plus the
 object built from it. Components describe themselves through these interfaces: what they
 need from the clients (:class:`ClientNeeds`), the per-round metrics they report
-(:meth:`Grouper.round_metrics`), the values derived from their config
+(:meth:`Grouper.round_metrics`, :meth:`Aggregator.round_metrics`), the values derived
+from their config
 (:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
 (:meth:`LossTransform.setup_phase`), and what a study keeps and draws of those reports
 (:attr:`ComponentConfig.analysis`). The round itself lives in
@@ -410,6 +411,12 @@ class Aggregator(ABC):
     ) -> dict[str, Tensor]:
         """After local training: update ``client_state`` in place and return the extras
         to send with the model."""
+        return {}
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """Metrics of the round just aggregated that the round record keeps beside the
+        grouper's (:meth:`Grouper.round_metrics`; a key both report is an error); none by
+        default. A study summarises them as its config's ``analysis`` declares."""
         return {}
 
     def check_update(self, update: ClientUpdate) -> str | None:

@@ -3,7 +3,8 @@ can make, defined only here and registered through the ordinary plugin mechanism
 
 - aggregator ``conformance_momentum``: server momentum with its own ``state_dict``; it
   sends a payload down with every model (``server_payload``), reads an extra in every
-  reply (``reply_extras``), and its config reports a derived value;
+  reply (``reply_extras``), reports the damping as a round metric (a study column), and
+  its config reports a derived value;
 - loss transform ``conformance_mean_weighted``: a two-step setup phase (every client
   reports the sum of its inputs; the server sends the global mean back and each client
   keeps one weight per sample) and a cross-entropy weighted by those weights; with a
@@ -77,6 +78,7 @@ class ConformanceMomentumConfig(ComponentConfig):
     """Server momentum damped by the clients' reported update norms (test only)."""
 
     name: Literal["conformance_momentum"] = "conformance_momentum"
+    analysis = Analysis(columns=(RoundMetricColumn("conformance_damping", "final server damping", reduce="last"),))
     momentum: float = Field(default=0.5, ge=0.0, lt=1.0)
     """Server momentum beta (default 0.5)."""
     server_lr: float = Field(default=1.0, gt=0.0, le=10.0)
@@ -143,6 +145,10 @@ class ConformanceMomentum(Aggregator):
         self.velocity = velocity.float()
         self.damping = (1.0 + mean_norm).float()
         return (current - step * velocity).float()
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """``conformance_damping``: the damping the next round's clients receive."""
+        return {"conformance_damping": float(self.damping[0])}
 
     def state_dict(self) -> dict[str, Any]:
         return {"velocity": self.velocity, "damping": self.damping}

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conformance_plugins import GROUPER, LOSS_TRANSFORM, conformance_registry
+from conformance_plugins import AGGREGATOR, GROUPER, LOSS_TRANSFORM, conformance_registry
 from test_tracking import load_stage, prepare_project, tiny_params
 
 import fedplug.plugins
@@ -71,8 +71,9 @@ def pairs_study() -> dict[str, Any]:
     return {
         "name": "pairs",
         "base": copy.deepcopy(STUDY_BASE),
-        "algorithms": {"fedavg": {}, "pairs": {"grouper": {"name": GROUPER, "chain_length": 2}}},
-        "columns": ["chain_count"],
+        "algorithms": {"fedavg": {}, "pairs": {"grouper": {"name": GROUPER, "chain_length": 2}},
+                       "momentum": {"aggregator": {"name": AGGREGATOR}}},
+        "columns": ["chain_count", "conformance_damping"],
         "plots": [{"kind": "chain_count_box"}],
     }
 
@@ -87,21 +88,28 @@ def test_a_plugins_round_metric_becomes_a_study_column_and_a_figure(
     monkeypatch.setattr(fedplug.plugins, "default_registry", conformance_registry)
     spec = parse_study(pairs_study())
     runs = expand_study(spec, conformance_registry())
-    records = []
+    records, histories = [], {}
     for run in runs:
         result, _ = run_experiment(run.config, tmp_path / run.run_id, registry=conformance_registry())
         records.append(run_record(run, result.summary(), 0.5))
+        histories[run.algorithm] = result.summary()["history"]
 
     by_algorithm = {record["algorithm"]: record for record in records}
     # 5 clients, every one sampled, chains of 2: 3 chains in every round (2 + 2 + 1).
     assert by_algorithm["pairs"]["chain_counts"] == [3.0, 3.0, 3.0]
     assert by_algorithm["pairs"]["chain_count"] == 3.0  # the mean over rounds it declares
     assert by_algorithm["fedavg"]["chain_count"] is None and "chain_counts" not in by_algorithm["fedavg"]
+    # An aggregator's round metric reaches the record too; its declared reduction is the last round's.
+    momentum = by_algorithm["momentum"]
+    damping = [round_["conformance_damping"] for round_ in histories["momentum"]]
+    assert len(damping) == 3 and all(value > 1.0 for value in damping)  # 1 + a mean update norm
+    assert momentum["conformance_damping"] == pytest.approx(damping[-1], abs=1e-6)
+    assert by_algorithm["pairs"]["conformance_damping"] is None
     rows = summarise(records)
     table = summary_table(rows, [], 0.5, columns=spec.columns)
     header, _, *lines = table.splitlines()
-    assert header.endswith("| chains per round |")  # the title the plugin declares
-    assert lines[1].endswith("| 3.0000 |") and lines[0].endswith("| - |")
+    assert header.endswith("| chains per round | final server damping |")  # the titles the plugins declare
+    assert lines[1].endswith("| 3.0000 | - |") and lines[0].endswith("| - | - |")
     names = draw_figures(spec, records, tmp_path / "figures", prefix="pairs-")
     assert names == ["pairs-chain_count_box.png"] and (tmp_path / "figures" / names[0]).stat().st_size > 5000
     with pytest.raises(DataError, match="no run has per-round 'chain_counts' values"):
