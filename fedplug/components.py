@@ -3,9 +3,11 @@
 A component is a config class (a strict pydantic model tagged by ``name``) plus the
 object built from it. Components describe themselves through these interfaces: what they
 need from the clients (:class:`ClientNeeds`), the per-round metrics they report
-(:meth:`Grouper.round_metrics`), the values derived from their config
+(:meth:`Grouper.round_metrics`, :meth:`Aggregator.round_metrics`), the values derived
+from their config
 (:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
-(:meth:`LossTransform.setup_phase`). The round itself lives in
+(:meth:`LossTransform.setup_phase`), and what a study keeps and draws of those reports
+(:attr:`ComponentConfig.analysis`). The round itself lives in
 :mod:`fedplug.federated_round`; the simulator, Flower and FedML move models and messages
 and read nothing else about an algorithm, so a third-party plugin runs wherever a
 built-in does.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, get_args
+from typing import Any, ClassVar, Iterable, Literal, Mapping, get_args
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from torch import Tensor
 from torch.nn import functional as F
+
+from fedplug.analysis import Analysis
 
 Context = dict[str, Any]
 """Tensors (or nested dicts of tensors) a client's loss needs; stacked across clients by
@@ -78,6 +82,9 @@ class ComponentConfig(StrictConfig):
     """
 
     name: str
+    analysis: ClassVar[Analysis] = Analysis()
+    """What a study summarises and draws of this component's per-round metrics and setup
+    report (:class:`fedplug.analysis.Analysis`; default: nothing)."""
 
     def incompatibilities(self, train: Any) -> list[str]:
         """Reasons why this component cannot run with the rest of ``train`` (the whole
@@ -90,6 +97,23 @@ class ComponentConfig(StrictConfig):
         beside the run's params (FedAvgM's effective learning rate); every runtime logs
         them under ``derived`` in metrics.json."""
         return {}
+
+    def setup_file(self, federation: Any) -> str | None:
+        """The name of the file in this config's ``cache_dir`` that keeps its component's
+        setup-phase result for ``federation`` (named by a key of the data and of every
+        parameter the result depends on), so that the pipeline's ``setup`` stage computes
+        it once and the train stage's component loads it in ``prepare`` instead of
+        running the phase; None (the default): nothing is kept. A config that names a
+        file has a ``cache_dir`` field, and its component writes the file when it runs
+        the phase with ``cache_dir`` set."""
+        return None
+
+    def setup_file_cost(self, path: Any) -> PhaseCost:
+        """The rounds and bytes of the setup phase whose result the file ``path`` holds
+        (a config that names a :meth:`setup_file` defines it)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} names a setup file but not its cost; define setup_file_cost"
+        )
 
 
 # ------------------------------------------------------------------------ client needs
@@ -387,6 +411,12 @@ class Aggregator(ABC):
     ) -> dict[str, Tensor]:
         """After local training: update ``client_state`` in place and return the extras
         to send with the model."""
+        return {}
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """Metrics of the round just aggregated that the round record keeps beside the
+        grouper's (:meth:`Grouper.round_metrics`; a key both report is an error); none by
+        default. A study summarises them as its config's ``analysis`` declares."""
         return {}
 
     def check_update(self, update: ClientUpdate) -> str | None:

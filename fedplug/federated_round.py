@@ -563,8 +563,19 @@ class RoundCore:
     # ----------------------------------------------------------------- record
 
     def round_metrics(self, plan: RoundPlan) -> dict[str, float]:
-        """The grouper's own metrics of ``plan`` (FedGSP's CPD)."""
-        return {key: float(value) for key, value in self.grouper.round_metrics(plan, self.class_counts).items()}
+        """The server-side components' own metrics of the round of ``plan``: the grouper's
+        (FedGSP's CPD) and the aggregator's.
+
+        Raises:
+            ConfigError: both report a metric of the same name.
+        """
+        grouper = self.grouper.round_metrics(plan, self.class_counts)
+        aggregator = self.aggregator.round_metrics(plan, self.class_counts)
+        clash = sorted(set(grouper) & set(aggregator))
+        if clash:
+            raise ConfigError(f"the grouper and the aggregator both report the round metric(s) {', '.join(clash)}; "
+                              "rename one component's metric")
+        return {key: float(value) for key, value in {**grouper, **aggregator}.items()}
 
     def record(
         self,

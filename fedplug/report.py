@@ -44,9 +44,9 @@ class RunMetrics:
     train_seconds: float
     """Sum of the rounds' wall times."""
     setup_seconds: float = 0.0
-    """Wall time of work done before round 1 in another stage (FedDisk's density models)."""
+    """Wall time of work done before round 1 in another stage (a component's setup phase)."""
     setup_rounds: int = 0
-    """Communication rounds spent before training (FedDisk's MADE rounds)."""
+    """Communication rounds spent before training (a component's setup phase)."""
 
     @property
     def wall_seconds(self) -> float:
@@ -246,7 +246,7 @@ def comparison_markdown(summaries: Sequence[AlgorithmSummary], target: float, ti
         "Ranked by final accuracy (mean over seeds), then best accuracy. Accuracy is on the "
         "global test set after each round; with several seeds, mean ± std over the seeds "
         '(population std). Rounds to target count training rounds; "+N setup" are rounds spent '
-        "before training (FedDisk's density models). Total bytes are all model traffic up and "
+        "before training (a component's setup phase). Total bytes are all model traffic up and "
         "down, setup included (mean over seeds)."
     )
     lines += ["", note, ""]
@@ -255,7 +255,7 @@ def comparison_markdown(summaries: Sequence[AlgorithmSummary], target: float, ti
 
 def wall_time_markdown(summaries: Sequence[AlgorithmSummary], title: str) -> str:
     """Wall time per algorithm (mean over seeds): the training rounds plus work done before
-    round 1 in another stage (FedDisk's density models). Measured, so it differs from run to
+    round 1 in another stage (a component's setup phase). Measured, so it differs from run to
     run: kept apart from the reproducible comparison."""
     lines = [f"# {title}: wall time", "", "| algorithm | seeds | wall time |", "|---|---|---:|"]
     for summary in summaries:

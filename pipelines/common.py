@@ -31,7 +31,7 @@ from fedplug.errors import ConfigError, FedplugError
 
 PARAMS_FILE = Path("params.yaml")
 PARTITION_DIR = Path("data/partition")
-DENSITY_DIR = Path("data/density")
+SETUP_DIR = Path("data/setup")
 # The pipeline's training runs live apart from `runs/`, where `fedplug run` writes ad-hoc
 # runs: an ad-hoc run must not make the `evaluate` stage (which depends on this folder) stale.
 RUNS_DIR = Path("reports/runs")

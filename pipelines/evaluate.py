@@ -2,8 +2,8 @@
 
 Reads ``study`` (target accuracy, seeds, name) and the labels of ``algorithms``; reads
 ``reports/runs/<algorithm>/seed-<seed>/metrics.json`` for exactly those labels and seeds (folders of
-algorithms no longer in the params are ignored) and, for wall time, the density stage's
-``data/density/<algorithm>/info.json``. Writes to ``reports/``:
+algorithms no longer in the params are ignored) and, for wall time, the setup stage's
+``data/setup/<algorithm>/timing.json``. Writes to ``reports/``:
 
 - ``comparison.md``: algorithm, seeds, final and best accuracy, rounds to target, total
   bytes, wall time;
@@ -14,7 +14,7 @@ algorithms no longer in the params are ignored) and, for wall time, the density 
 
 Those four are DVC outputs committed to git and hold only what the params and the code
 determine, so a re-run reproduces them byte for byte. The measured wall times (each run's
-``timings.json``, the density stage's ``timing.json``) go to ``wall_times.md`` beside them,
+``timings.json``, the setup stage's ``timing.json``) go to ``wall_times.md`` beside them,
 which is neither a DVC output nor in git, to the terminal and to MLflow.
 
 The same comparison goes to the MLflow parent run of this DVC experiment (metrics
@@ -34,9 +34,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    DENSITY_DIR,
     REPORTS_DIR,
     RUNS_DIR,
+    SETUP_DIR,
     algorithm_labels,
     dvc_run_group,
     read_params,
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml", help="params file (default params.yaml)")
     parser.add_argument("--runs", default=str(RUNS_DIR), help=f"runs folder (default {RUNS_DIR})")
     parser.add_argument(
-        "--density", default=str(DENSITY_DIR), help=f"density folder (default {DENSITY_DIR})"
+        "--setup", default=str(SETUP_DIR), help=f"setup stage's folder (default {SETUP_DIR})"
     )
     parser.add_argument(
         "--out", default=str(REPORTS_DIR), help=f"report folder (default {REPORTS_DIR})"
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     study = validate_model(StudyConfig, section(params, "study"), "study")
     runs = []
     for algorithm in algorithm_labels(params):
-        setup_seconds = measured_seconds(Path(args.density) / algorithm / "timing.json", "seconds")
+        setup_seconds = measured_seconds(Path(args.setup) / algorithm / "timing.json", "seconds")
         for seed in study.seeds:
             folder = Path(args.runs) / algorithm / f"seed-{seed}"
             run = load_run_metrics(folder / "metrics.json", algorithm, seed, setup_seconds)
@@ -143,7 +143,7 @@ def log_to_parent_run(
 
 def measured_seconds(path: Path, key: str) -> float:
     """A measured time from a timings file (0 when the file, or the key, is missing: the
-    density stage writes none for an algorithm that needs no density model, and a
+    setup stage writes none for an algorithm without a setup phase, and a
     queued experiment brings back only the DVC outputs)."""
     try:
         timings = json.loads(path.read_text())

@@ -38,8 +38,9 @@ process and marked with the config's fingerprint. The stage owns it like DVC own
 outputs: a fedplug run folder of other params is replaced (only the files its marker lists
 are deleted), but a folder holding files fedplug did not write is refused with one line.
 
-FedDisk (any loss transform with a ``cache_dir``): ``cache_dir`` is set to
-``data/density/<algorithm>``, where the ``pretrain_density`` stage left the weights.
+A component with a ``cache_dir`` (one that keeps its setup phase in a file,
+:meth:`fedplug.components.ComponentConfig.setup_file`): ``cache_dir`` is set to
+``data/setup/<algorithm>``, where the ``setup`` stage left the file.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    DENSITY_DIR,
     PARTITION_DIR,
     RUNS_DIR,
+    SETUP_DIR,
     read_params,
     run_main,
     set_torch_threads,
@@ -78,21 +79,21 @@ def run_folder(runs: Path, algorithm: str, seed: int) -> Path:
 
 
 def resolved_config(
-    params: dict[str, Any], algorithm: str, seed: int, density_dir: Path, registry: Any
+    params: dict[str, Any], algorithm: str, seed: int, setup_dir: Path, registry: Any
 ) -> Any:
-    """The validated experiment config of this run (``algorithms`` left out)."""
-    from fedplug.config import component_entry, validate_experiment, with_algorithm
+    """The validated experiment config of this run (``algorithms`` left out), every
+    component with a ``cache_dir`` pointed at ``setup_dir/<algorithm>``."""
+    from fedplug.config import ALGORITHM_SLOTS, component_entry, validate_experiment, with_algorithm
 
     merged = with_algorithm(params, algorithm)
     train = dict(merged.get("train") or {})
     train["seed"] = seed
-    loss_transform = component_entry(train.get("loss_transform"))
-    if isinstance(loss_transform, dict) and loss_transform.get("name") in registry.names(
-        "loss_transforms"
-    ):
-        config_class = registry.get("loss_transforms", loss_transform["name"]).config_class
-        if "cache_dir" in config_class.model_fields:
-            train["loss_transform"] = {**loss_transform, "cache_dir": str(density_dir / algorithm)}
+    for slot in ALGORITHM_SLOTS:
+        entry = component_entry(train.get(slot))
+        if isinstance(entry, dict) and entry.get("name") in registry.names(f"{slot}s"):
+            config_class = registry.get(f"{slot}s", entry["name"]).config_class
+            if "cache_dir" in config_class.model_fields:
+                train[slot] = {**entry, "cache_dir": str(setup_dir / algorithm)}
     document = {key: merged[key] for key in ("study", "tracking", "data") if key in merged}
     document["train"] = train
     return validate_experiment(document, registry)
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         "--partition", default=str(PARTITION_DIR / "partition.npz"), help="partition file"
     )
     parser.add_argument(
-        "--density",
-        default=str(DENSITY_DIR),
-        help=f"density weights folder (default {DENSITY_DIR})",
+        "--setup",
+        default=str(SETUP_DIR),
+        help=f"the setup stage's folder (default {SETUP_DIR})",
     )
     parser.add_argument("--runs", default=str(RUNS_DIR), help=f"runs folder (default {RUNS_DIR})")
     args = parser.parse_args(argv)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     params = read_params(args.params)
     registry = default_registry()
-    config = resolved_config(params, args.algorithm, args.seed, Path(args.density), registry)
+    config = resolved_config(params, args.algorithm, args.seed, Path(args.setup), registry)
     # The project's store, also when DVC runs this stage in a temporary copy (--temp, queue).
     root = project_root(args.params)
     target = None
@@ -203,7 +204,7 @@ def train(
     federation = load_federation(
         config.data, registry, resolve_device(config.train.device), partition_path
     )
-    check_density_weights(config, federation)
+    check_setup_files(config, federation)
     with claim(
         out, output_fingerprint(config), force=True, legacy=files_named(RUN_FILES),
         option="run folder", force_option=None,
@@ -263,7 +264,7 @@ def train_claimed(
         write_text(out / "metrics.json", json.dumps(reproducible, indent=2) + "\n")
         write_text(out / TIMINGS_NAME, json.dumps(timings, indent=2) + "\n")
         history = reproducible["history"]
-        # Every key of every round, so the metrics a component reports (cpd_median) get a column.
+        # Every key of every round, so the metrics a component reports each round get a column.
         columns = list(dict.fromkeys(key for row in history for key in row))
         write_through_path(out / "rounds.csv", lambda path: write_curve_csv(history, path, columns))
         title = f"{algorithm} (seed {seed}) on {config.data.dataset.name}"
@@ -306,28 +307,22 @@ def discard_foreign_checkpoint(
     return None if state is None else list(state["history"])
 
 
-def check_density_weights(config: Any, federation: Any) -> None:
-    """For a sample-weight loss transform (FedDisk), require the weights the
-    ``pretrain_density`` stage computed, so training never computes (and writes) them
-    inside another stage's output."""
-    from fedplug.algorithms.feddisk import SampleWeightConfig, cache_key, partition_fingerprint
+def check_setup_files(config: Any, federation: Any) -> None:
+    """For every component that keeps its setup phase in a file under its ``cache_dir``,
+    require the file the ``setup`` stage computed, so training never computes (and
+    writes) it inside another stage's output."""
+    from fedplug.config import ALGORITHM_SLOTS
     from fedplug.errors import DataError
 
-    loss_transform = config.train.loss_transform
-    if not isinstance(loss_transform, SampleWeightConfig) or loss_transform.cache_dir is None:
-        return
-    key = cache_key(
-        federation.dataset_name,
-        partition_fingerprint(federation),
-        loss_transform.seed,
-        loss_transform,
-    )
-    path = Path(loss_transform.cache_dir) / f"{key}.npz"
-    if not path.is_file():
-        raise DataError(
-            f"the {loss_transform.name} weights {path} are missing or were computed for other params; "
-            "run the pretrain_density stage first (`dvc repro pretrain_density`)"
-        )
+    for slot in ALGORITHM_SLOTS:
+        component = getattr(config.train, slot)
+        cache_dir = getattr(component, "cache_dir", None)
+        file_name = component.setup_file(federation) if cache_dir is not None else None
+        if file_name is not None and not (Path(cache_dir) / file_name).is_file():
+            raise DataError(
+                f"the {component.name} setup file {Path(cache_dir) / file_name} is missing or was computed for "
+                "other params; run the setup stage first (`dvc repro setup`)"
+            )
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@ can make, defined only here and registered through the ordinary plugin mechanism
 
 - aggregator ``conformance_momentum``: server momentum with its own ``state_dict``; it
   sends a payload down with every model (``server_payload``), reads an extra in every
-  reply (``reply_extras``), and its config reports a derived value;
+  reply (``reply_extras``), reports the damping as a round metric (a study column), and
+  its config reports a derived value;
 - loss transform ``conformance_mean_weighted``: a two-step setup phase (every client
   reports the sum of its inputs; the server sends the global mean back and each client
-  keeps one weight per sample) and a cross-entropy weighted by those weights;
+  keeps one weight per sample) and a cross-entropy weighted by those weights; with a
+  ``cache_dir`` it keeps the phase's result in a file (``setup_file``), which the
+  pipeline's setup stage computes;
 - grouper ``conformance_pairs``: chains of two clients that train one after the other,
-  with its own per-round metrics ``chain_count`` and ``largest_chain``;
+  with its own per-round metrics ``chain_count`` and ``largest_chain``, and an analysis
+  that makes ``chain_count`` a study column and a box plot;
 - loss transform ``conformance_faulty``: cross-entropy, except that chosen clients raise
   (always, or only the first time: :func:`reset_faults`) or train to NaN; failure
   injection that every runtime meets in the same component.
@@ -19,8 +23,10 @@ it serves components by what they declare, not by their names.
 
 from __future__ import annotations
 
+import hashlib
 import types
 from collections.abc import Generator, Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -29,6 +35,7 @@ from pydantic import Field
 from torch import Tensor
 from torch.nn import functional as F
 
+from fedplug.analysis import Analysis, BoxFigure, RoundMetricColumn
 from fedplug.components import (
     Aggregator,
     ClientNeeds,
@@ -71,6 +78,7 @@ class ConformanceMomentumConfig(ComponentConfig):
     """Server momentum damped by the clients' reported update norms (test only)."""
 
     name: Literal["conformance_momentum"] = "conformance_momentum"
+    analysis = Analysis(columns=(RoundMetricColumn("conformance_damping", "final server damping", reduce="last"),))
     momentum: float = Field(default=0.5, ge=0.0, lt=1.0)
     """Server momentum beta (default 0.5)."""
     server_lr: float = Field(default=1.0, gt=0.0, le=10.0)
@@ -138,6 +146,10 @@ class ConformanceMomentum(Aggregator):
         self.damping = (1.0 + mean_norm).float()
         return (current - step * velocity).float()
 
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """``conformance_damping``: the damping the next round's clients receive."""
+        return {"conformance_damping": float(self.damping[0])}
+
     def state_dict(self) -> dict[str, Any]:
         return {"velocity": self.velocity, "damping": self.damping}
 
@@ -156,6 +168,19 @@ class MeanWeightedConfig(ComponentConfig):
     name: Literal["conformance_mean_weighted"] = "conformance_mean_weighted"
     scale: float = Field(default=1.0, gt=0.0, le=100.0)
     """Width of the weight: ``w_i = 1 / (1 + ||x_i - mean||^2 / (scale * d))``."""
+    cache_dir: str | None = None
+    """Folder that keeps the phase's weights (default None: computed in memory)."""
+
+    def setup_file(self, federation: Any) -> str | None:
+        """``conformance_mean-<hash>.npz``, the hash of ``scale`` and every client's inputs."""
+        digest = hashlib.sha256(repr(self.scale).encode())
+        for client in federation.clients:
+            digest.update(np.ascontiguousarray(client.train_x.cpu().numpy()).tobytes())
+        return f"conformance_mean-{digest.hexdigest()[:16]}.npz"
+
+    def setup_file_cost(self, path: Any) -> PhaseCost:
+        with np.load(path) as stored:
+            return PhaseCost(*(int(value) for value in stored["cost"]))
 
 
 class MeanPhase(SetupPhase):
@@ -167,6 +192,7 @@ class MeanPhase(SetupPhase):
 
     def __init__(self, loss: "MeanWeighted") -> None:
         self.loss = loss
+        self.cost: PhaseCost | None = None
 
     def server(self, num_clients: int) -> Generator[SetupStep, dict[int, SetupReply], PhaseCost]:
         report = SetupStep("report")
@@ -179,7 +205,8 @@ class MeanPhase(SetupPhase):
         replies = yield weigh
         bytes_up += sum(tensors_num_bytes(reply.tensors) for reply in replies.values())
         bytes_down = num_clients * tensors_num_bytes(weigh.tensors)
-        return PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down)
+        self.cost = PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down)
+        return self.cost
 
     def client(self, step: SetupStep, data: ClientInputs, state: dict[str, Any]) -> SetupReply:
         inputs = data.train_x.reshape(data.train_x.shape[0], -1).double()
@@ -197,6 +224,10 @@ class MeanPhase(SetupPhase):
 
     def finish(self, states: dict[int, dict[str, Any]]) -> None:
         self.loss.weights = {client: state[SAMPLE_WEIGHT_KEY] for client, state in states.items()}
+        if self.loss.save_to is not None and self.cost is not None:
+            arrays = {f"client_{client}": weights.numpy() for client, weights in self.loss.weights.items()}
+            cost = np.array([self.cost.rounds, self.cost.bytes_up, self.cost.bytes_down])
+            np.savez(self.loss.save_to, cost=cost, **arrays)
 
     def client_context(self, state: dict[str, Any]) -> Context:
         return {SAMPLE_WEIGHT_KEY: state[SAMPLE_WEIGHT_KEY]}
@@ -208,9 +239,26 @@ class MeanWeighted(LossTransform):
     def __init__(self, config: MeanWeightedConfig) -> None:
         self.config = config
         self.weights: dict[int, Tensor] | None = None
+        self.save_to: Path | None = None
+        self.loaded_from_file = False
 
-    def setup_phase(self) -> SetupPhase:
-        return MeanPhase(self)
+    def prepare(self, federation: Any) -> PhaseCost | None:
+        """With a ``cache_dir`` and a federation of clients' data: load the weights kept
+        there (then no phase runs), or note where the phase should keep them."""
+        if self.config.cache_dir is None or not hasattr(federation, "clients"):
+            return None
+        path = Path(self.config.cache_dir) / self.config.setup_file(federation)
+        if not path.is_file():
+            self.save_to = path
+            return None
+        with np.load(path) as stored:
+            self.weights = {client: torch.from_numpy(stored[f"client_{client}"])
+                            for client in range(len(federation.clients))}
+        self.loaded_from_file = True
+        return self.config.setup_file_cost(path)
+
+    def setup_phase(self) -> SetupPhase | None:
+        return None if self.loaded_from_file else MeanPhase(self)
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         if self.weights is None:
@@ -246,6 +294,11 @@ class PairsConfig(ComponentConfig):
     """Random chains of two clients that train one after the other (test only)."""
 
     name: Literal["conformance_pairs"] = "conformance_pairs"
+    analysis = Analysis(
+        columns=(RoundMetricColumn("chain_count", "chains per round", reduce="mean", series="chain_counts"),),
+        figures=(BoxFigure("chain_count_box", series="chain_counts", title="chains per round",
+                           axis_label="chains in a round"),),
+    )
     chain_length: int = Field(default=2, ge=1, le=100)
     """Clients per chain (default 2); the last chain may be shorter."""
 

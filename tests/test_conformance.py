@@ -302,15 +302,20 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
     data = experiment_dict({"sampler": "uniform", **TEST_ONLY})
     # Execute
     (flower, _), (simulated, _) = run_both(plugins_everywhere, data)
-    # Assert: the grouper's metric, the config's derived value and the phase's traffic
-    # (4 clients x 12 float32 sums up, the 12-float mean down to each) reach both records.
+    # Assert: the grouper's and the aggregator's metrics, the config's derived value and the
+    # phase's traffic (4 clients x 12 float32 sums up, the 12-float mean down to each) reach
+    # both records; the aggregator's damping (1 + a mean update norm) agrees between them.
+    dampings = []
     for result in (flower, simulated):
-        metrics = [record.metrics for record in result.history]
+        metrics = [dict(record.metrics) for record in result.history]
+        dampings.append([round_metrics.pop("conformance_damping") for round_metrics in metrics])
         assert metrics == [{"chain_count": 2.0, "largest_chain": 2.0}] * ROUNDS
+        assert all(damping > 1.0 for damping in dampings[-1])
         assert result.derived_params["conformance_effective_lr"] == pytest.approx(0.5 / (1 - 0.5))
         assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4)
     # The phase's weights, and so its report, stay on Flower's nodes.
     assert simulated.setup_report["weighted_clients"] == NUM_CLIENTS and flower.setup_report == {}
+    assert dampings[0] == pytest.approx(dampings[1], rel=1e-5)
 
 
 # ----------------------------------------------------------------------- failures

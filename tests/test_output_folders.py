@@ -3,7 +3,7 @@
 
 Each test is an attack a careless user (or a second process, or a planted symlink) makes
 on an output folder, run the way a user runs it: ``fedplug run`` through
-:func:`fedplug.cli.main`, ``pipelines/pretrain_density.py`` as a subprocess. Every file that
+:func:`fedplug.cli.main`, ``pipelines/setup_phase.py`` (the setup stage) as a subprocess. Every file that
 is not fedplug's is compared byte for byte before and after.
 """
 
@@ -40,7 +40,7 @@ from fedplug.output_folder import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-PRETRAIN_DENSITY = REPO / "pipelines" / "pretrain_density.py"
+SETUP_STAGE = REPO / "pipelines" / "setup_phase.py"
 
 TINY: dict[str, Any] = {
     "study": {"name": "tiny"},
@@ -114,29 +114,29 @@ def fingerprint_of(config_path: Path) -> str:
     return output_fingerprint(load_experiment(str(config_path), [], None, check_every_algorithm=False))
 
 
-def density_params(folder: Path, labels: list[str]) -> Path:
-    """A params file whose algorithms need no density model (the stage then loads no data)."""
+def setup_params(folder: Path, labels: list[str]) -> Path:
+    """A params file whose algorithms have no setup phase (the stage then loads no data)."""
     params = {**TINY, "algorithms": {label: {} for label in labels}}
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
 
 
-def pretrain_density(params: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def setup_stage(params: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(PRETRAIN_DENSITY), "--params", str(params), "--out", str(out)],
+        [sys.executable, str(SETUP_STAGE), "--params", str(params), "--out", str(out)],
         capture_output=True, text=True, timeout=300, check=False, cwd=params.parent,
     )
 
 
-# ------------------------------------------------------------ finding 1: pretrain_density
+# ------------------------------------------------------------ finding 1: the setup stage
 
 
 @pytest.mark.parametrize("name", ["my-thesis", "data"])
-def test_pretrain_density_refuses_a_folder_of_user_files_and_keeps_every_file(tmp_path: Path, name: str) -> None:
+def test_setup_stage_refuses_a_folder_of_user_files_and_keeps_every_file(tmp_path: Path, name: str) -> None:
     out = user_folder(tmp_path / name)  # `--out data` is the same folder as the data's
     before = snapshot(out)
-    completed = pretrain_density(density_params(tmp_path, ["fedavg", "fedprox"]), out)
+    completed = setup_stage(setup_params(tmp_path, ["fedavg", "fedprox"]), out)
     assert completed.returncode == 2, completed.stdout + completed.stderr
     line = completed.stderr.strip()
     assert "\n" not in line and "Traceback" not in completed.stderr
@@ -144,14 +144,14 @@ def test_pretrain_density_refuses_a_folder_of_user_files_and_keeps_every_file(tm
     assert snapshot(out) == before
 
 
-def test_pretrain_density_removes_only_the_stale_files_its_marker_lists(tmp_path: Path) -> None:
-    out = tmp_path / "density"
-    assert pretrain_density(density_params(tmp_path, ["fedavg", "fedprox"]), out).returncode == 0
+def test_setup_stage_removes_only_the_stale_files_its_marker_lists(tmp_path: Path) -> None:
+    out = tmp_path / "setup"
+    assert setup_stage(setup_params(tmp_path, ["fedavg", "fedprox"]), out).returncode == 0
     assert json.loads((out / MARKER_NAME).read_text())["files"] == ["fedavg/info.json", "fedprox/info.json"]
     # The user keeps notes in the folder fedplug owns, also inside the label folder that goes stale.
     (out / "notes.txt").write_text("mine\n")
     (out / "fedprox" / "plot.png").write_bytes(b"png")
-    completed = pretrain_density(density_params(tmp_path, ["fedavg"]), out)
+    completed = setup_stage(setup_params(tmp_path, ["fedavg"]), out)
     assert completed.returncode == 0, completed.stderr
     assert (out / "notes.txt").read_text() == "mine\n"
     assert (out / "fedprox" / "plot.png").read_bytes() == b"png"
@@ -160,14 +160,14 @@ def test_pretrain_density_removes_only_the_stale_files_its_marker_lists(tmp_path
     assert json.loads((out / MARKER_NAME).read_text())["files"] == ["fedavg/info.json"]
 
 
-def test_pretrain_density_adopts_its_layout_from_before_markers(tmp_path: Path) -> None:
-    """``make repro`` keeps working on a ``data/density`` written by an older fedplug
-    (DVC keeps it: the output is ``persist``)."""
-    out = tmp_path / "density"
+def test_setup_stage_adopts_its_layout_from_before_markers(tmp_path: Path) -> None:
+    """``make repro`` keeps working on a setup folder written by an older fedplug (DVC
+    keeps it: the output is ``persist``)."""
+    out = tmp_path / "setup"
     for label in ("fedavg", "old"):
         (out / label).mkdir(parents=True)
         (out / label / "info.json").write_text(json.dumps({"algorithm": label, "needs_density": False}))
-    completed = pretrain_density(density_params(tmp_path, ["fedavg"]), out)
+    completed = setup_stage(setup_params(tmp_path, ["fedavg"]), out)
     assert completed.returncode == 0, completed.stderr
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == ["fedavg"]
 

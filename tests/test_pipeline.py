@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -358,7 +359,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     sh(root, "git", "add", "-A")
     sh(root, "git", "commit", "-qm", "pipeline")
     output = dvc(root, "repro")
-    assert ran(output) == {"download", "partition", "pretrain_density", "evaluate"} | TRAIN_STAGES
+    assert ran(output) == {"download", "partition", "setup", "evaluate"} | TRAIN_STAGES
     sh(root, "git", "add", "-A")
     sh(root, "git", "commit", "-qm", "reproduced")
     yield root
@@ -371,8 +372,8 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
         "data/partition/partition.npz",
         "data/partition/class_counts.csv",
         "data/partition/heatmap.png",
-        "data/density/fedavg/info.json",
-        "data/density/feddisk/info.json",
+        "data/setup/fedavg/info.json",
+        "data/setup/feddisk/info.json",
         "reports/comparison.md",
         "reports/curves.png",
         "reports/curves.csv",
@@ -393,14 +394,12 @@ def test_repro_writes_every_output_and_dvc_reads_metrics_and_plots(repo: Path) -
             assert (folder / name).is_file(), folder / name
         assert not (folder / "checkpoint.pt").exists()  # resume state goes once the run is complete
         assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
-    info = json.loads((repo / "data/density/feddisk/info.json").read_text())
-    assert info["needs_density"] and (repo / "data/density/feddisk" / info["file"]).is_file()
-    assert (
-        json.loads((repo / "data/density/fedavg/info.json").read_text())["needs_density"] is False
-    )
-    # The FedDisk run trained on exactly the weights the density stage left.
+    (entry,) = json.loads((repo / "data/setup/feddisk/info.json").read_text())["setup"]
+    assert entry["component"] == "feddisk" and (repo / "data/setup/feddisk" / entry["file"]).is_file()
+    assert json.loads((repo / "data/setup/fedavg/info.json").read_text())["setup"] == []
+    # The FedDisk run trained on exactly the weights the setup stage left.
     config = yaml.safe_load((repo / "reports/runs/feddisk/seed-0/config.yaml").read_text())
-    assert config["train"]["loss_transform"]["cache_dir"] == "data/density/feddisk"
+    assert config["train"]["loss_transform"]["cache_dir"] == "data/setup/feddisk"
 
     metrics = json.loads(dvc(repo, "metrics", "show", "--json"))
     workspace = metrics.get("workspace", metrics.get(""))  # the key depends on the DVC version
@@ -436,8 +435,8 @@ def test_a_rerun_from_scratch_leaves_the_committed_tree_unchanged(
     sh(repo, "git", "clone", "-q", str(repo), str(copy))
     assert not (copy / "reports/runs").exists() and (copy / "dvc.lock").is_file()
     # Every stage but evaluate runs; evaluate is skipped because its inputs (the run folders,
-    # the density folder) reproduced with the hashes dvc.lock holds.
-    assert ran(dvc(copy, "repro")) == {"download", "partition", "pretrain_density"} | TRAIN_STAGES
+    # the setup folder) reproduced with the hashes dvc.lock holds.
+    assert ran(dvc(copy, "repro")) == {"download", "partition", "setup"} | TRAIN_STAGES
     assert sh(copy, "git", "status", "--porcelain") == ""
     dvc(copy, "repro", "-f", "evaluate")  # and evaluate itself reproduces the committed reports
     assert sh(copy, "git", "status", "--porcelain") == ""
@@ -606,12 +605,12 @@ def test_one_algorithms_params_rerun_only_its_training(repo: Path) -> None:
         repo,
         lambda params: params["algorithms"]["fedavg"].update(optimizer={"name": "sgd", "lr": 0.2}),
     )
-    assert changed(repo) == {"pretrain_density", "train@fedavg-0", "evaluate"}
+    assert changed(repo) == {"setup", "train@fedavg-0", "evaluate"}
     output = dvc(repo, "repro")
-    # The density stage re-checks its (persisted) weights in seconds; FedDisk's folder is
+    # The setup stage re-checks its (persisted) files in seconds; FedDisk's folder is
     # unchanged, so FedDisk is not retrained.
-    assert ran(output) == {"pretrain_density", "train@fedavg-0", "evaluate"}
-    assert "feddisk: feddisk weights kept" in output
+    assert ran(output) == {"setup", "train@fedavg-0", "evaluate"}
+    assert re.search(r"setup: feddisk: loss_transform feddisk: \S+\.npz kept", output)
 
 
 @pytest.mark.slow
@@ -620,7 +619,7 @@ def test_partition_change_reruns_everything_after_it(repo: Path) -> None:
     # Every stage after the partition reads `data` (it builds the federation), so all of
     # them are out of date at once; `evaluate` follows when the runs change (see the
     # experiment test above). The download stage reads only data.dataset and data.root.
-    assert changed(repo) == {"partition", "pretrain_density"} | TRAIN_STAGES
-    assert ran(dvc(repo, "repro", "--dry")) == {"partition", "pretrain_density"} | TRAIN_STAGES
+    assert changed(repo) == {"partition", "setup"} | TRAIN_STAGES
+    assert ran(dvc(repo, "repro", "--dry")) == {"partition", "setup"} | TRAIN_STAGES
     set_params(repo, lambda params: params["data"]["dataset"].update(num_train=500))
-    assert changed(repo) == {"download", "partition", "pretrain_density"} | TRAIN_STAGES
+    assert changed(repo) == {"download", "partition", "setup"} | TRAIN_STAGES

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from fedplug.algorithms.feddisk.config import WEIGHT_ANALYSIS
 from fedplug.errors import ConfigError, DataError
 from fedplug.study.expansion import expand_study, planned_runs
 from fedplug.study.figures import draw_figures
-from fedplug.study.plots import heatmap_matrix, pooled_weight_histogram, spread_scale
-from fedplug.study.records import load_records, run_record, run_row, weight_record
+from fedplug.study.plots import heatmap_matrix, pooled_histogram, spread_scale
+from fedplug.study.records import load_records, run_record, run_row, setup_record
 from fedplug.study.run_folders import comparable_config, config_hash, pending_runs, run_folder_state
 from fedplug.study.spec import cell_id, grid_cells, parse_study
 from fedplug.study.statistics import summarise
@@ -405,33 +406,35 @@ SETUP_REPORT = {
 }
 
 
-def test_weight_record_keeps_the_histogram_and_per_client_spread() -> None:
-    compact = weight_record(SETUP_REPORT)
+def test_the_weight_summary_record_keeps_the_histogram_and_per_client_spread() -> None:
+    (weights,) = WEIGHT_ANALYSIS.setup_summaries
+    compact = setup_record(SETUP_REPORT, weights)
 
     assert compact == {"edges": [0.0, 1.0, 2.0], "counts": [2, 4], "q05": [0.55, 1.0], "median": [1.0, 1.0],
                        "q95": [1.412, 1.0], "std": [0.3, 0.0]}
-    assert weight_record({}) is None and weight_record({"sample_weight.histogram": {"edges": [], "counts": []}}) is None
+    assert setup_record({}, weights) is None
+    assert setup_record({"sample_weight.histogram": {"edges": [], "counts": []}}, weights) is None
     run = expand_study(parse_study(spec_dict()))[0]
     record = run_record(run, {"history": history([0.4, 0.6]), "setup_report": SETUP_REPORT}, 0.5)
     assert record["weights"] == compact and json.loads(json.dumps(record)) == record
 
 
-def test_pooled_weight_histogram_rebins_onto_common_edges() -> None:
+def test_pooled_histogram_rebins_onto_common_edges() -> None:
     # Run A: 2 weights in [0, 1), 4 in [1, 2]; run B: 6 in [0, 2), 2 in [2, 4]. Common edges
     # 0..4 in 4 bins; B's bins are split evenly over the two common bins each covers.
     records = [{"weights": {"edges": [0.0, 1.0, 2.0], "counts": [2, 4]}},
                {"weights": {"edges": [0.0, 2.0, 4.0], "counts": [6, 2]}}, {"algorithm": "no weights"}]
 
-    edges, counts = pooled_weight_histogram(records, bins=4)
+    edges, counts = pooled_histogram(records, "weights", bins=4)
 
     assert list(edges) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert list(counts) == pytest.approx([(2 + 3) / 2, (4 + 3) / 2, 0.5, 0.5])  # samples per run
     # All weights equal (a zero-width histogram): every sample lands in the bin of its value.
-    edges, counts = pooled_weight_histogram([{"weights": {"edges": [1.0, 1.0], "counts": [5]}},
-                                             {"weights": {"edges": [0.0, 2.0], "counts": [4]}}], bins=2)
+    edges, counts = pooled_histogram([{"weights": {"edges": [1.0, 1.0], "counts": [5]}},
+                                      {"weights": {"edges": [0.0, 2.0], "counts": [4]}}], "weights", bins=2)
     assert list(counts) == pytest.approx([(0 + 2) / 2, (5 + 2) / 2])  # 1.0 lies in [1, 2]
-    with pytest.raises(DataError, match="no run has sample-weight summaries"):
-        pooled_weight_histogram([{"algorithm": "fedavg"}])
+    with pytest.raises(DataError, match="no run has the setup summary 'weights'"):
+        pooled_histogram([{"algorithm": "fedavg"}], "weights")
 
 
 def test_weight_histogram_plot_is_drawn_per_cell_and_algorithm(tmp_path: Path) -> None:
@@ -442,7 +445,7 @@ def test_weight_histogram_plot_is_drawn_per_cell_and_algorithm(tmp_path: Path) -
     names = draw_figures(spec, records, tmp_path, prefix="tiny-")
 
     assert names == ["tiny-weight_histogram.png"] and (tmp_path / names[0]).stat().st_size > 5000
-    with pytest.raises(DataError, match="no run has sample-weight summaries"):
+    with pytest.raises(DataError, match="no run has the setup summary 'weights'"):
         draw_figures(spec, [dict(record, weights=None) for record in records], tmp_path)
 
 

@@ -401,16 +401,16 @@ def test_every_experiment_fedplug_logs_into_is_marked_model_training(tmp_path: P
     }
 
 
-def test_missing_density_weights_stop_a_feddisk_run(
+def test_a_missing_setup_file_stops_a_feddisk_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     params = tiny_params(rounds=1)
     params["algorithms"] = {"feddisk": {"loss_transform": {"name": "feddisk", "made_hidden": 4}}}
     prepare_project(tmp_path, params)
-    with pytest.raises(DataError, match="pretrain_density"):
+    with pytest.raises(DataError, match=r"feddisk setup file data/setup/feddisk/.*\.npz is missing.*dvc repro setup"):
         load_stage("train").main(["--algorithm", "feddisk", "--seed", "0"])
-    assert not (tmp_path / "data/density").exists()  # nothing written into the stage's output
+    assert not (tmp_path / "data/setup").exists()  # nothing written into the stage's output
 
 
 # ------------------------------------------------------------------ real server

@@ -48,6 +48,7 @@ import numpy as np
 from ortools.graph.python.min_cost_flow import SimpleMinCostFlow
 from pydantic import Field
 
+from fedplug.analysis import Analysis, BoxFigure, RoundMetricColumn
 from fedplug.components import ClientNeeds, ComponentConfig, Grouper, RoundPlan
 from fedplug.hookspecs import RegisterGrouper, hookimpl
 
@@ -582,6 +583,22 @@ def group_cpd_metrics(plan: RoundPlan, class_counts: np.ndarray | None, sigma: f
     return {"cpd_median": float(median), "cpd_mean": float(mean)}
 
 
+CPD_NOTE = ("CPD: class probability distance between the groups formed in a round (FedGSP, eq. 14: "
+            "RBF-kernel MMD of their class distributions), the median over pairs of groups; for FedAvg "
+            "every client is its own group. Lower = groups more alike.")
+"""The caption of the CPD box plot: what CPD is."""
+
+CPD_ANALYSIS = Analysis(
+    columns=(RoundMetricColumn("cpd_median", "median CPD", reduce="median", series="cpd", digits=3),),
+    figures=(BoxFigure("cpd_box", series="cpd", title="per-round median CPD",
+                       axis_label="per-round median CPD between groups", note=CPD_NOTE),),
+)
+"""What a study keeps of :func:`group_cpd_metrics`: ``cpd_median`` (the median over rounds
+of each round's ``cpd_median``) as a column, the rounds' values as ``cpd``, and the box
+plot ``cpd_box`` of them. Declared by FedGSP's grouper and by the default grouper (its
+baseline: every client its own group)."""
+
+
 # ------------------------------------------------------------------------ the grouper
 
 
@@ -593,6 +610,7 @@ class FedGSPConfig(ComponentConfig):
     """
 
     name: Literal["fedgsp"] = "fedgsp"
+    analysis = CPD_ANALYSIS
     mode: Literal["fedgsp", "naive_icg", "naive"] = "fedgsp"
     """``fedgsp``: ICG groups, M = f(r) growing; ``naive_icg``: ICG groups, M fixed
     (NaiveGSP+ICG); ``naive``: random groups, M fixed (NaiveGSP)."""

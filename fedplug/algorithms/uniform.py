@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from fedplug.algorithms.fedgsp import DEFAULT_CPD_SIGMA, group_cpd_metrics
+from fedplug.algorithms.fedgsp import CPD_ANALYSIS, DEFAULT_CPD_SIGMA, group_cpd_metrics
 from fedplug.components import (
     ClientNeeds,
     ComponentConfig,
@@ -89,6 +89,7 @@ class NoGroupingConfig(ComponentConfig):
     """Every sampled client trains alone from the global model (the default grouper)."""
 
     name: Literal["none"] = "none"
+    analysis = CPD_ANALYSIS
 
 
 class NoGrouping(Grouper):

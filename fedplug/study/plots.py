@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from fedplug.analysis import BoxFigure, HistogramFigure
 from fedplug.errors import ConfigError, DataError
 from fedplug.study.records import is_finite_number
 from fedplug.study.spec import cell_id, display_name
@@ -18,11 +19,6 @@ from fedplug.study.tables import metric_name
 LINE_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ("-", "v"), ("--", "P"), ("-.", "X"), (":", "*"))
 """Line style and marker of the i-th algorithm (with the i-th colour of tab10): curves that
 lie on top of each other stay distinguishable."""
-
-CPD_NOTE = ("CPD: class probability distance between the groups formed in a round (FedGSP, eq. 14: "
-            "RBF-kernel MMD of their class distributions), the median over pairs of groups; for FedAvg "
-            "every client is its own group. Lower = groups more alike.")
-
 
 def _pyplot() -> Any:
     import matplotlib
@@ -219,8 +215,8 @@ def plot_vs_axis(rows: Sequence[dict[str, Any]], axis: str, metric: str, path: s
 
 def spread_scale(values: Sequence[float], ratio: float = 20.0) -> tuple[str, float | None]:
     """The axis scale for ``values`` (>= 0) and, for ``"symlog"``, its linear threshold:
-    ``"linear"`` unless the positive values span more than ``ratio`` (so that FedAvg's CPD
-    does not squash the grouped modes' boxes); then ``"log"``, or ``"symlog"`` linear up
+    ``"linear"`` unless the positive values span more than ``ratio`` (so that one
+    algorithm's large values do not squash the others' boxes); then ``"log"``, or ``"symlog"`` linear up
     to the smallest positive value when some values are 0."""
     positive = [value for value in values if value > 0]
     if not positive or max(positive) / min(positive) <= ratio:
@@ -230,21 +226,22 @@ def spread_scale(values: Sequence[float], ratio: float = 20.0) -> tuple[str, flo
     return "log", None
 
 
-def plot_cpd_box(records: Sequence[dict[str, Any]], path: str | Path, title: str, *,
-                 labels: dict[str, str] | None = None) -> None:
-    """Horizontal box plot of the per-round median CPD values of each algorithm, one box
-    per grid cell and algorithm when the study has several cells (runs pooled);
-    algorithms without CPD values are left out. The x axis is logarithmic when the values
-    span more than a factor 20 (symmetric-log, linear near 0, when some are 0). The
-    caption explains CPD."""
+def plot_metric_box(records: Sequence[dict[str, Any]], path: str | Path, title: str, figure_spec: BoxFigure, *,
+                    labels: dict[str, str] | None = None) -> None:
+    """Horizontal box plot of a per-round metric (the records' ``figure_spec.series``) of
+    each algorithm, one box per grid cell and algorithm when the study has several cells
+    (runs pooled); algorithms without values are left out. The x axis is logarithmic when
+    the values span more than a factor 20 (symmetric-log, linear near 0, when some are 0).
+    The caption starts with the declaration's ``note``."""
     plt = _pyplot()
     values: dict[tuple[str, str], list[float]] = {}
     for record in records:
-        cpds = [float(value) for value in record.get("cpd") or [] if is_finite_number(value)]
-        if cpds:
-            values.setdefault((cell_id(record["cell"]), record["algorithm"]), []).extend(cpds)
+        series = [float(value) for value in record.get(figure_spec.series) or [] if is_finite_number(value)]
+        if series:
+            values.setdefault((cell_id(record["cell"]), record["algorithm"]), []).extend(series)
     if not values:
-        raise DataError("no run reported cpd_median values; a CPD box plot needs a grouper that computes them")
+        raise DataError(f"no run has per-round {figure_spec.series!r} values; the {figure_spec.kind} plot needs "
+                        "a component that reports them each round")
     several_cells = len({cell for cell, _ in values}) > 1
     names = [display_name(algorithm, labels) + (f" [{cell}]" if several_cells else "") for cell, algorithm in values]
     figure, axes = plt.subplots(figsize=(9.5, max(3.0, 0.38 * len(values) + 1.6)), constrained_layout=True)
@@ -256,11 +253,11 @@ def plot_cpd_box(records: Sequence[dict[str, Any]], path: str | Path, title: str
     elif scale == "log":
         axes.set_xscale("log")
     scale = {"log": " (log scale)", "symlog": " (log scale, linear near 0)"}.get(axes.get_xscale(), "")
-    axes.set_xlabel("per-round median CPD between groups" + scale)
+    axes.set_xlabel(figure_spec.axis_label + scale)
     axes.grid(True, axis="x", alpha=0.3)
     axes.set_title(title)
     note = " [cell]: the grid cell." if several_cells else ""
-    _caption(figure, CPD_NOTE + " One value per round and run; box = quartiles, whiskers = 1.5 IQR." + note)
+    _caption(figure, (figure_spec.note + " " if figure_spec.note else "") + "One value per round and run; box = quartiles, whiskers = 1.5 IQR." + note)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -391,14 +388,14 @@ def plot_dots(rows: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
     plt.close(figure)
 
 
-def pooled_weight_histogram(records: Sequence[dict[str, Any]], bins: int = 40) -> tuple[np.ndarray, np.ndarray]:
-    """The records' sample-weight histograms (``weights``) on common edges (0 to the
-    largest edge of any of them, ``bins`` bins), averaged over the records: (edges,
-    samples per run). Each record's counts are spread over the common bins in proportion
-    to how much of its bin each covers (uniform within a bin)."""
-    histograms = [record["weights"] for record in records if record.get("weights")]
+def pooled_histogram(records: Sequence[dict[str, Any]], key: str, bins: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """The records' setup-summary histograms (``record[key]``, ``{"edges", "counts"}``) on
+    common edges (0 to the largest edge of any of them, ``bins`` bins), averaged over the
+    records: (edges, samples per run). Each record's counts are spread over the common
+    bins in proportion to how much of its bin each covers (uniform within a bin)."""
+    histograms = [record[key] for record in records if record.get(key)]
     if not histograms:
-        raise DataError("no run has sample-weight summaries ('weights'); a weight histogram needs a setup phase that reports them")
+        raise DataError(f"no run has the setup summary {key!r}; its histogram needs a setup phase that reports it")
     top = max(float(histogram["edges"][-1]) for histogram in histograms)
     edges = np.linspace(0.0, top if top > 0 else 1.0, bins + 1)
     total = np.zeros(bins)
@@ -415,20 +412,20 @@ def pooled_weight_histogram(records: Sequence[dict[str, Any]], bins: int = 40) -
     return edges, total / len(histograms)
 
 
-def plot_weight_histogram(records: Sequence[dict[str, Any]], path: str | Path, title: str, *,
-                          labels: dict[str, str] | None = None) -> None:
-    """Small multiples of the setup phase's sample weights (FedDisk's density-ratio
-    weights): one panel per grid cell (rows) x algorithm with weights (columns), the
-    histogram of :func:`pooled_weight_histogram` on a log count axis, the value 1 (an
-    untrained D: no reweighting) marked, and the median of the per-client stds written in
-    the panel."""
+def plot_setup_histogram(records: Sequence[dict[str, Any]], path: str | Path, title: str, figure_spec: HistogramFigure,
+                         *, labels: dict[str, str] | None = None) -> None:
+    """Small multiples of a setup summary's histogram (the records' ``figure_spec.summary``):
+    one panel per grid cell (rows) x algorithm with the summary (columns), the histogram of
+    :func:`pooled_histogram` on a log count axis, the declared reference value marked, and
+    the median of the per-client ``spread`` values written in the panel."""
     plt = _pyplot()
+    key = figure_spec.summary
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in records:
-        if record.get("weights"):
+        if record.get(key):
             groups.setdefault((cell_id(record["cell"]), record["algorithm"]), []).append(record)
     if not groups:
-        raise DataError("no run has sample-weight summaries ('weights'); a weight histogram needs a setup phase that reports them")
+        raise DataError(f"no run has the setup summary {key!r}; its histogram needs a setup phase that reports it")
     cells = list(dict.fromkeys(cell for cell, _ in groups))
     algorithms = list(dict.fromkeys(algorithm for _, algorithm in groups))
     axes_names = list(next(iter(groups.values()))[0]["cell"])
@@ -441,17 +438,22 @@ def plot_weight_histogram(records: Sequence[dict[str, Any]], path: str | Path, t
             if not members:
                 axes.set_axis_off()
                 continue
-            edges, counts = pooled_weight_histogram(members)
-            axes.axvline(1.0, color="0.35", linestyle="--", linewidth=1.0, zorder=1)
+            edges, counts = pooled_histogram(members, key)
+            if figure_spec.reference is not None:
+                axes.axvline(figure_spec.reference, color="0.35", linestyle="--", linewidth=1.0, zorder=1)
             axes.stairs(counts, edges, fill=True, color=_style(j)["color"], alpha=0.8, zorder=2)
             axes.set_yscale("log")
             positive = counts[counts > 0]
             if positive.size:  # from half the smallest bar: a lone spike keeps a visible height
                 axes.set_ylim(float(positive.min()) / 2, float(positive.max()) * 3)
-            axes.annotate("1 = no reweighting", xy=(1.0, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                          textcoords="offset points", ha="left", va="top", fontsize=7, color="0.3")
-            stds = [value for member in members for value in member["weights"].get("std") or [] if is_finite_number(value)]
-            note = f"n={len(members)} runs" + (f"\nmedian client std {np.median(stds):.3g}" if stds else "")
+            if figure_spec.reference is not None and figure_spec.reference_label:
+                axes.annotate(figure_spec.reference_label, xy=(figure_spec.reference, 1.0),
+                              xycoords=("data", "axes fraction"), xytext=(3, -3),
+                              textcoords="offset points", ha="left", va="top", fontsize=7, color="0.3")
+            spreads = [value for member in members for value in member[key].get(figure_spec.spread) or []
+                       if is_finite_number(value)]
+            note = f"n={len(members)} runs" + (f"\nmedian client {figure_spec.spread} {np.median(spreads):.3g}"
+                                                 if spreads else "")
             axes.annotate(note, xy=(0.98, 0.84), xycoords="axes fraction", ha="right", va="top", fontsize=7)
             where = ", ".join(f"{axis} = {value}" for axis, value in members[0]["cell"].items())
             axes.set_title(display_name(algorithm, labels) + (f"\n{where}" if where else ""), fontsize=9)
@@ -459,12 +461,10 @@ def plot_weight_histogram(records: Sequence[dict[str, Any]], path: str | Path, t
             if j == 0:
                 axes.set_ylabel("samples per run (log)")
             if i == len(cells) - 1:
-                axes.set_xlabel("sample weight")
+                axes.set_xlabel(figure_spec.value_label)
     figure.suptitle(title)
-    _caption(figure, "Each panel: the sample weights of all clients pooled, counts averaged over the runs (log scale; "
-                     "runs of one partition draw share their weights). Dashed line: weight 1 = an untrained D / no "
-                     "reweighting; a spike there means the weighting changes nothing. Rows: "
-                     + (" / ".join(axes_names) or "one cell") + ".")
+    _caption(figure, (figure_spec.note + " " if figure_spec.note else "") + "Rows: "
+             + (" / ".join(axes_names) or "one cell") + ".")
     figure.savefig(path, dpi=110)
     plt.close(figure)
 

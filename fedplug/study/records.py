@@ -12,21 +12,23 @@ from typing import Any
 
 import numpy as np
 
+from fedplug.analysis import Analysis, RoundMetricColumn, SetupSummary, registered_analysis
 from fedplug.errors import DataError
 from fedplug.simulation.results import first_round_reaching
 from fedplug.study.expansion import StudyRun
 from fedplug.study.run_folders import config_hash
 
 
-def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
+def run_row(summary: dict[str, Any], target: float, analysis: Analysis | None = None) -> dict[str, float | None]:
     """The summary numbers of one run from its ``metrics.json`` dict.
 
     ``rounds_to_target`` is the first training round with accuracy >= ``target``;
-    ``effective_rounds_to_target`` adds the setup rounds (FedDisk's density phase);
+    ``effective_rounds_to_target`` adds the setup rounds (a component's setup phase);
     ``bytes_to_target`` is the cumulative traffic at that round (setup included);
     ``final_client_accuracy`` is the last round's mean accuracy over the clients' own
-    test splits; ``cpd_median`` is the median over rounds of each round's ``cpd_median`` (None when
-    no round reported one); ``last3_accuracy`` is the mean accuracy of the last 3 rounds
+    test splits; each column of ``analysis`` (default: the registered components',
+    :func:`~fedplug.analysis.registered_analysis`) is its metric reduced over the rounds that
+    report it (None when none does); ``last3_accuracy`` is the mean accuracy of the last 3 rounds
     (fewer when the run has fewer); ``compute_seconds_model`` and
     ``communication_seconds_model`` are the cost model's totals over the rounds;
     ``compute_seconds_to_target`` is the cost model's compute time summed over the rounds
@@ -49,7 +51,6 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
             to_target += float(record.get("compute_seconds_model") or 0.0)
             if record is reached:
                 break
-    cpds = [float(record["cpd_median"]) for record in history if is_finite_number(record.get("cpd_median"))]
     accuracies = [float(record["accuracy"]) for record in history if is_finite_number(record.get("accuracy"))]
     last3 = [float(record["accuracy"]) for record in history[-3:] if is_finite_number(record.get("accuracy"))]
     return {
@@ -68,10 +69,25 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, float | None]:
         "compute_seconds_to_target": to_target,
         "communication_seconds_model": float(sum(float(record.get("communication_seconds_model") or 0.0)
                                                  for record in history)),
-        "cpd_median": float(np.median(cpds)) if cpds else None,
+        **{column.name: reduced_metric(history, column) for column in _analysis(analysis).columns},
         "seconds": float(summary.get("total_seconds") or 0.0),
         "setup_seconds": float(summary.get("setup_seconds") or 0.0),
     }
+
+
+REDUCTIONS = {"median": np.median, "mean": np.mean, "min": np.min, "max": np.max, "last": lambda values: values[-1]}
+"""How :class:`~fedplug.analysis.RoundMetricColumn` ``reduce`` turns the rounds' values into one."""
+
+
+def reduced_metric(history: Sequence[dict[str, Any]], column: RoundMetricColumn) -> float | None:
+    """``column``'s metric over the rounds of ``history`` that report a finite value,
+    reduced as it declares; None when no round reports one."""
+    values = [float(record[column.metric]) for record in history if is_finite_number(record.get(column.metric))]
+    return float(REDUCTIONS[column.reduce](values)) if values else None
+
+
+def _analysis(analysis: Analysis | None) -> Analysis:
+    return registered_analysis() if analysis is None else analysis
 
 
 def is_finite_number(value: Any) -> bool:
@@ -93,23 +109,26 @@ def _significant(value: Any, digits: int = 6) -> float | None:
 
 
 def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: dict[str, Any] | None = None,
-               provenance: dict[str, Any] | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+               provenance: dict[str, Any] | None = None, overrides: Sequence[str] = (),
+               analysis: Analysis | None = None) -> dict[str, Any]:
     """One line of a study's results file: what identifies the run, its numbers and
     where they came from.
 
     ``metrics`` is the run's ``metrics.json``, ``info`` its ``run_info.json`` (the git
     commit and package versions at training time), ``provenance`` the runner's
     ``provenance.json`` (whether the checkout had uncommitted changes). ``accuracy`` is the
-    test accuracy of every round (6 decimals), ``cpd`` each round's median CPD (only when
-    the grouper reports one), ``compute_seconds`` each round's cost-model compute time
-    (4 significant digits; only when the model reports one), ``weights`` the setup phase's
-    sample-weight summary (:func:`weight_record`; only for runs whose loss transform reports
-    one, e.g. FedDisk), ``setup_seconds`` the measured wall time of the run's setup phase
+    test accuracy of every round (6 decimals). ``analysis`` (default: the registered
+    components', :func:`~fedplug.analysis.registered_analysis`) adds each declared column
+    (6 decimals), each declared column's ``series`` of per-round values (only when some
+    round reports the metric) and each declared setup summary (:func:`setup_record`; only
+    when the run's setup report has it). ``compute_seconds`` is each round's cost-model
+    compute time (4 significant digits; only when the model reports one), ``setup_seconds`` the measured wall time of the run's setup phase
     (only when it took 0.01 s or more: a run without a setup phase takes none, one that
     loads a cached setup about none),
     ``config_hash`` is :func:`~fedplug.study.run_folders.config_hash` of the run's config.
     """
-    numbers = run_row(metrics, target)
+    analysis = _analysis(analysis)
+    numbers = run_row(metrics, target, analysis)
     history = metrics["history"]
     record: dict[str, Any] = {
         "run": run.run_id,
@@ -135,19 +154,21 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
         "compute_seconds_to_target": _significant(numbers["compute_seconds_to_target"]),
         "communication_seconds_model": _significant(numbers["communication_seconds_model"]),
         "train_seconds": _rounded(numbers["seconds"], 2),
-        "cpd_median": _rounded(numbers["cpd_median"]),
+        **{column.name: _rounded(numbers[column.name]) for column in analysis.columns},
         "accuracy": [_rounded(record.get("accuracy")) for record in history],
     }
     setup_seconds = _rounded(numbers["setup_seconds"], 2)
     if setup_seconds:
         record["setup_seconds"] = setup_seconds
-    if any(is_finite_number(record.get("cpd_median")) for record in history):
-        record["cpd"] = [_rounded(record.get("cpd_median")) for record in history]
+    for column in analysis.columns:
+        if column.series is not None and any(is_finite_number(round_.get(column.metric)) for round_ in history):
+            record[column.series] = [_rounded(round_.get(column.metric)) for round_ in history]
     if any(is_finite_number(record.get("compute_seconds_model")) and record["compute_seconds_model"] > 0 for record in history):
         record["compute_seconds"] = [_significant(record.get("compute_seconds_model"), 4) for record in history]
-    weights = weight_record(metrics.get("setup_report") or {})
-    if weights is not None:
-        record["weights"] = weights
+    for summary in analysis.setup_summaries:
+        compact = setup_record(metrics.get("setup_report") or {}, summary)
+        if compact is not None:
+            record[summary.key] = compact
     info = info or {}
     record["commit"] = info.get("git_commit")
     record["dirty"] = (provenance or {}).get("git_dirty")
@@ -157,25 +178,20 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     return record
 
 
-WEIGHT_CLIENT_STATS = ("q05", "median", "q95", "std")
-"""The per-client sample-weight statistics a record keeps (of FedDisk's ``sample_weight.*``)."""
-
-
-def weight_record(setup_report: dict[str, Any]) -> dict[str, Any] | None:
-    """The compact form of a setup phase's sample-weight summary (metrics.json's
-    ``setup_report``, :func:`fedplug.algorithms.feddisk.weights.weight_summary`): the
-    pooled histogram ``{"edges", "counts"}`` and, per client (client order), the weights'
-    5% quantile, median, 95% quantile and std, 4 significant digits. None when the report
-    has no histogram (no setup phase, or one that reports no weights)."""
-    histogram = setup_report.get("sample_weight.histogram")
+def setup_record(setup_report: dict[str, Any], summary: SetupSummary) -> dict[str, Any] | None:
+    """The compact form of the setup-report entries ``summary`` declares (metrics.json's
+    ``setup_report``): the histogram ``{"edges", "counts"}`` and each per-client list,
+    4 significant digits. None when the report has no such histogram with counts (no setup
+    phase, or one that reports none)."""
+    histogram = setup_report.get(summary.prefix + summary.histogram)
     if not isinstance(histogram, dict) or not histogram.get("counts"):
         return None
     compact: dict[str, Any] = {
         "edges": [_significant(edge, 4) for edge in histogram["edges"]],
         "counts": [int(count) for count in histogram["counts"]],
     }
-    for stat in WEIGHT_CLIENT_STATS:
-        values = setup_report.get(f"sample_weight.{stat}")
+    for stat in summary.per_client:
+        values = setup_report.get(summary.prefix + stat)
         if isinstance(values, list):
             compact[stat] = [_significant(value, 4) for value in values]
     return compact

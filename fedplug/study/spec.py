@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from fedplug.analysis import Analysis, registered_analysis
 from fedplug.components import StrictConfig
 from fedplug.config import format_validation_error
 from fedplug.errors import ConfigError
@@ -23,24 +24,41 @@ HEADLINE_METRICS = ("final_accuracy", "last3_accuracy")
 """What a study's verdict rests on: the final round's accuracy, or the mean of the last 3
 rounds (less sensitive to a run that oscillates); best-over-rounds is only shown beside it."""
 
-EXTRA_COLUMNS = ("cpd_median", "compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
+EXTRA_COLUMNS = ("compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
                  "total_bytes", "final_loss", "final_client_accuracy", "train_seconds")
-"""Columns a spec may add to its summary table (``columns:``)."""
+"""Columns a spec may add to its summary table (``columns:``), besides those the components
+declare (:func:`known_columns`)."""
+
+BUILTIN_PLOT_KINDS = ("curves", "vs_axis", "heatmap", "bars", "dots")
+"""The study's own plot kinds; the components declare others (:func:`known_plot_kinds`)."""
+
+
+def known_columns(analysis: Analysis | None = None) -> list[str]:
+    """:data:`EXTRA_COLUMNS` and the columns the components declare in ``analysis``
+    (default: the registered components', :func:`~fedplug.analysis.registered_analysis`)."""
+    analysis = registered_analysis() if analysis is None else analysis
+    return [*(column.name for column in analysis.columns), *EXTRA_COLUMNS]
+
+
+def known_plot_kinds(analysis: Analysis | None = None) -> list[str]:
+    """:data:`BUILTIN_PLOT_KINDS` and the figures the components declare in ``analysis``
+    (default: the registered components')."""
+    analysis = registered_analysis() if analysis is None else analysis
+    return [*BUILTIN_PLOT_KINDS, *(figure.kind for figure in analysis.figures)]
 
 
 class PlotSpec(StrictConfig):
     """One figure of a study's report."""
 
-    kind: Literal["curves", "vs_axis", "cpd_box", "heatmap", "bars", "dots", "weight_histogram"]
+    kind: str
     """``curves``: accuracy vs round (mean ± std over runs) and, with a ``baseline``, the
     paired difference to it, one figure per grid cell; ``vs_axis``: ``metric`` against the
-    numeric value of grid axis ``axis``, one line per algorithm; ``cpd_box``: box plot of
-    the per-round median CPD of every algorithm; ``heatmap``: ``metric`` over grid axes
-    ``rows`` x ``columns``, one panel per value of ``panels``; ``dots``: ``metric`` per
-    algorithm and grid cell, mean with ± std error bars and every run as a small dot;
-    ``bars``: the same as bars from zero; ``weight_histogram``: FedDisk's sample weights
-    (the records' ``weights``, from the setup phase), one histogram per grid cell x
-    algorithm, pooled over the runs, with the value 1 (no reweighting) marked."""
+    numeric value of grid axis ``axis``, one line per algorithm; ``heatmap``: ``metric``
+    over grid axes ``rows`` x ``columns``, one panel per value of ``panels``; ``dots``:
+    ``metric`` per algorithm and grid cell, mean with ± std error bars and every run as a
+    small dot; ``bars``: the same as bars from zero. Any other kind is a figure a component
+    declares (:class:`fedplug.analysis.Analysis`: a box plot of a per-round metric, a
+    histogram of a setup summary), named as it declares it."""
     metric: str = "final_accuracy"
     """A column of :func:`~fedplug.study.statistics.summarise` (default ``final_accuracy``)."""
     axis: str | None = None
@@ -110,9 +128,10 @@ class StudySpec(StrictConfig):
     """The (draw, seed) pairs of the runs outside ``headline``: ``all`` (every draw x seed),
     ``diagonal`` (draws and seeds paired in order: (d0, s0), (d1, s1), ...; the default), or
     a list of ``[draw, seed]`` pairs. Only with ``headline``."""
-    columns: list[Literal[EXTRA_COLUMNS]] = Field(default_factory=list)  # type: ignore[valid-type]
-    """Extra columns of the summary table, e.g. ``compute_seconds_model`` (the FedGSP cost
-    model's training time)."""
+    columns: list[str] = Field(default_factory=list)
+    """Extra columns of the summary table: :data:`EXTRA_COLUMNS` (e.g.
+    ``compute_seconds_model``, the cost model's training time) or a column a component
+    declares (:class:`fedplug.analysis.RoundMetricColumn`)."""
     plots: list[PlotSpec] = Field(default_factory=lambda: [PlotSpec(kind="curves")])
     """Figures of the report (default: the learning curves)."""
 
@@ -124,15 +143,17 @@ class StudySpec(StrictConfig):
         return name
 
 
-def parse_study(data: Any, source: str = "study") -> StudySpec:
-    """Validate a study dict (as read from YAML).
+def parse_study(data: Any, source: str = "study", analysis: Analysis | None = None) -> StudySpec:
+    """Validate a study dict (as read from YAML); the columns and plot kinds the components
+    declare are those of ``analysis`` (default: the registered components').
 
     Raises:
         ConfigError: unknown keys, a missing section, labels that cannot be folder names,
             an empty grid axis, ``algorithms`` inside ``base``, names (baseline, labels,
             headline cells and algorithms) that the study does not have, ``other_pairs``
             without ``headline`` or outside the draws and seeds, repeated draws or seeds, or a
-            grid axis that sets a seed.
+            grid axis that sets a seed, a column or plot kind that neither the study nor
+            a component declares.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with name, base, algorithms, got {type(data).__name__}")
@@ -167,6 +188,7 @@ def parse_study(data: Any, source: str = "study") -> StudySpec:
             raise ConfigError(f"{source}: {field}: seeds are whole numbers >= 0, got {values}")
     _check_headline(spec, source)
     _check_cells_and_baselines(spec, source)
+    _check_declared(spec, source, registered_analysis() if analysis is None else analysis)
     for plot in spec.plots:
         for field in ("axis", "rows", "columns", "panels"):
             axis = getattr(plot, field)
@@ -179,6 +201,19 @@ def parse_study(data: Any, source: str = "study") -> StudySpec:
         if plot.log_y and plot.kind != "dots":
             raise ConfigError(f"{source}: plots: log_y is for `dots` plots only, not {plot.kind!r}")
     return spec
+
+
+def _check_declared(spec: StudySpec, source: str, analysis: Analysis) -> None:
+    columns = known_columns(analysis)
+    for column in spec.columns:
+        if column not in columns:
+            raise ConfigError(f"{source}: columns: {column!r} is neither a study column nor one a component "
+                              f"declares; columns: {', '.join(columns)}")
+    kinds = known_plot_kinds(analysis)
+    for plot in spec.plots:
+        if plot.kind not in kinds:
+            raise ConfigError(f"{source}: plots: kind {plot.kind!r} is neither a study plot nor a figure a "
+                              f"component declares; kinds: {', '.join(kinds)}")
 
 
 def _sets_seed(key: str, value: Any, section: str) -> bool:

@@ -8,14 +8,23 @@ from typing import Any
 
 import numpy as np
 
+from fedplug.analysis import Analysis, registered_analysis
 from fedplug.study.spec import cell_id
 
 SUMMARY_COLUMNS = (
     "final_accuracy", "last3_accuracy", "best_accuracy", "final_client_accuracy", "final_loss", "rounds_to_target",
     "effective_rounds_to_target", "bytes_to_target", "setup_rounds", "total_bytes", "compute_seconds_model",
-    "compute_seconds_to_target", "communication_seconds_model", "cpd_median", "train_seconds",
+    "compute_seconds_to_target", "communication_seconds_model", "train_seconds",
 )
-"""The numeric columns of :func:`summarise` (mean over runs, and ``<column>_std``)."""
+"""The numeric columns of :func:`summarise` every study has (mean over runs, and
+``<column>_std``); :func:`summary_columns` adds those the components declare."""
+
+
+def summary_columns(analysis: Analysis | None = None) -> tuple[str, ...]:
+    """:data:`SUMMARY_COLUMNS` and the columns ``analysis`` declares (default: the
+    registered components', :func:`~fedplug.analysis.registered_analysis`)."""
+    analysis = registered_analysis() if analysis is None else analysis
+    return (*SUMMARY_COLUMNS[:-1], *(column.name for column in analysis.columns), SUMMARY_COLUMNS[-1])
 
 
 def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None]:
@@ -46,10 +55,12 @@ def paired_comparison(values: dict[tuple[int, int], float | None],
 
 
 def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
-              baseline: str | None = None, baselines: dict[str, str] | None = None) -> list[dict[str, Any]]:
+              baseline: str | None = None, baselines: dict[str, str] | None = None,
+              analysis: Analysis | None = None) -> list[dict[str, Any]]:
     """One row per grid cell x algorithm (in record order): the cell's axis labels,
     ``cell`` (its id), ``algorithm``, ``runs``, ``draws`` and ``seeds`` (distinct counts),
-    ``reached`` (runs that reached the target), each of :data:`SUMMARY_COLUMNS` as the mean
+    ``reached`` (runs that reached the target), each of :func:`summary_columns` (of
+    ``analysis``) as the mean
     over the runs with a value (the target columns: the runs that reached it) plus
     ``<column>_std`` (sample std), ``metric`` (the headline metric's name),
     ``reference`` (the algorithm it is compared with: its ``baselines`` entry, else
@@ -58,6 +69,7 @@ def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((cell_id(record["cell"]), record["algorithm"]), []).append(record)
+    columns = summary_columns(analysis)
     rows = []
     for (cell, algorithm), members in groups.items():
         row: dict[str, Any] = dict(members[0]["cell"])
@@ -67,7 +79,7 @@ def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
         row["draws"] = len({member["draw"] for member in members})
         row["seeds"] = len({member["seed"] for member in members})
         row["reached"] = sum(member.get("rounds_to_target") is not None for member in members)
-        for column in SUMMARY_COLUMNS:
+        for column in columns:
             row[column], row[f"{column}_std"] = mean_std(member.get(column) for member in members)
         row["metric"] = metric
         row["paired"] = None

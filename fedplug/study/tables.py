@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fedplug.analysis import Analysis, registered_analysis
 from fedplug.study.spec import display_name
 
 
@@ -50,25 +51,34 @@ METRIC_NAMES = {
     "communication_seconds_model": "cost-model communication s",
     "total_bytes": "total bytes",
     "train_seconds": "train s (measured)",
-    "cpd_median": "median CPD",
 }
-"""Readable names of :func:`~fedplug.study.statistics.summarise`'s columns, for tables and axes."""
+"""Readable names of :func:`~fedplug.study.statistics.summarise`'s own columns, for tables
+and axes; a component's declared column brings its own (``title``)."""
 
 
-def metric_name(metric: str) -> str:
-    return METRIC_NAMES.get(metric, metric.replace("_", " "))
+def metric_name(metric: str, analysis: Analysis | None = None) -> str:
+    """The readable name of column ``metric``: :data:`METRIC_NAMES`, else the title a
+    component declares for it in ``analysis`` (default: the registered components'), else
+    the name with spaces."""
+    if metric in METRIC_NAMES:
+        return METRIC_NAMES[metric]
+    declared = (registered_analysis() if analysis is None else analysis).column(metric)
+    return declared.title if declared is not None else metric.replace("_", " ")
 
 
 def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: float, *,
                   labels: dict[str, str] | None = None, baseline: str | None = None,
-                  columns: Sequence[str] = (), baselines: dict[str, str] | None = None) -> str:
+                  columns: Sequence[str] = (), baselines: dict[str, str] | None = None,
+                  analysis: Analysis | None = None) -> str:
     """The summary table as markdown: one line per grid cell x algorithm, the headline
     metric (mean ± std over runs) first, best-over-rounds beside it, then rounds and bytes
-    to ``target``, the setup rounds where any run has them, ``columns`` (e.g. the median CPD),
+    to ``target``, the setup rounds where any run has them, ``columns`` (a declared column
+    of ``analysis`` with its title and decimals, default: the registered components'),
     and the paired comparison with each row's reference (``baseline``, or the algorithm's
     ``baselines`` entry, named in the cell): wins/ties/losses and mean ± std of the paired
     difference. ``compute_seconds_to_target`` is the mean ± std over the runs that reached
     the target, with ``k/n reached``."""
+    analysis = registered_analysis() if analysis is None else analysis
     metric = rows[0]["metric"] if rows else "final_accuracy"
     target_label = f"{100 * target:g}%"
     show_setup = any((row.get("setup_rounds") or 0) > 0 for row in rows)
@@ -79,7 +89,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
     if show_setup:
         header += ["setup rounds", f"effective rounds to {target_label}"]
     header.append(f"bytes to {target_label}")
-    header += [metric_name(column) for column in columns]
+    header += [metric_name(column, analysis) for column in columns]
     if baseline is not None or baselines:
         what = (f"vs {display_name(baseline, labels)}" if not baselines else
                 f"vs baseline ({display_name(baseline, labels)} unless named)" if baseline else "vs baseline")
@@ -104,7 +114,8 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
             elif "seconds" in column:
                 cells.append(_seconds(row[column], row[f"{column}_std"]))
             else:
-                cells.append(_cell(row[column], row[f"{column}_std"], 3 if column == "cpd_median" else 4))
+                declared = analysis.column(column)
+                cells.append(_cell(row[column], row[f"{column}_std"], declared.digits if declared else 4))
         if baseline is not None or baselines:
             paired = row.get("paired")
             reference = (baselines or {}).get(row["algorithm"], baseline)

@@ -61,7 +61,7 @@ VERSION = re.compile(
 """A PEP 440 version (its Appendix B pattern, as ``packaging.version.VERSION_PATTERN``,
 without surrounding whitespace)."""
 NUMBER_FIELDS = ("rounds", "target", "train_seconds", "setup_seconds")
-"""Numeric record fields the page uses besides :data:`fedplug.study.statistics.SUMMARY_COLUMNS`."""
+"""Numeric record fields the page uses besides :func:`fedplug.study.statistics.summary_columns`."""
 PAIRED = re.compile(r"\{\{paired ([\w.+-]+) vs ([\w.+-]+)(?:@([\w.+-]+))?\}\}")
 """``{{paired A vs B}}``: algorithm A against algorithm B in every cell both run in;
 ``{{paired A vs B@CELL}}``: A in every cell against B in the one cell ``CELL`` (a cell id,
@@ -145,7 +145,7 @@ def record_problem(record: dict[str, Any], planned: dict[str, Any]) -> str | Non
     spec's runs by id; a record of a planned run must have that run's cell, algorithm,
     draw and seed (the page shows them as the spec names them)."""
     from fedplug.study.spec import RUN_ID_PATTERN
-    from fedplug.study.statistics import SUMMARY_COLUMNS
+    from fedplug.study.statistics import summary_columns
 
     run = record.get("run")
     if not isinstance(run, str) or not RUN_ID_PATTERN.fullmatch(run):
@@ -176,7 +176,7 @@ def record_problem(record: dict[str, Any], planned: dict[str, Any]) -> str | Non
     overrides = record.get("overrides")
     if overrides is not None and not (isinstance(overrides, list) and all(isinstance(item, str) for item in overrides)):
         return "overrides is not a list of strings"
-    for key in (*SUMMARY_COLUMNS, *NUMBER_FIELDS):
+    for key in (*summary_columns(), *NUMBER_FIELDS):
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"{key} {_shown(value)} is not a number"

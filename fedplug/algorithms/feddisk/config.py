@@ -7,11 +7,29 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from fedplug.components import ComponentConfig
+from fedplug.analysis import Analysis, HistogramFigure, SetupSummary
+from fedplug.components import ComponentConfig, PhaseCost
+
+WEIGHT_NOTE = ("Each panel: the sample weights of all clients pooled, counts averaged over the runs (log scale; "
+               "runs of one partition draw share their weights). Dashed line: weight 1 = an untrained D / no "
+               "reweighting; a spike there means the weighting changes nothing.")
+"""The caption of the weight histogram."""
+
+WEIGHT_ANALYSIS = Analysis(
+    setup_summaries=(SetupSummary("weights", prefix="sample_weight.", per_client=("q05", "median", "q95", "std")),),
+    figures=(HistogramFigure("weight_histogram", summary="weights", title="sample weights of the setup phase",
+                             value_label="sample weight", spread="std", reference=1.0,
+                             reference_label="1 = no reweighting", note=WEIGHT_NOTE),),
+)
+"""What a study keeps of the setup report (:func:`~.weights.weight_summary`): the pooled
+histogram and each client's 5% quantile, median, 95% quantile and std as the record's
+``weights``, and the figure ``weight_histogram`` of them."""
 
 
 class SampleWeightConfig(ComponentConfig):
     """Fields shared by FedDisk and FedDiskAb: the discriminator and the normalisation."""
+
+    analysis = WEIGHT_ANALYSIS
 
     classifier_hidden: int = Field(100, ge=1, le=4096)
     """Hidden ReLU units of the binary classifier D (default 100, paper 7.2.4)."""
@@ -77,6 +95,19 @@ class SampleWeightConfig(ComponentConfig):
                 f"clip_min ({self.clip_min}) must be smaller than clip_max ({self.clip_max})"
             )
         return self
+
+    def setup_file(self, federation: Any) -> str | None:
+        """``<cache_key>.npz``: phase 1's density ratios for ``federation``
+        (:func:`~.cache.cache_path`), which the pipeline's setup stage computes once."""
+        from fedplug.algorithms.feddisk.cache import cache_path
+
+        return cache_path(".", federation, self).name
+
+    def setup_file_cost(self, path: Any) -> PhaseCost:
+        """The MADE phase's rounds and bytes, as the weights file keeps them."""
+        from fedplug.algorithms.feddisk.cache import load_weights
+
+        return load_weights(path, self).cost
 
 
 class FedDiskConfig(SampleWeightConfig):
