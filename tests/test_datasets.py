@@ -736,7 +736,7 @@ def test_validate_accepts_good_arrays() -> None:
 def test_all_five_datasets_register_and_build(tmp_path: Path) -> None:
     registry = Registry()
     datasets.fedplug_register_datasets(
-        register=lambda *args: registry.register("datasets", "builtin", *args)
+        register=lambda *args: registry.add("datasets", "builtin", *args)
     )
 
     built = registry.build("datasets", SyntheticConfig(num_train=20, num_test=10), tmp_path)

@@ -265,7 +265,11 @@ def tiny_params() -> dict[str, Any]:
         },
         "train": {
             "model": {"name": "logreg"},
+            # The setup stage reads all four slots (any of them may have a setup phase).
+            "sampler": {"name": "uniform"},
             "loss_transform": {"name": "cross_entropy"},
+            "aggregator": {"name": "fedavg"},
+            "grouper": {"name": "none"},
             "device": "cpu",
             "rounds": 2,
             "batch_size": 20,
