@@ -2,7 +2,7 @@
 
 Runs each target once in this checkout (installs already done: run ``make install`` and
 ``make fedml-venv`` first, or the install time is counted too), one after the other, and
-records its wall time, exit status, pytest's summary line, the number of usable CPUs and
+records its wall time, exit status, pytest's summary line (and the failed tests), the number of usable CPUs and
 the 1-minute load average before and after (a busy machine makes the suite slower; the
 targets on the performance page are for a quiet one).
 
@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
 
 SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed).*) in [\d.]+s", re.MULTILINE)
+PROBLEM = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+"""pytest's short summary lines of a failed or erroring test (``-rfE``, its default)."""
 
 
 def run_target(target: str) -> dict[str, Any]:
@@ -49,6 +51,7 @@ def run_target(target: str) -> dict[str, Any]:
         "seconds": round(seconds, 1),
         "exit_status": completed.returncode,
         "summary": summaries[-1] if summaries else None,
+        "problems": PROBLEM.findall(output),
         "load_average_before": load_before,
         "load_average_after": benchlib.load_average(),
     }
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{run['summary']}; load average {run['load_average_before'][0]} -> {run['load_average_after'][0]}",
             flush=True,
         )
+        for problem in run["problems"]:
+            print(f"  {problem}", flush=True)
     total = sum(run["seconds"] for run in runs)
     print(f"all targets: {total / 60:.1f} min")
     if args.json:
