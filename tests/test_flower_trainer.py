@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fedplug.algorithms.fedshift import class_shift, global_prior
 from fedplug.errors import ConfigError, DataError
+from fedplug.plugins import default_registry
 from fedplug.simulation.local_training import (
     ClientAlgorithm,
     LocalSchedule,
@@ -197,6 +198,33 @@ def test_scaffold_client_refuses_a_message_without_the_server_variate() -> None:
     model = make_model()
     with pytest.raises(ConfigError, match=r"needs \['c'\]"):
         trainer.fit(model, (inputs, labels), train_message(model), context())
+
+
+def test_the_trainer_learns_the_payload_keys_from_the_aggregators_needs() -> None:
+    # The keys come from ClientNeeds.server_payload: the trainer builds its own aggregator
+    # once and never a second one to see what the server would send.
+    registry = default_registry()
+    built: list[str] = []
+    real_build = registry.build
+
+    def counting_build(kind: str, config: Any, *args: Any) -> Any:
+        built.append(kind)
+        return real_build(kind, config, *args)
+
+    counting = copy.copy(registry)
+    counting.build = counting_build  # type: ignore[method-assign]
+    inputs, labels = make_data()
+    trainer = FedplugTrainer.from_config(
+        {"aggregator": {"name": "scaffold"}}, num_classes=NUM_CLASSES, registry=counting
+    )
+    model = make_model()
+    payload = tensors_to_record({"c": torch.zeros_like(model_to_vector(model))})
+
+    reply = trainer.fit(model, (inputs, labels), train_message(model, payload=payload), context())
+
+    assert not reply.has_error()
+    assert trainer._payload_keys == {"c"}
+    assert built.count("aggregators") == 1
 
 
 def test_scaffold_client_keeps_its_variate_in_context_state() -> None:

@@ -406,7 +406,7 @@ class FedplugLoss:
             content, context, self.state_namespace, client_id, class_counts, device
         )
         payload = record_to_tensors(content.array_records.get(PAYLOAD_KEY), device)
-        self.trainer._check_payload(payload, start_vector)
+        self.trainer._check_payload(payload)
         client_state = load_client_state(context, self.state_namespace, round_index, device)
         aggregator = self.trainer.algorithm.aggregator
         start_parameters = split_like(start_vector, dict(model.named_parameters()))

@@ -46,8 +46,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fedplug.components import Aggregator, LossTransform
 from fedplug.components import Context as LossContext
+from fedplug.components import LossTransform
 from fedplug.config import validate_section
 from fedplug.deadline import deadline
 from fedplug.errors import ConfigError
@@ -155,7 +155,8 @@ class FedplugTrainer:
         them; a server adds more by naming them in ``fedplug.reply-metrics``."""
         self._prepared = not _needs_prepare(self.algorithm.loss_transform)
         self._phase: SetupPhase | None = self.algorithm.loss_transform.setup_phase()
-        self._payload_keys: set[str] | None = None
+        self._payload_keys = frozenset(self.algorithm.aggregator.client_needs().server_payload)
+        """What the aggregator's server side sends with every model, as it declares it."""
         self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
 
     @classmethod
@@ -234,12 +235,8 @@ class FedplugTrainer:
             self.algorithm.loss_transform.client_context(client_id, class_counts), device
         )
 
-    def _check_payload(self, payload: dict[str, Tensor], start_vector: Tensor) -> None:
+    def _check_payload(self, payload: dict[str, Tensor]) -> None:
         """The keys the aggregator's server side sends (SCAFFOLD's ``c``) must be here."""
-        if self._payload_keys is None:
-            probe: Aggregator = self.registry.build("aggregators", self.config.aggregator, 1)
-            probe.initialize(torch.zeros_like(start_vector))
-            self._payload_keys = set(probe.server_payload())
         missing = self._payload_keys - set(payload)
         if missing:
             raise ConfigError(
@@ -370,7 +367,7 @@ class FedplugTrainer:
             content, context, state_namespace, client_id, class_counts, device
         )
         payload = record_to_tensors(content.array_records.get(PAYLOAD_KEY), device)
-        self._check_payload(payload, start_vector)
+        self._check_payload(payload)
         client_state = load_client_state(context, state_namespace, round_index, device)
         schedule = self.schedule
         if local.batch_size is not None:
