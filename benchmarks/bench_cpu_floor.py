@@ -13,7 +13,7 @@ them: 6,000 samples at K=10, 600 at K=100). Two paths train exactly those sample
   size, ``torch.optim.SGD`` with the same learning rate, ``F.cross_entropy``) over the
   concatenation of the same clients' samples;
 - **centralised, fused update**: the same loop stepping with the engine's own
-  :class:`~fedplug.simulation.local_training.FusedSGD` (the same numbers as
+  :class:`~fedplug.run.local_training.FusedSGD` (the same numbers as
   ``torch.optim.SGD``, less Python per step). The engine trains with it, so against the
   first floor the engine gains what the fused update saves; against this one the ratio
   shows only what the engine adds per client (loading and reading the model, screening,
@@ -105,8 +105,9 @@ class FloorCase:
         import torch
 
         from fedplug.plugins import default_registry
-        from fedplug.simulation.simulator import Simulator, build_model
-        from fedplug.simulation.vectors import model_to_vector
+        from fedplug.run.model import build_model
+        from fedplug.run.vectors import model_to_vector
+        from fedplug.simulation.simulator import Simulator
 
         config = benchlib.train_config(
             model={"name": model_name},
@@ -136,8 +137,8 @@ class FloorCase:
     ) -> benchlib.Stopwatch:
         """Times one round over the participants (engine + screening + FedAvg)."""
         from fedplug.components import RoundPlan
-        from fedplug.round_screen import Tally, screen
-        from fedplug.simulation.round_context import RoundContext
+        from fedplug.run.round_context import RoundContext
+        from fedplug.run.round_screen import Tally, screen
 
         simulator = self.simulator
         aggregator = simulator.algorithm.aggregator
@@ -169,7 +170,7 @@ class FloorCase:
         ``optimizer="fused"``, with the engine's own update."""
         import torch
 
-        from fedplug.simulation.vectors import vector_to_model
+        from fedplug.run.vectors import vector_to_model
 
         vector_to_model(self.initial_vector, self.central_model)
         generator = torch.Generator().manual_seed(round_index)
@@ -246,10 +247,10 @@ def overhead_breakdown(case: FloorCase, repeats: int = 11) -> dict[str, Any]:
     import torch
 
     from fedplug.components import WeightedMean
-    from fedplug.round_screen import Tally, screen
-    from fedplug.simulation.local_training import local_rng, make_optimizer, train_locally
-    from fedplug.simulation.round_context import RoundContext
-    from fedplug.simulation.vectors import model_to_vector, vector_to_model
+    from fedplug.run.local_training import local_rng, make_optimizer, train_locally
+    from fedplug.run.round_context import RoundContext
+    from fedplug.run.round_screen import Tally, screen
+    from fedplug.run.vectors import model_to_vector, vector_to_model
 
     simulator, vector = case.simulator, case.initial_vector
     model, algorithm, schedule = simulator.model, simulator.algorithm, simulator.schedule

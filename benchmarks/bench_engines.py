@@ -49,13 +49,13 @@ from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import OptimizerConfig
 from fedplug.data.federation import ClientData, Federation
 from fedplug.plugins import default_registry
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.run.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.run.model import resolve_device
+from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.vectors import model_to_vector
 from fedplug.simulation.parallel import ParallelEngine, default_workers
-from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.simulator import resolve_device
 from fedplug.simulation.vectorized import VectorizedEngine, estimate_bytes_per_client
-from fedplug.simulation.vectors import model_to_vector
 
 INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10

@@ -58,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_simulation(federation: Any, model: str, rounds: int, fraction: float) -> dict[str, Any]:
     from fedplug.plugins import default_registry
+    from fedplug.run.vectors import num_elements
     from fedplug.simulation.simulator import Simulator
-    from fedplug.simulation.vectors import num_elements
 
     config = benchlib.train_config(
         model={"name": model},

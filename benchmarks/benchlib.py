@@ -218,12 +218,12 @@ def centralised_epoch(
     every federated engine is compared with. Returns the number of optimiser steps.
 
     ``optimizer="torch"`` (default) steps with ``torch.optim.SGD``, as a user's loop does;
-    ``"fused"`` with fedplug's :class:`~fedplug.simulation.local_training.FusedSGD` (the same
+    ``"fused"`` with fedplug's :class:`~fedplug.run.local_training.FusedSGD` (the same
     numbers, less Python per step), the floor that isolates the engine's own overhead."""
     import torch
     from torch.nn import functional as F
 
-    from fedplug.simulation.local_training import FusedSGD
+    from fedplug.run.local_training import FusedSGD
 
     model.train()
     if optimizer == "torch":

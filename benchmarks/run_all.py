@@ -764,10 +764,10 @@ FLOOR_HISTORY = """**History.** Earlier versions of the engine missed this floor
 measurements are in this page's git history (up to commit 78ef23a), not repeated here,
 since every number on this page comes from the current code. Three changes closed the gap:
 the finiteness check of every update became one `torch.aminmax` pass
-(`fedplug.simulation.vectors.all_finite`) instead of a model-sized boolean tensor; plain
+(`fedplug.run.vectors.all_finite`) instead of a model-sized boolean tensor; plain
 cross-entropy became torch's fused call (one autograd node fewer per step) whenever the
 loss transform does not override `per_sample_loss`; and the client loop steps with
-`FusedSGD` (`fedplug/simulation/local_training.py`): torch's SGD arithmetic as `foreach`
+`FusedSGD` (`fedplug/run/local_training.py`): torch's SGD arithmetic as `foreach`
 calls, bit-identical weights (`tests/test_local_training.py`), no optimiser object per
 client."""
 

@@ -8,7 +8,7 @@ from their config
 (:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
 (:meth:`LossTransform.setup_phase`), and what a study keeps and draws of those reports
 (:attr:`ComponentConfig.analysis`). The round itself lives in
-:mod:`fedplug.federated_round`; the simulator, Flower and FedML move models and messages
+:mod:`fedplug.run.federated_round`; the simulator, Flower and FedML move models and messages
 and read nothing else about an algorithm, so a third-party plugin runs wherever a
 built-in does.
 
@@ -16,7 +16,7 @@ Conventions shared by all components:
 
 - Model parameters travel as one flat float32 vector (``torch.Tensor`` of shape ``[P]``),
   in the order of ``model.state_dict()``'s floating-point entries; see
-  :mod:`fedplug.simulation.vectors`.
+  :mod:`fedplug.run.vectors`.
 - Randomness comes in as an explicit ``numpy.random.Generator``; no component touches a
   global seed.
 - Per-client tensors that the client's loss needs (a FedShift shift, SCAFFOLD's
@@ -293,7 +293,7 @@ class LossTransform:
         """What :meth:`prepare` and the setup phase produced that a reader wants to see
         (FedDisk's per-client sample-weight quantiles and their histogram), as JSON-ready
         values; the simulator writes them to metrics.json as ``setup_report``
-        (:attr:`fedplug.simulation.results.RunResult.setup_report`). Empty by default, and
+        (:attr:`fedplug.run.results.RunResult.setup_report`). Empty by default, and
         before :meth:`prepare` has run."""
         return {}
 

@@ -20,9 +20,10 @@ from fedplug.data.build import build_federation
 from fedplug.output_folder import Legacy, claim, files_named, inspect, write_atomically, write_text
 from fedplug.plugins import default_registry
 from fedplug.registry import Registry
-from fedplug.simulation.checkpoint import read_checkpoint
-from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.simulator import RoundObserver, Simulator, resolve_device
+from fedplug.run.checkpoint import read_checkpoint
+from fedplug.run.model import resolve_device
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.simulation.simulator import RoundObserver, Simulator
 
 TRACKER_FILES = files_named(("mlflow_run.json",))
 """A folder holding only the tracker's state is fedplug's: a library caller opens the tracker

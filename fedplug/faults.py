@@ -3,7 +3,7 @@
 ``train.faults`` makes a run meet the faults a real federation meets, on purpose and
 reproducibly, so that a study can measure what they cost (a robustness study, a
 dropout x straggler grid). Every runtime injects the same faults, because the round core
-(:class:`fedplug.federated_round.RoundCore`) does it, not the runtime:
+(:class:`fedplug.run.federated_round.RoundCore`) does it, not the runtime:
 
 - **dropout** (:class:`DropoutConfig`), applied when the round is planned, before the
   grouper forms its chains: a dropped client neither trains nor replies. ``probability``

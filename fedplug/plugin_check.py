@@ -383,7 +383,7 @@ def check_flower(config: Any, registry: Any, reference: tuple[Any, Any]) -> str:
         from fedplug.adapters.flower import LoopbackGrid, make_client_app, run_on_grid
     except ImportError:
         raise CheckSkipped("Flower is not installed (pip install 'fedplug[flower]')") from None
-    from fedplug.federated_round import client_needs
+    from fedplug.run.federated_round import client_needs
 
     train = config.train
     components = [

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fedplug.errors import DataError
-from fedplug.simulation.results import rounds_to_target
+from fedplug.run.results import rounds_to_target
 
 # ------------------------------------------------------------------------------ inputs
 

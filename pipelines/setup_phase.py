@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def federation_on(device: str) -> Any:
         if device not in federations:
-            from fedplug.simulation.simulator import resolve_device
+            from fedplug.run.model import resolve_device
 
             set_torch_threads()
             data_config = validate_section("data", section(params, "data"), registry)

@@ -199,7 +199,7 @@ def train(
 
     from fedplug.experiment import output_fingerprint
     from fedplug.output_folder import claim, files_named
-    from fedplug.simulation.simulator import resolve_device
+    from fedplug.run.model import resolve_device
 
     federation = load_federation(
         config.data, registry, resolve_device(config.train.device), partition_path
@@ -227,8 +227,8 @@ def train_claimed(
     from fedplug.experiment import run_experiment
     from fedplug.output_folder import write_text, write_through_path
     from fedplug.report import plot_run_curves, write_curve_csv
-    from fedplug.simulation.checkpoint import load_checkpoint
-    from fedplug.simulation.results import RoundRecord, split_wall_clock
+    from fedplug.run.checkpoint import load_checkpoint
+    from fedplug.run.results import RoundRecord, split_wall_clock
     from fedplug.simulation.simulator import config_fingerprint
 
     out = owned.path

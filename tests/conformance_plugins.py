@@ -52,8 +52,8 @@ from fedplug.components import (
 from fedplug.hookspecs import RegisterAggregator, RegisterGrouper, RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
+from fedplug.run.vectors import tensors_num_bytes
 from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep
-from fedplug.simulation.vectors import tensors_num_bytes
 
 AGGREGATOR = "conformance_momentum"
 LOSS_TRANSFORM = "conformance_mean_weighted"

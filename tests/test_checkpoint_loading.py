@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-
 from conftest import SMALL_EXPERIMENT, in_process
+
 from fedplug.config import validate_experiment
 from fedplug.errors import TrainingError
-from fedplug.simulation.checkpoint import load_checkpoint
+from fedplug.run.checkpoint import load_checkpoint
 
 ADVICE = "start over with --no-resume or delete it"
 
@@ -156,7 +156,7 @@ def test_a_file_larger_than_the_run_can_hold_is_refused_before_it_is_read(tmp_pa
 
 def test_the_size_bound_admits_every_checkpoint_a_run_writes(tmp_path: Path) -> None:
     """SCAFFOLD keeps a control variate per client: the largest state a run writes."""
-    from fedplug.simulation.checkpoint_bounds import SLACK_BYTES, checkpoint_size_bound
+    from fedplug.run.checkpoint_bounds import SLACK_BYTES, checkpoint_size_bound
 
     out = tmp_path / "out"
     config, state = finished_run(out, aggregator={"name": "scaffold"}, client_fraction=1.0)

@@ -7,7 +7,7 @@ and a reply extra, a loss transform with a two-step setup phase, a grouper with 
 metrics), a two-round run on both runtimes must agree: accuracy and loss within 1e-5;
 the same participants, failures, bytes and component metrics every round; the same
 setup traffic and derived params (except ``engine``), a measured setup time on both, and
-the same checkpoint (``fedplug.run_state.RunState``) after the last round
+the same checkpoint (``fedplug.run.state.RunState``) after the last round
 (:func:`assert_same_checkpoint` says what stays on Flower's nodes instead). So must a
 round where every client fails, a NaN update and a misshapen update.
 """
@@ -40,9 +40,9 @@ import fedplug.plugins
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
-from fedplug.federated_round import client_needs
 from fedplug.plugins import default_registry
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.run.federated_round import client_needs
+from fedplug.run.results import RoundRecord, RunResult
 
 NUM_CLIENTS = 4
 ROUNDS = 2
@@ -405,7 +405,7 @@ def test_a_misshapen_update_is_dropped_by_both_runtimes(
     # and on Flower (its node's reply).
     data = experiment_dict({}, client_fraction=1.0)
     config = validate_experiment(data, plugins_everywhere)
-    from fedplug.simulation.round_context import RoundContext
+    from fedplug.run.round_context import RoundContext
 
     make_update = RoundContext.make_update
 

@@ -51,10 +51,8 @@ from torch import Tensor
 
 pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-fedml`")
 
-from fedml.core import ClientTrainer
-
 from conformance_plugins import AGGREGATOR, GROUPER, LOSS_TRANSFORM, conformance_registry
-
+from fedml.core import ClientTrainer
 from fedplug.adapters.fedml import drop_in
 from fedplug.adapters.fedml import worker as worker_module
 from fedplug.adapters.fedml.coordinator import ENGINE_NAME, Coordinator
@@ -63,16 +61,18 @@ from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer, Fedplu
 from fedplug.adapters.fedml.protocol import Schedule, Task, WorkerInstructions, plan_rounds
 from fedplug.adapters.fedml.runtime import check_supported, fedml_dataset
 from fedplug.adapters.fedml.worker import Worker
+
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
-from fedplug.federated_round import client_needs, participants
 from fedplug.plugins import default_registry
+from fedplug.run.federated_round import client_needs, participants
+from fedplug.run.model import build_model
+from fedplug.run.results import RunResult, split_wall_clock
+from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.simulation import local_training, sequential
-from fedplug.simulation.results import RunResult, split_wall_clock
-from fedplug.simulation.simulator import Simulator, build_model
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
+from fedplug.simulation.simulator import Simulator
 
 REGISTRY = conformance_registry()
 """The built-in components and the test-only plugins."""

@@ -18,8 +18,9 @@ from fedplug.components import ClientUpdate
 from fedplug.config import validate_section
 from fedplug.data.build import build_federation
 from fedplug.plugins import default_registry
-from fedplug.simulation.simulator import Simulator, resolve_device
-from fedplug.simulation.vectors import model_to_vector
+from fedplug.run.model import resolve_device
+from fedplug.run.vectors import model_to_vector
+from fedplug.simulation.simulator import Simulator
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -22,7 +22,7 @@ from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.simulation.round_context import ClientFailure
+from fedplug.run.round_context import ClientFailure
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.simulator import Simulator
 from fedplug.simulation.vectorized import VectorizedEngine, batch_plan, stack_contexts

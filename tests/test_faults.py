@@ -11,17 +11,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from conftest import SMALL_EXPERIMENT
+
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import validate_experiment, validate_section
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds
 from fedplug.errors import ConfigError, DataError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.faults import DROPOUT_STREAM, Faults, corruption_draws, read_trace
-from fedplug.federated_round import Evaluation, RoundCore, planned_round, sample_clients
 from fedplug.plugins import default_registry
-from fedplug.simulation.results import RoundRecord
+from fedplug.run.federated_round import Evaluation, RoundCore, planned_round, sample_clients
+from fedplug.run.results import RoundRecord
 
 FAULT_FIELDS = ("faults_dropout", "faults_stragglers", "faults_straggler_timeouts", "faults_corrupted")
 

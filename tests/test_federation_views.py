@@ -28,9 +28,9 @@ from fedplug.data.partitions import (
     save_partition,
 )
 from fedplug.faults import Faults
-from fedplug.federated_round import planned_round, sample_among, sample_clients
 from fedplug.plugins import default_registry
-from fedplug.simulation.evaluation import Evaluator
+from fedplug.run.evaluation import Evaluator
+from fedplug.run.federated_round import planned_round, sample_among, sample_clients
 
 
 def data_config(partition: dict[str, Any], local_test_fraction: float, num_clients: int = 12) -> Any:

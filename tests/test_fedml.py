@@ -38,8 +38,9 @@ from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import default_registry
-from fedplug.simulation.results import RunResult
-from fedplug.simulation.simulator import Simulator, build_model
+from fedplug.run.model import build_model
+from fedplug.run.results import RunResult
+from fedplug.simulation.simulator import Simulator
 
 FEDGSP = {
     "name": "fedgsp",
@@ -510,7 +511,6 @@ def test_a_rank_that_fails_ends_the_whole_job_with_its_error(small_experiment, t
 # ---------------------------------------------------- drop-in: the user's ClientTrainer
 
 from fedml.core import ClientTrainer  # noqa: E402
-
 from fedplug.adapters.fedml.drop_in import FedplugAggregator, class_counts_of  # noqa: E402
 
 

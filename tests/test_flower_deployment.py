@@ -31,7 +31,7 @@ from conftest import SMALL_EXPERIMENT
 
 from fedplug.config import validate_experiment
 from fedplug.experiment import run_experiment
-from fedplug.simulation.vectors import model_to_vector
+from fedplug.run.vectors import model_to_vector
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-from flwr.clientapp import ClientApp
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
 from fedplug.adapters.flower import (
     FedplugLoss,
     FedplugStrategy,
@@ -45,20 +40,25 @@ from fedplug.adapters.flower.records import (
     model_record,
     tensors_to_record,
 )
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
 from fedplug.algorithms.uniform import UniformSampler
 from fedplug.config import validate_experiment, validate_section
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
-from fedplug.simulation.local_training import (
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.simulator import build_model
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
+from fedplug.run.model import build_model
+from fedplug.run.vectors import model_to_vector, vector_to_model
 
 NUM_CLIENTS = 4
 ROUNDS = 2

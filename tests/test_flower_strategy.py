@@ -39,14 +39,14 @@ from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
-from fedplug.simulation.local_training import (
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.simulator import build_model
-from fedplug.simulation.vectors import model_to_vector
+from fedplug.run.model import build_model
+from fedplug.run.vectors import model_to_vector
 
 FEDGSP = {
     "grouper": {

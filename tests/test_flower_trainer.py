@@ -38,13 +38,13 @@ from torch.utils.data import DataLoader, Dataset
 from fedplug.algorithms.fedshift import class_shift, global_prior
 from fedplug.errors import ConfigError, DataError
 from fedplug.plugins import default_registry
-from fedplug.simulation.local_training import (
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.vectors import model_to_vector
+from fedplug.run.vectors import model_to_vector
 
 NUM_CLASSES = 3
 

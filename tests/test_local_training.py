@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedplug.simulation.local_training import FusedSGD
+from fedplug.run.local_training import FusedSGD
 
 
 def _model(seed: int) -> nn.Module:

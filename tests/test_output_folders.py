@@ -228,7 +228,7 @@ def test_writers_of_one_file_never_share_a_temporary_name(tmp_path: Path) -> Non
     """Finding 4's ``No such file or directory: 'conc/checkpoint.pt.tmp' -> 'conc/checkpoint.pt'``:
     two writers with a fixed temporary name rename each other's file away."""
     from fedplug.experiment import write_json
-    from fedplug.simulation.checkpoint import save_checkpoint
+    from fedplug.run.checkpoint import save_checkpoint
 
     state = {"fingerprint": "f", "history": [], "global": torch.arange(50_000, dtype=torch.float32)}
     errors: list[BaseException] = []
@@ -447,7 +447,7 @@ def no_space_for_temporaries(monkeypatch: pytest.MonkeyPatch, name: str, after: 
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
     full_disk: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedplug.simulation.checkpoint import save_checkpoint
+    from fedplug.run.checkpoint import save_checkpoint
 
     folder, mounted = full_disk
     path = folder / "checkpoint.pt"

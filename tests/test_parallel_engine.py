@@ -34,12 +34,12 @@ from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
+from fedplug.run.evaluation import Evaluator
+from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.simulation import parallel
-from fedplug.simulation.evaluation import Evaluator
 from fedplug.simulation.parallel import ParallelEngine, default_workers
-from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.simulator import Simulator
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,7 +31,7 @@ from fedplug.report import (
     wall_time_markdown,
     write_report,
 )
-from fedplug.simulation.results import rounds_to_target, split_wall_clock
+from fedplug.run.results import rounds_to_target, split_wall_clock
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"

@@ -40,17 +40,17 @@ from fedplug.components import (
 from fedplug.config import validate_experiment, validate_section
 from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError
-from fedplug.federated_round import chain_update
-from fedplug.round_screen import unusable
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.simulation.local_training import (
+from fedplug.run.federated_round import chain_update
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.round_context import ClientFailure
+from fedplug.run.round_context import ClientFailure
+from fedplug.run.round_screen import unusable
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.simulator import Simulator
 from fedplug.simulation.vectorized import VectorizedEngine
@@ -449,6 +449,7 @@ def test_qfedavg_on_flowers_grid_gives_the_simulators_records():
     pytest.importorskip("flwr")
     from fedplug.adapters.flower import LoopbackGrid, make_client_app, run_on_grid
     from fedplug.adapters.flower.requirements import Component, client_requirements
+
     from fedplug.experiment import run_experiment
 
     config = validate_experiment(qfedavg_experiment())
@@ -467,12 +468,11 @@ def test_qfedavg_on_flowers_grid_gives_the_simulators_records():
 
 def test_fedplug_loss_reports_the_mean_loss_when_the_server_asks():
     pytest.importorskip("flwr")
-    from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
-
     from fedplug.adapters.flower import FedplugLoss
     from fedplug.adapters.flower.loopback import ensure_task_identity
     from fedplug.adapters.flower.records import CONFIG_KEY, ROUND, model_record
     from fedplug.adapters.flower.records import REPLY_METRICS as ASK
+    from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
     ensure_task_identity()
     torch.manual_seed(0)
@@ -522,7 +522,8 @@ def test_fedml_workers_carry_the_loss_to_the_server(small_experiment):
     from fedplug.adapters.fedml.protocol import plan_rounds
     from fedplug.adapters.fedml.runtime import fedml_dataset
     from fedplug.adapters.fedml.worker import Worker
-    from fedplug.simulation.simulator import build_model
+
+    from fedplug.run.model import build_model
 
     registry = loss_registry()
     small_experiment["train"].update(client_fraction=1.0, aggregator={"name": "loss_weighted"})

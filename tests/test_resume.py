@@ -62,12 +62,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
-from conftest import SMALL_EXPERIMENT
 from conformance_plugins import make_plugin
+from conftest import SMALL_EXPERIMENT
+
 from fedplug.components import Aggregator, Grouper, LossTransform, Sampler
 from fedplug.plugins import AUTOLOAD_SWITCH, collect_registry, new_plugin_manager
-from fedplug.simulation.results import RoundRecord
+from fedplug.run.results import RoundRecord
 
 TESTS = Path(__file__).resolve().parent
 ROUNDS = 3

@@ -31,14 +31,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from conftest import SMALL_EXPERIMENT, in_process
+
 from fedplug.config import validate_experiment
 from fedplug.errors import DataError, FedplugError, PluginError, TrainingError
 from fedplug.experiment import output_fingerprint
 from fedplug.output_folder import claim
 from fedplug.plugins import default_registry
-from fedplug.simulation.checkpoint import (
+from fedplug.run.checkpoint import (
     CHECKPOINT_VERSION,
     from_storable,
     load_checkpoint,
@@ -464,13 +464,13 @@ def test_every_registered_component_keeps_its_state_through_a_weights_only_check
 
 
 def to_cpu(value: Any) -> Any:
-    from fedplug.simulation.vectors import move_tensors
+    from fedplug.run.vectors import move_tensors
 
     return move_tensors(value, "cpu")
 
 
 def simulator_history(loaded: dict[str, Any]) -> list[Any]:
-    from fedplug.simulation.results import RoundRecord
+    from fedplug.run.results import RoundRecord
 
     return [RoundRecord.from_dict(record) for record in loaded["history"]]
 

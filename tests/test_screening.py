@@ -1,7 +1,7 @@
 """Screening of every reply field, and the poisoning defences of ``train.screening``.
 
 Each attack of issue 29's finding 3 (and the runtime-independent part of finding 2) is
-replayed against the round core (:class:`fedplug.federated_round.RoundCore`), which every
+replayed against the round core (:class:`fedplug.run.federated_round.RoundCore`), which every
 runtime hands its clients' updates to; the FedML coordinator is driven in process. The
 attack is dropped with its reason and the round goes on with the honest clients.
 """
@@ -16,16 +16,23 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_EXPERIMENT
 from torch import Tensor
 
-from conftest import SMALL_EXPERIMENT
-from fedplug.components import MODEL_SHAPE, Aggregator, ClientNeeds, ClientUpdate, ReplyExtra, RoundPlan
+from fedplug.components import (
+    MODEL_SHAPE,
+    Aggregator,
+    ClientNeeds,
+    ClientUpdate,
+    ReplyExtra,
+    RoundPlan,
+)
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
-from fedplug.federated_round import RoundCore, chain_update, plan_round, round_steps
-from fedplug.round_screen import unusable
 from fedplug.plugins import default_registry
+from fedplug.run.federated_round import RoundCore, chain_update, plan_round, round_steps
+from fedplug.run.round_screen import unusable
 from fedplug.screening import (
     ScreeningConfig,
     ScreeningRules,

@@ -23,18 +23,18 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from torch import nn
-
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.fedml.coordinator import Coordinator
 from fedplug.adapters.fedml.protocol import plan_rounds
 from fedplug.adapters.fedml.worker import Worker
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.plugins import default_registry
-from fedplug.simulation.simulator import build_model
+from fedplug.run.model import build_model
 
 
 def experiment(**train: Any) -> Any:

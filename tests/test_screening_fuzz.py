@@ -3,7 +3,7 @@
 Whatever one client's update holds, in any field (infinities, NaN, absurd or negative
 counts, complex, integer, bool or numpy values where tensors belong, wrong shapes, huge
 extras, junk metrics, ids outside the federation), the round core
-(:meth:`fedplug.federated_round.RoundCore.run`, which every runtime hands its updates to)
+(:meth:`fedplug.run.federated_round.RoundCore.run`, which every runtime hands its updates to)
 never raises with real aggregators (FedAvg, FedAvgM, FedAdam, SCAFFOLD, FedNova and
 Flower's FedMedian through the ``flower`` aggregator), and the global model stays finite;
 then a second round trains from it. The simulator, with ``train.faults.corruption`` at
@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_EXPERIMENT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from conftest import SMALL_EXPERIMENT
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import validate_experiment
 from fedplug.experiment import run_experiment
-from fedplug.federated_round import RoundCore
 from fedplug.plugins import default_registry
+from fedplug.run.federated_round import RoundCore
 
 P = 6
 K = 4

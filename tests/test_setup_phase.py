@@ -29,7 +29,7 @@ from fedplug.experiment import run_experiment
 from fedplug.hookspecs import RegisterLossTransform, hookimpl
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.simulation.simulator import build_model
+from fedplug.run.model import build_model
 from fedplug.setup_phase import (
     ClientInputs,
     PhaseInputs,

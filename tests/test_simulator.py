@@ -283,7 +283,7 @@ def test_scaffold_client_state_lives_in_the_simulator_and_is_checkpointed(small_
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_all_finite_finds_any_non_finite_value(bad):
-    from fedplug.simulation.vectors import all_finite
+    from fedplug.run.vectors import all_finite
 
     vector = torch.arange(1000, dtype=torch.float32)
     assert all_finite(vector)

@@ -37,8 +37,8 @@ from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import TrainingError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
+from fedplug.run.round_context import ClientFailure
 from fedplug.simulation import parallel, vectorized
-from fedplug.simulation.round_context import ClientFailure
 from fedplug.simulation.simulator import Simulator
 from fedplug.simulation.vectorized import VectorizedEngine
 

@@ -34,7 +34,6 @@ pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-
 pytest.importorskip("mpi4py", reason="FedML's MPI backend needs mpi4py: run `make test-fedml`")
 
 import timeout_plugins
-
 from fedplug.adapters.fedml.coordinator import Coordinator
 from fedplug.adapters.fedml.deadlines import DEFAULT_STEP_WAIT_SECONDS, StepDeadlines, reply_margin
 from fedplug.adapters.fedml.fedml_components import FedplugClientTrainer
@@ -42,10 +41,11 @@ from fedplug.adapters.fedml.launcher import run_fedml
 from fedplug.adapters.fedml.protocol import plan_rounds, reply
 from fedplug.adapters.fedml.runtime import fedml_dataset
 from fedplug.adapters.fedml.worker import Worker
+
 from fedplug.components import WeightedMean
 from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
-from fedplug.simulation.simulator import build_model
+from fedplug.run.model import build_model
 
 # A timeout that does not interrupt must fail the test, not hang the suite.
 pytestmark = pytest.mark.timeout(300)
@@ -314,7 +314,7 @@ def test_over_mpi_a_rank_that_was_late_catches_up_and_the_run_ends_as_usual(
 
 
 def assert_same_model(path: Path, config: Any, reference: Coordinator) -> None:
-    from fedplug.simulation.vectors import vector_to_model
+    from fedplug.run.vectors import vector_to_model
 
     final_state = torch.load(path)
     federation = reference.federation

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
+from mlflow_server import QUIET_ENV, free_port, mlflow_server  # noqa: F401  (mlflow_server: a fixture)
 
 from fedplug.errors import ConfigError, DataError, TrackingError
-from fedplug.simulation.results import RoundRecord
+from fedplug.run.results import RoundRecord
 from fedplug.tracking import (
     MlflowTracker,
     check_server,
@@ -29,7 +30,6 @@ from fedplug.tracking import (
     resolve_tracking_uri,
     round_metrics,
 )
-from mlflow_server import QUIET_ENV, free_port, mlflow_server  # noqa: F401  (mlflow_server: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_EXPERIMENT = "tracking-test-fedplug-run"

@@ -29,12 +29,12 @@ from typing import Any
 
 import pytest
 import yaml
-
 from conftest import SMALL_EXPERIMENT
+from mlflow_server import QUIET_ENV, START_SECONDS, _healthy, free_port, server_command
+
 from fedplug.errors import TrackingError
 from fedplug.tracking import outage
 from fedplug.tracking.mlflow_tracker import MlflowTracker
-from mlflow_server import QUIET_ENV, START_SECONDS, _healthy, free_port, server_command
 
 ROUNDS = 5
 KILLED_BEFORE_ROUND = 3
@@ -170,7 +170,7 @@ def test_a_server_that_dies_mid_run_costs_a_bounded_wait_and_loses_nothing(
 def test_on_error_stop_ends_the_run_with_one_line_and_keeps_the_checkpoint(
     tmp_path: Path, server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedplug.simulation.checkpoint import read_checkpoint
+    from fedplug.run.checkpoint import read_checkpoint
 
     params(tmp_path, server.url, on_error="stop")
     kill_before_round(monkeypatch, server, KILLED_BEFORE_ROUND)
@@ -189,9 +189,8 @@ def test_on_error_stop_ends_the_run_with_one_line_and_keeps_the_checkpoint(
 
 
 def test_on_error_is_a_config_key_with_continue_as_default() -> None:
-    from fedplug.config import TrackingConfig
+    from fedplug.config import TrackingConfig, validate_experiment
     from fedplug.errors import ConfigError
-    from fedplug.config import validate_experiment
 
     assert TrackingConfig().on_error == "continue"
     data = copy.deepcopy(SMALL_EXPERIMENT)

@@ -2,7 +2,7 @@
 
 :class:`Coordinator` is what the FedML ``ServerAggregator`` delegates to. It moves models
 and messages; the round itself (plan, screening, weight rule, aggregation, record,
-derived params) is :class:`fedplug.federated_round.RoundCore`'s, the same object the
+derived params) is :class:`fedplug.run.federated_round.RoundCore`'s, the same object the
 built-in simulator and the Flower strategy call, so a round here is the simulator's
 round step for step.
 
@@ -33,15 +33,15 @@ from fedplug.components import RoundPlan
 from fedplug.cost_model import LinkAndDevice
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
-from fedplug.federated_round import ClientFailure, Outcome, RoundCore, chain_update
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
+from fedplug.run.evaluation import Evaluator
+from fedplug.run.federated_round import ClientFailure, Outcome, RoundCore, chain_update
+from fedplug.run.model import build_model
+from fedplug.run.results import RoundRecord
+from fedplug.run.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 from fedplug.screening import ScreeningConfig, count_problem, number_problem
 from fedplug.setup_phase import prepare_loss_transform
-from fedplug.simulation.evaluation import Evaluator
-from fedplug.simulation.results import RoundRecord
-from fedplug.simulation.simulator import build_model
-from fedplug.simulation.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 
 from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of, reply
 

@@ -39,7 +39,9 @@ from torch import Tensor, nn
 from fedplug.components import ClientNeeds, RoundPlan
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError, TrainingError
-from fedplug.federated_round import (
+from fedplug.models.flops import training_flops_per_sample
+from fedplug.registry import Registry
+from fedplug.run.federated_round import (
     Attempt,
     ClientFailure,
     Evaluation,
@@ -49,11 +51,9 @@ from fedplug.federated_round import (
     client_needs,
     round_steps,
 )
-from fedplug.models.flops import training_flops_per_sample
-from fedplug.registry import Registry
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.screening import count_problem, dtype_problem
-from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 ENGINE_NAME = "fedml-drop-in"
 """The ``engine`` entry of the drop-in's derived params."""

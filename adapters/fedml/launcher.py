@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedplug.errors import ConfigError, FedplugError, TrainingError
-from fedplug.simulation.results import RunResult
+from fedplug.run.results import RunResult
 
 if TYPE_CHECKING:
     from fedplug.tracking import Tracker
@@ -210,7 +210,7 @@ def _log_finished_run(tracker: Tracker, config: Any, run: FedMLRun) -> None:
         model = registry.build(
             "models", config.train.model, tuple(dataset.input_shape), dataset.num_classes
         )
-    from fedplug.simulation.checkpoint import load_weights_only
+    from fedplug.run.checkpoint import load_weights_only
 
     # Weights only: a model.pt swapped in for a crafted pickle is refused, never run.
     state = load_weights_only(

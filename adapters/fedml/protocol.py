@@ -27,8 +27,8 @@ from torch import Tensor
 
 from fedplug.components import Grouper, RoundPlan
 from fedplug.errors import ConfigError
-from fedplug.federated_round import participants, plan_round, round_steps
 from fedplug.registry import Registry
+from fedplug.run.federated_round import participants, plan_round, round_steps
 
 
 def owner_of(client_id: int, workers: int) -> int:
@@ -109,7 +109,7 @@ class Schedule:
     @property
     def steps_per_round(self) -> list[int]:
         """FedML rounds each fedplug round takes
-        (:func:`fedplug.federated_round.round_steps`)."""
+        (:func:`fedplug.run.federated_round.round_steps`)."""
         return [round_steps(plan) for plan in self.plans]
 
     @property
@@ -127,7 +127,7 @@ class Schedule:
 
 def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray) -> Schedule:
     """Every round's plan, in round order, from the round core
-    (:func:`fedplug.federated_round.plan_round`): the clients and groups the simulator
+    (:func:`fedplug.run.federated_round.plan_round`): the clients and groups the simulator
     draws for the same config."""
     grouper = registry.build("groupers", train_config.grouper)
     grouper.prepare(class_counts)

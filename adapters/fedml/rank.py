@@ -84,7 +84,7 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
     from fedplug.data.build import build_federation
     from fedplug.errors import ConfigError
     from fedplug.plugins import default_registry
-    from fedplug.simulation.simulator import build_model, resolve_device
+    from fedplug.run.model import build_model, resolve_device
 
     from .coordinator import Coordinator
     from .protocol import plan_rounds

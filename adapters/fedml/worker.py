@@ -1,9 +1,9 @@
 """The worker side: train the tasks of one step with fedplug's client code.
 
 A worker rank simulates the clients it owns (:func:`.protocol.owner_of`). Each task is
-one call of :func:`fedplug.simulation.local_training.train_locally` with the client's
+one call of :func:`fedplug.run.local_training.train_locally` with the client's
 sampler, loss transform and aggregator client side, the same generator
-(:func:`~fedplug.simulation.local_training.local_rng`) and the same per-client state as
+(:func:`~fedplug.run.local_training.local_rng`) and the same per-client state as
 the built-in simulator's sequential engine, so a client's update is the same number in
 both.
 
@@ -24,16 +24,16 @@ from torch import Tensor, nn
 from fedplug.data.federation import Federation
 from fedplug.deadline import deadline
 from fedplug.errors import TrainingError
-from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
-from fedplug.simulation.local_training import (
+from fedplug.run.federated_round import client_needs
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     check_reply_metrics,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.round_context import RoundContext
+from fedplug.run.round_context import RoundContext
 
 from .protocol import TaskResult, WorkerInstructions, owner_of, reply
 

@@ -60,14 +60,26 @@ from flwr.app import ConfigRecord, Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from fedplug.config import apply_override, parse_yaml, read_yaml, validate_experiment, with_algorithm
+from fedplug.config import (
+    apply_override,
+    parse_yaml,
+    read_yaml,
+    validate_experiment,
+    with_algorithm,
+)
 from fedplug.data.build import load_dataset
 from fedplug.errors import ConfigError, FedplugError
-from fedplug.experiment import output_fingerprint, run_folder_layout, run_info, write_json, write_yaml
+from fedplug.experiment import (
+    output_fingerprint,
+    run_folder_layout,
+    run_info,
+    write_json,
+    write_yaml,
+)
 from fedplug.output_folder import claim, write_atomically
 from fedplug.registry import Registry
-from fedplug.simulation.results import RunResult
-from fedplug.simulation.simulator import resolve_device
+from fedplug.run.model import resolve_device
+from fedplug.run.results import RunResult
 
 from .nodes import (
     experiment_message_config,

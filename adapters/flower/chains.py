@@ -8,9 +8,9 @@ different lengths simply drop out of later exchanges. Plain FedAvg-style plans (
 of one) take one exchange, as any Flower strategy does.
 
 A member's reply is decoded at once, and an intermediate member's model is checked by
-the round core's own rule (:func:`fedplug.round_screen.unusable`): a chain whose
+the round core's own rule (:func:`fedplug.run.round_screen.unusable`): a chain whose
 member failed stops there. What the chains end with becomes one
-:class:`~fedplug.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
+:class:`~fedplug.run.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
 the round core screens, logs and aggregates as on every runtime.
 
 A stock ClientApp's reply (``arrays`` and ``metrics`` with ``num-examples``, none of
@@ -34,7 +34,7 @@ Timeouts (``train.failures.client_timeout_seconds`` = T): every train message ca
 training once T has passed (:func:`fedplug.deadline.deadline`) and replies with that
 failure. The server does not rely on it: :class:`ReplyDeadlineGrid` gives up on the
 replies still missing once none has arrived for T plus a margin (:func:`reply_wait`),
-and such a client is a :class:`~fedplug.federated_round.ClientFailure` ("sent no reply
+and such a client is a :class:`~fedplug.run.federated_round.ClientFailure` ("sent no reply
 within ..."); the round goes on with the others. The bound counts from the last reply,
 not from the send: under the simulation runtime fewer Ray actors than clients train one
 batch after another, and a client still waiting for an actor has not started its T.
@@ -57,8 +57,8 @@ from torch import Tensor
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
-from fedplug.federated_round import ClientFailure, Outcome, chain_update
-from fedplug.round_screen import unusable
+from fedplug.run.federated_round import ClientFailure, Outcome, chain_update
+from fedplug.run.round_screen import unusable
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
 from .records import (

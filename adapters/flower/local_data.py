@@ -1,5 +1,5 @@
 """A client's own data, in whatever form a Flower app holds it, as
-:func:`fedplug.simulation.local_training.train_locally` reads it.
+:func:`fedplug.run.local_training.train_locally` reads it.
 
 ``train_locally`` needs the labels as a tensor (the sampler reads them, the loss indexes
 them) and inputs it can index with a tensor of sample ids. In-memory tensors are used as

@@ -29,7 +29,7 @@ from fedplug.config import validate_experiment
 from fedplug.data.build import build_federation
 from fedplug.data.federation import ClientData, Federation
 from fedplug.errors import ConfigError
-from fedplug.simulation.simulator import build_model, resolve_device
+from fedplug.run.model import build_model, resolve_device
 
 from .records import CLIENT_ID, CONFIG_KEY, integer
 from .trainer import FedplugTrainer

@@ -39,7 +39,7 @@ Everything an algorithm needs comes from the component interfaces
 nothing here names an algorithm. With fedplug's own loop (plain SGD, the sampler's
 batches, cross-entropy) a client trains exactly as :func:`FedplugTrainer.fit
 <fedplug.adapters.flower.FedplugTrainer.fit>` and the built-in simulator do: the sampler
-draws from the same random stream (:func:`~fedplug.simulation.local_training.local_rng`)
+draws from the same random stream (:func:`~fedplug.run.local_training.local_rng`)
 and the loss is the same sum.
 """
 
@@ -60,8 +60,8 @@ from fedplug.components import TRAIN_LOSS, ComponentConfig, LocalTraining, LossT
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
-from fedplug.simulation.local_training import check_reply_metrics, local_rng, mean_loss
-from fedplug.simulation.vectors import model_to_vector, split_like
+from fedplug.run.local_training import check_reply_metrics, local_rng, mean_loss
+from fedplug.run.vectors import model_to_vector, split_like
 
 from .local_data import DEFAULT_LABEL_KEY, labels_of
 from .records import (

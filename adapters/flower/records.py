@@ -4,7 +4,7 @@ A fedplug model travels the way every Flower PyTorch app sends one: an
 :class:`~flwr.app.ArrayRecord` of the model's ``state_dict()`` under the key ``"arrays"``,
 so a user's own ClientApp can load it with ``model.load_state_dict(
 message.content["arrays"].to_torch_state_dict())``. The server turns it back into
-fedplug's flat vector (:mod:`fedplug.simulation.vectors` order) by entry name, checking
+fedplug's flat vector (:mod:`fedplug.run.vectors` order) by entry name, checking
 every name and shape, so a misshapen reply is rejected with a reason instead of being
 averaged in.
 
@@ -78,7 +78,7 @@ LOSS = "loss"
 
 def vector_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """``(state_dict name, shape)`` of every entry of the flat vector, in vector order
-    (parameters, then floating-point buffers; see :mod:`fedplug.simulation.vectors`)."""
+    (parameters, then floating-point buffers; see :mod:`fedplug.run.vectors`)."""
     layout = [(name, tuple(parameter.shape)) for name, parameter in model.named_parameters()]
     layout += [
         (name, tuple(buffer.shape))

@@ -4,7 +4,7 @@
 ``Strategy.start`` drives it (its :meth:`~FedplugStrategy.start` is that one, plus
 fedplug's record and checkpoint), and strategies that wrap another (the DP fixed-clipping
 wrappers) can wrap it. It moves models and messages; the round itself is
-:class:`fedplug.federated_round.RoundCore`'s, the same as the simulator's:
+:class:`fedplug.run.federated_round.RoundCore`'s, the same as the simulator's:
 
 1. **setup** (once, inside the first ``configure_train``): the nodes are counted (K
    fixed by ``num_clients``, or the nodes connected, Flower's way); only when a component
@@ -61,20 +61,20 @@ from fedplug.components import MODEL_SHAPE, PhaseCost, RoundPlan
 from fedplug.config import validate_section
 from fedplug.cost_model import LinkAndDevice
 from fedplug.errors import ConfigError, TrainingError
-from fedplug.federated_round import (
+from fedplug.models.flops import training_flops_per_sample
+from fedplug.registry import Registry
+from fedplug.run.checkpoint import save_checkpoint
+from fedplug.run.federated_round import (
     Attempt,
     Evaluation,
     Outcome,
     RoundCore,
     client_needs,
 )
-from fedplug.models.flops import training_flops_per_sample
-from fedplug.registry import Registry
-from fedplug.run_state import RunState, resume_run
-from fedplug.simulation.checkpoint import save_checkpoint
-from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.simulator import build_model, resolve_device
-from fedplug.simulation.vectors import tensors_num_bytes, vector_to_model
+from fedplug.run.model import build_model, resolve_device
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.state import RunState, resume_run
+from fedplug.run.vectors import tensors_num_bytes, vector_to_model
 
 from .chains import ReplyDeadlineGrid, RoundInProgress, reply_wait
 from .messages import (
@@ -114,7 +114,7 @@ CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
 
 @dataclass(frozen=True)
 class _ModelShape:
-    """What :func:`fedplug.simulation.simulator.build_model` reads from a federation."""
+    """What :func:`fedplug.run.model.build_model` reads from a federation."""
 
     input_shape: tuple[int, ...]
     num_classes: int

@@ -25,7 +25,7 @@ under the phase's name; what the phase leaves stays on the node (:mod:`.setup_ph
     def setup(message, context):
         return trainer.setup_phase(train_loader, message, context)
 
-Training runs :func:`fedplug.simulation.local_training.train_locally`, the loop the
+Training runs :func:`fedplug.run.local_training.train_locally`, the loop the
 built-in simulator runs, so a client behaves identically on both. Everything a client
 needs from the server (the round, its client id, the aggregator's payload, the loss
 transform's prepared state) comes in the message (:mod:`.records`); state that must
@@ -51,16 +51,16 @@ from fedplug.components import LossTransform
 from fedplug.config import validate_section
 from fedplug.deadline import deadline
 from fedplug.errors import ConfigError
-from fedplug.federated_round import client_needs
 from fedplug.registry import Registry
-from fedplug.setup_phase import PhaseInputs, SetupPhase
-from fedplug.simulation.local_training import (
+from fedplug.run.federated_round import client_needs
+from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.simulation.vectors import move_tensors, vector_to_model
+from fedplug.run.vectors import move_tensors, vector_to_model
+from fedplug.setup_phase import PhaseInputs, SetupPhase
 
 from .local_data import DEFAULT_LABEL_KEY, LocalData, as_local_data, batches
 from .records import (
@@ -508,7 +508,7 @@ def requested_metrics(config: ConfigRecord, own: tuple[str, ...] = ()) -> tuple[
 def client_id_of(config: ConfigRecord, context: Context | None) -> int:
     """The server's ``fedplug.client-id``, else the node's ``partition-id``, else its
     node id: the key of the client's random stream
-    (:func:`fedplug.simulation.local_training.local_rng`)."""
+    (:func:`fedplug.run.local_training.local_rng`)."""
     if CLIENT_ID in config:
         return integer(config, CLIENT_ID)
     if context is not None and "partition-id" in context.node_config:

@@ -26,7 +26,7 @@ momentum, which :meth:`ScaffoldConfig.incompatibilities` checks. The penalty is 
 the round's start x so that its value starts at 0 and the logged loss stays readable.
 
 The flat vectors hold the parameters first and then the floating-point buffers
-(:mod:`fedplug.simulation.vectors`); the penalty reads the leading, parameter part of the
+(:mod:`fedplug.run.vectors`); the penalty reads the leading, parameter part of the
 correction. The variates also carry buffer entries (e.g. BatchNorm running statistics);
 they are computed and averaged like the rest but never enter a gradient.
 """
@@ -43,8 +43,8 @@ from torch import Tensor
 from fedplug.algorithms.fedavg import no_updates_error
 from fedplug.components import (
     MODEL_SHAPE,
-    ClientNeeds,
     Aggregator,
+    ClientNeeds,
     ClientUpdate,
     ComponentConfig,
     Context,
@@ -53,7 +53,7 @@ from fedplug.components import (
     WeightedMean,
 )
 from fedplug.hookspecs import RegisterAggregator, hookimpl
-from fedplug.simulation.vectors import split_like
+from fedplug.run.vectors import split_like
 
 SERVER_VARIATE_KEY = "c"
 CLIENT_VARIATE_KEY = "c_k"

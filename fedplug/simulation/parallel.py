@@ -10,7 +10,7 @@ bit for bit:
 - **The same arithmetic.** A worker trains a chain with
   :func:`fedplug.simulation.sequential.train_chain`, the sequential engine's own loop, on
   the same start vector, and a client's randomness depends only on (seed, round, client)
-  (:func:`fedplug.simulation.local_training.local_rng`), not on which process trains it.
+  (:func:`fedplug.run.local_training.local_rng`), not on which process trains it.
 - **The same order.** Results are yielded in plan order, whatever order they finish in,
   so the aggregator's running sums add the same numbers in the same order.
 - **The same state.** A chain's updated client states (SCAFFOLD's c_k, changed in place
@@ -96,10 +96,10 @@ from torch import Tensor, nn
 from fedplug.components import ClientUpdate, Context, RoundPlan
 from fedplug.deadline import KILL_MARGIN_SECONDS, grace_period
 from fedplug.errors import ConfigError
-from fedplug.simulation.evaluation import Batch, BatchResult, Evaluator
-from fedplug.simulation.round_context import ClientFailure, RoundContext
+from fedplug.run.evaluation import Batch, BatchResult, Evaluator
+from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.simulation.sequential import train_chain
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
 
 QUEUED_CHAINS_PER_WORKER = 2
 """Chains handed to a worker ahead of its results: one it trains, one waiting."""

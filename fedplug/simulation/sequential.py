@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
-from fedplug.simulation.local_training import local_rng, train_locally
-from fedplug.simulation.round_context import ClientFailure, RoundContext
+from fedplug.run.local_training import local_rng, train_locally
+from fedplug.run.round_context import ClientFailure, RoundContext
 
 
 def train_chain(
@@ -41,7 +41,7 @@ def train_chain(
 
     Timeouts: the limit ``context.client_timeout`` (``train.failures.client_timeout_seconds``)
     applies **per chain**, to the whole chain's training, as the post-hoc check of
-    :func:`fedplug.round_screen.unusable` reads the chain's ``seconds`` (a chain of
+    :func:`fedplug.run.round_screen.unusable` reads the chain's ``seconds`` (a chain of
     one client, the default grouping, is one client). The chain runs inside
     :func:`fedplug.deadline.deadline`, so a client that hangs (``time.sleep``, a loop) is
     interrupted once the chain's time is up and the chain fails with the reason

@@ -28,57 +28,36 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from fedplug.components import PhaseCost
 from fedplug.cost_model import LinkAndDevice
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError
-from fedplug.federated_round import RoundCore, client_needs, sample_clients
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
-from fedplug.run_state import RunState, resume_run
-from fedplug.setup_phase import prepare_loss_transform
-from fedplug.simulation.checkpoint import save_checkpoint
-from fedplug.simulation.evaluation import Evaluator
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
-from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.round_context import RoundContext
-from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.vectors import (
+from fedplug.run.checkpoint import save_checkpoint
+from fedplug.run.evaluation import Evaluator
+from fedplug.run.federated_round import RoundCore, client_needs, sample_clients
+from fedplug.run.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
+from fedplug.run.model import build_model, resolve_device
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.round_context import RoundContext
+from fedplug.run.state import RunState, resume_run
+from fedplug.run.vectors import (
     model_to_vector,
     tensors_num_bytes,
     vector_to_model,
 )
+from fedplug.setup_phase import prepare_loss_transform
+from fedplug.simulation.sequential import SequentialEngine
 
-__all__ = ["Simulator", "build_model", "resolve_device", "sample_clients"]
+__all__ = ["Simulator", "sample_clients"]
 
 logger = logging.getLogger("fedplug.simulation")
 
 RoundObserver = Callable[[RoundRecord], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device ``train.device`` names, a CUDA one with its index: tensors moved to
-    ``cuda`` live on ``cuda:0`` (the current device), and the two must compare equal."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device is {name!r} but this machine has no CUDA device; use 'cpu' or 'auto'")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def build_model(train_config: Any, registry: Registry, federation: Federation, device: torch.device) -> torch.nn.Module:
-    """The model, initialised from ``train_config.seed`` without touching global RNG state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(train_config.seed)
-        model = registry.build("models", train_config.model, federation.input_shape, federation.num_classes)
-    return model.to(device)
 
 
 def config_fingerprint(train_config: Any, federation: Federation) -> str:

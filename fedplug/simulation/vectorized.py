@@ -96,9 +96,9 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from fedplug.components import TRAIN_LOSS, ClientUpdate, Context, LocalTraining, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import ConfigError
+from fedplug.run.local_training import local_rng, mean_loss
+from fedplug.run.round_context import ClientFailure, RoundContext
 from fedplug.simulation.linear_stack import LinearStackStep, linear_stack
-from fedplug.simulation.local_training import local_rng, mean_loss
-from fedplug.simulation.round_context import ClientFailure, RoundContext
 from fedplug.simulation.sequential import timeout_reason
 
 DEFAULT_MAX_CLIENTS_PER_BLOCK = 1024

@@ -14,7 +14,7 @@ import numpy as np
 
 from fedplug.analysis import Analysis, RoundMetricColumn, SetupSummary, registered_analysis
 from fedplug.errors import DataError
-from fedplug.simulation.results import first_round_reaching
+from fedplug.run.results import first_round_reaching
 from fedplug.study.expansion import StudyRun
 from fedplug.study.run_folders import config_hash
 

@@ -12,7 +12,7 @@ Layout in MLflow:
   e.g. ``train.aggregator.momentum``) plus the run's derived values under ``derived.``
   (FedAvgM's effective learning rate, model bytes, FLOPs per sample);
 - **metrics** per round with ``step = round``: every number of
-  :meth:`~fedplug.simulation.results.RoundRecord.as_dict` (accuracy, loss,
+  :meth:`~fedplug.run.results.RoundRecord.as_dict` (accuracy, loss,
   client_accuracy_mean/std, bytes_up/down, cumulative_bytes, seconds, failures, ..., and
   what the components report, e.g. cpd_median/mean), and at the end the run's summary (final_accuracy, best_accuracy,
   rounds_to_target, total_bytes, total_seconds);
@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from fedplug.errors import TrackingError
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.run.results import RoundRecord, RunResult
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 
 logger = logging.getLogger("fedplug.tracking")

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from fedplug.errors import TrackingError
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.run.results import RoundRecord, RunResult
 
 logger = logging.getLogger("fedplug.tracking")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedplug.errors import TrackingError
-from fedplug.simulation.results import RoundRecord, RunResult
+from fedplug.run.results import RoundRecord, RunResult
 from fedplug.tracking.mlflow_tracker import params_payload, round_metrics, summary_metrics
 
 STEP_METRIC = "accuracy"

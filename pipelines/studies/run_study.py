@@ -309,7 +309,7 @@ def train_all(spec: Any, todo: list[Any], out: Path, registry: Any, *, mlflow: b
     config; returns the MLflow parent run (None without MLflow or when nothing was left
     to train)."""
     from fedplug.data.build import build_federation
-    from fedplug.simulation.simulator import resolve_device
+    from fedplug.run.model import resolve_device
 
     order = {run.run_id: index for index, run in enumerate(runs)}
     todo = sorted(todo, key=lambda run: order[run.run_id])
@@ -352,7 +352,7 @@ def check_checkpoint(run: Any, folder: Path, federation: Any, *, redo: bool) -> 
     cannot resume: its config.yaml matches, so the federation (data or partition code) or
     the checkpoint itself differs."""
     from fedplug.errors import ConfigError, TrainingError
-    from fedplug.simulation.checkpoint import load_checkpoint
+    from fedplug.run.checkpoint import load_checkpoint
     from fedplug.simulation.simulator import config_fingerprint
 
     checkpoint = folder / CHECKPOINT_NAME

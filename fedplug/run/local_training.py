@@ -24,7 +24,7 @@ from fedplug.components import (
     Sampler,
 )
 from fedplug.errors import ConfigError
-from fedplug.simulation.vectors import model_to_vector, vector_to_model
+from fedplug.run.vectors import model_to_vector, vector_to_model
 
 
 @dataclass

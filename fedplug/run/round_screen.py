@@ -1,7 +1,7 @@
 """The screen of a round: which of the chains' outcomes stream on to the aggregator, and a
 tally of the rest, each dropped with a logged reason.
 
-:class:`~fedplug.federated_round.RoundCore` runs every runtime's outcomes through
+:class:`~fedplug.run.federated_round.RoundCore` runs every runtime's outcomes through
 :func:`screen`; the field-by-field checks are :mod:`fedplug.screening`'s. Kept apart from
 the round core so that a runtime can screen one reply (:func:`unusable`) without the round.
 """
@@ -17,8 +17,8 @@ from typing import Any
 from torch import Tensor
 
 from fedplug.components import ClientUpdate
+from fedplug.run.vectors import tensors_num_bytes
 from fedplug.screening import ScreeningRules, l2_norm, update_problem
-from fedplug.simulation.vectors import tensors_num_bytes
 
 logger = logging.getLogger("fedplug.round")
 

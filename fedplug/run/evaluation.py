@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedplug.data.federation import Federation
-from fedplug.federated_round import Evaluation
+from fedplug.run.federated_round import Evaluation
 
 
 class Batch(NamedTuple):

@@ -11,16 +11,16 @@ from torch import Tensor
 
 from fedplug.components import ClientUpdate, Context, RoundPlan
 from fedplug.data.federation import Federation
-from fedplug.federated_round import ClientFailure, chain_update
-from fedplug.simulation.local_training import ClientAlgorithm, LocalSchedule
-from fedplug.simulation.vectors import move_tensors
+from fedplug.run.federated_round import ClientFailure, chain_update
+from fedplug.run.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.run.vectors import move_tensors
 
 __all__ = ["ClientFailure", "Engine", "RoundContext"]
 
 
 class Engine(Protocol):
     """How the simulator trains a round's chains: the sequential, vectorised and parallel
-    engines (the round around them is :class:`fedplug.federated_round.RoundCore`'s)."""
+    engines (the round around them is :class:`fedplug.run.federated_round.RoundCore`'s)."""
 
     name: str
 
@@ -57,7 +57,7 @@ class RoundContext:
     """``train.failures.client_timeout_seconds``: each chain's training is interrupted
     (:func:`fedplug.deadline.deadline`) and dropped once it runs this long (``None``: no
     limit). Every engine applies it per chain, as the post-hoc check of
-    :func:`fedplug.round_screen.unusable` reads each chain's ``seconds``."""
+    :func:`fedplug.run.round_screen.unusable` reads each chain's ``seconds``."""
 
     def loss_context(self, client_id: int) -> Context:
         """The loss transform's constants for a client, computed once per run."""
@@ -82,7 +82,7 @@ class RoundContext:
         metrics: dict[str, float] | None = None,
     ) -> ClientUpdate:
         """A chain's update under the round's weight rule
-        (:func:`fedplug.federated_round.chain_update`), with its last member's ``metrics``."""
+        (:func:`fedplug.run.federated_round.chain_update`), with its last member's ``metrics``."""
         return chain_update(
             chain, vector, samples=samples, steps=steps, extras=extras, plan=plan, seconds=seconds, metrics=metrics
         )

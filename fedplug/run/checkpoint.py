@@ -18,13 +18,13 @@ a checkpoint that could not be loaded.
 
 A file that unpickles safely can still be crafted to exhaust memory (shared references
 that expand when copied) or be damaged: :func:`load_checkpoint` checks its size, then its
-fingerprint, then its structure (:mod:`fedplug.simulation.checkpoint_bounds`) before
-anything copies it, and :meth:`fedplug.run_state.RunState.from_dict` checks its content
+fingerprint, then its structure (:mod:`fedplug.run.checkpoint_bounds`) before
+anything copies it, and :meth:`fedplug.run.state.RunState.from_dict` checks its content
 before a run continues from it.
 
 Format versions: 1 stored numpy values as pickled numpy objects (a version-1 checkpoint
 that holds none still loads); 2 stores them as tagged tensors; 3 is the same file, whose
-content is one :class:`fedplug.run_state.RunState` for every runtime (see there for
+content is one :class:`fedplug.run.state.RunState` for every runtime (see there for
 which earlier checkpoints resume).
 """
 
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from fedplug.errors import FedplugError, PluginError, TrainingError
-from fedplug.simulation.checkpoint_bounds import ADVICE, check_file_size, check_structure
+from fedplug.run.checkpoint_bounds import ADVICE, check_file_size, check_structure
 
 CHECKPOINT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -86,18 +86,18 @@ def load_checkpoint(path: Path, fingerprint: str, max_bytes: int | None = None) 
     """The checkpoint at ``path`` if there is one for this exact config, else ``None``.
 
     Checked in the order that keeps a crafted file cheap (see
-    :mod:`fedplug.simulation.checkpoint_bounds`): its size against ``max_bytes`` before it
+    :mod:`fedplug.run.checkpoint_bounds`): its size against ``max_bytes`` before it
     is read; then, unpickled weights only with shared references still shared, its
     fingerprint and format; then its structure (depth, expanded size, tensors within their
     storage); only then are numpy values restored, which copies the tree. Whether its
     content fits the run (keys, types, shapes, finite values) is
-    :meth:`fedplug.run_state.RunState.from_dict`'s check.
+    :meth:`fedplug.run.state.RunState.from_dict`'s check.
 
     Args:
         path: the checkpoint file.
         fingerprint: the run's config fingerprint.
         max_bytes: the largest file a checkpoint of this run can be
-            (:func:`~fedplug.simulation.checkpoint_bounds.checkpoint_size_bound`); None:
+            (:func:`~fedplug.run.checkpoint_bounds.checkpoint_size_bound`); None:
             no bound.
 
     Raises:

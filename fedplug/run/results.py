@@ -85,13 +85,13 @@ class RunResult:
     (:meth:`fedplug.components.LossTransform.setup_report`: FedDisk's per-client
     sample-weight quantiles and their histogram), JSON-ready; ``setup_report`` in
     metrics.json. Filled by every runtime from its loss transform
-    (:meth:`fedplug.federated_round.RoundCore.run_result`); empty where the setup's result
+    (:meth:`fedplug.run.federated_round.RoundCore.run_result`); empty where the setup's result
     stays on the clients (Flower)."""
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RunResult:
         """Read ``dataclasses.asdict(result)`` back (a FedML rank's ``run_result.json``);
-        runs build theirs with :meth:`fedplug.federated_round.RoundCore.run_result`."""
+        runs build theirs with :meth:`fedplug.run.federated_round.RoundCore.run_result`."""
         history = [RoundRecord.from_dict(record) for record in values["history"]]
         return cls(**{**values, "history": history})
 

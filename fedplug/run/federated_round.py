@@ -15,7 +15,7 @@ they move models and messages. Everything else about a round lives here, once:
    straggler whose modelled time exceeds its deadline (``stragglers.deadline_seconds``,
    default ``train.failures.client_timeout_seconds``) into a timeout and corrupts the
    updates its corruption draw picks (:mod:`fedplug.faults`);
-   then (:mod:`fedplug.round_screen`) a failed chain, and an update with any field out of bounds
+   then (:mod:`fedplug.run.round_screen`) a failed chain, and an update with any field out of bounds
    (:mod:`fedplug.screening`: its counts, dtypes, shapes, finiteness, declared extras,
    metrics, time over ``train.failures.client_timeout_seconds``, the poisoning bounds of
    ``train.screening``; then the aggregator's own :meth:`~fedplug.components.Aggregator.check_update`)
@@ -53,7 +53,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.components import (
     Aggregator,
     ClientNeeds,
@@ -63,12 +62,21 @@ from fedplug.components import (
     PhaseCost,
     RoundPlan,
 )
+from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
-from fedplug.round_screen import ClientFailure, HandedUpdates, Outcome, Tally, chain_key, retract, screen
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.round_screen import (
+    ClientFailure,
+    HandedUpdates,
+    Outcome,
+    Tally,
+    chain_key,
+    retract,
+    screen,
+)
+from fedplug.run.vectors import all_finite
 from fedplug.screening import ScreeningConfig, ScreeningRules, over_weight_share
-from fedplug.simulation.results import RoundRecord, RunResult
-from fedplug.simulation.vectors import all_finite
 
 logger = logging.getLogger("fedplug.round")
 

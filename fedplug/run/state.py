@@ -6,10 +6,10 @@ number is the round to continue from), the setup phase's cost and wall time, the
 components' ``state_dict`` (aggregator, grouper, loss transform) and the per-client states
 (empty where they live on the clients, as on Flower's nodes). There is no random-number
 state: every round draws from generators seeded by the config's seed and the round index
-(:mod:`fedplug.federated_round`), so the round index is all a resumed run needs.
+(:mod:`fedplug.run.federated_round`), so the round index is all a resumed run needs.
 
 :meth:`RunState.to_dict` is the checkpoint's content (format 3,
-:mod:`fedplug.simulation.checkpoint` writes and reads the file). :meth:`RunState.from_dict`
+:mod:`fedplug.run.checkpoint` writes and reads the file). :meth:`RunState.from_dict`
 checks a loaded checkpoint before anything trains on it: a file with the right fingerprint
 can still be damaged or edited (keys removed, values of the wrong type, a NaN or a truncated
 global model), which would otherwise surface as a ``KeyError`` traceback or, worse, train
@@ -36,10 +36,10 @@ from torch import Tensor
 
 from fedplug.components import PhaseCost
 from fedplug.errors import TrainingError
-from fedplug.simulation.checkpoint import load_checkpoint
-from fedplug.simulation.checkpoint_bounds import ADVICE, checkpoint_size_bound
-from fedplug.simulation.results import RoundRecord
-from fedplug.simulation.vectors import all_finite, move_tensors
+from fedplug.run.checkpoint import load_checkpoint
+from fedplug.run.checkpoint_bounds import ADVICE, checkpoint_size_bound
+from fedplug.run.results import RoundRecord
+from fedplug.run.vectors import all_finite, move_tensors
 
 NUMBER_FIELDS = {item.name for item in fields(RoundRecord) if item.type in ("int", "float")}
 """Fields of a round record that must be numbers (``dropped`` and ``metrics`` are checked
@@ -123,7 +123,7 @@ class RunState:
         device: torch.device | str = "cpu",
         num_clients: int,
     ) -> RunState:
-        """Check ``state`` (a :func:`~fedplug.simulation.checkpoint.load_checkpoint`
+        """Check ``state`` (a :func:`~fedplug.run.checkpoint.load_checkpoint`
         result) and make it a run state, its global vector and client states on ``device``.
 
         Args:
@@ -209,7 +209,7 @@ def resume_run(
     """The run checkpointed at ``path``, checked (:meth:`RunState.from_dict`) and its
     states loaded into ``components`` (:meth:`RunState.load_into`); ``None`` when there
     is no checkpoint. ``initial_vector`` (the model's), K, R and the clients' samples
-    bound the file's size (:func:`~fedplug.simulation.checkpoint_bounds.checkpoint_size_bound`).
+    bound the file's size (:func:`~fedplug.run.checkpoint_bounds.checkpoint_size_bound`).
 
     Raises:
         TrainingError: the file is of another config, too large, unreadable or damaged
