@@ -23,7 +23,7 @@ OUT_HELP = (
     "is --algorithm's NAME, else the algorithm slots not at their default joined by '+', e.g. fedprox+fedavgm, "
     "else fedavg); a relative --out is read against the working folder"
 )
-"""``fedplug run --out``'s help: what :func:`fedplug.experiment.default_output_dir` does."""
+"""``fedplug run --out``'s help: what :func:`fedplug.run_folder.default_output_dir` does."""
 WIDTH = 100
 """``fedplug list`` wraps its lines to this many columns."""
 
@@ -101,8 +101,9 @@ def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fedplug.config import load_experiment
-    from fedplug.experiment import default_output_dir, output_fingerprint, prepare_experiment, run_folder_layout
+    from fedplug.experiment import prepare_experiment
     from fedplug.output_folder import claim
+    from fedplug.run_folder import default_output_dir, output_fingerprint, run_folder_layout
 
     config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
     # MLflow logs its store migrations and requirement checks at INFO: not a user's concern.
@@ -265,8 +266,8 @@ def check_output_folder(out: str | os.PathLike[str], fingerprint: str | None = N
     """
     from pathlib import Path
 
-    from fedplug.experiment import run_folder_layout
     from fedplug.output_folder import inspect
+    from fedplug.run_folder import run_folder_layout
 
     out = Path(out)
     if out.exists() and not out.is_dir():

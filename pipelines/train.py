@@ -197,9 +197,9 @@ def train(
     """Train, log to MLflow, write the run's outputs (see the module docstring)."""
     from common import load_federation
 
-    from fedplug.experiment import output_fingerprint
     from fedplug.output_folder import claim, files_named
     from fedplug.run.model import resolve_device
+    from fedplug.run_folder import output_fingerprint
 
     federation = load_federation(
         config.data, registry, resolve_device(config.train.device), partition_path

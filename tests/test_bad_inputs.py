@@ -167,8 +167,8 @@ def _fedplug_out(folder: Path) -> None:
     checkpoint planted there is what fedplug finds when it resumes, not a folder it refuses
     as someone else's."""
     from fedplug.config import validate_experiment
-    from fedplug.experiment import output_fingerprint
     from fedplug.output_folder import claim
+    from fedplug.run_folder import output_fingerprint
 
     claim(folder / "out", output_fingerprint(validate_experiment(copy.deepcopy(BASE)))).release()
 

@@ -129,7 +129,7 @@ def test_readme_quick_start_learns_in_seconds(tmp_path, capsys):
 
 def test_default_output_folder_is_named_after_what_ran_not_the_study():
     from fedplug.config import load_experiment
-    from fedplug.experiment import default_output_dir
+    from fedplug.run_folder import default_output_dir
 
     config = load_experiment("params.yaml", ["data.dataset=synthetic"], None, check_every_algorithm=False)
     folder = default_output_dir(config)

@@ -1,6 +1,6 @@
 """fedplug on Flower's public API only: every ``flwr`` import in adapters/ is from a
 public module and names something that module exports; the private pieces the
-in-process grid needs live in ``adapters/flower/internals.py`` and are checked here,
+in-process grid needs live in ``fedplug/flower_internals.py`` and are checked here,
 so a Flower upgrade that moves one fails this file with the symbol's name."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from fedplug.adapters.flower.internals import (
+from fedplug.flower_internals import (
     INTERNALS,
     Internal,
     flower_version,
@@ -56,7 +56,7 @@ def test_every_flwr_import_is_from_a_public_module() -> None:
         for file, module, name in flower_imports()
         if not module.startswith(PUBLIC_MODULES)
     ]
-    assert not private, "Flower internals outside adapters/flower/internals.py:\n" + "\n".join(
+    assert not private, "Flower internals outside fedplug/flower_internals.py:\n" + "\n".join(
         private
     )
 
@@ -80,7 +80,7 @@ def test_the_internals_the_loopback_grid_needs_are_where_internals_py_says() -> 
     missing = missing_internals()
     assert not missing, (
         f"Flower {version('flwr')} moved {', '.join(missing)}: update INTERNALS in "
-        "adapters/flower/internals.py"
+        "fedplug/flower_internals.py"
     )
 
 
@@ -90,7 +90,7 @@ def test_an_internal_moved_by_an_upgrade_is_named() -> None:
     try:
         # Execute / Assert
         assert missing_internals() == ["flwr.supercore.ghost.Ghost"]
-        from fedplug.adapters.flower.internals import internal
+        from fedplug.flower_internals import internal
 
         with pytest.raises(ImportError, match=r"has no flwr\.supercore\.ghost\.Ghost"):
             internal("Ghost")

@@ -109,7 +109,7 @@ def one_line(stderr: str) -> str:
 
 def fingerprint_of(config_path: Path) -> str:
     from fedplug.config import load_experiment
-    from fedplug.experiment import output_fingerprint
+    from fedplug.run_folder import output_fingerprint
 
     return output_fingerprint(load_experiment(str(config_path), [], None, check_every_algorithm=False))
 
@@ -227,8 +227,8 @@ def test_claims_of_one_folder_in_one_process_are_reentrant(tmp_path: Path) -> No
 def test_writers_of_one_file_never_share_a_temporary_name(tmp_path: Path) -> None:
     """Finding 4's ``No such file or directory: 'conc/checkpoint.pt.tmp' -> 'conc/checkpoint.pt'``:
     two writers with a fixed temporary name rename each other's file away."""
-    from fedplug.experiment import write_json
     from fedplug.run.checkpoint import save_checkpoint
+    from fedplug.run_folder import write_json
 
     state = {"fingerprint": "f", "history": [], "global": torch.arange(50_000, dtype=torch.float32)}
     errors: list[BaseException] = []

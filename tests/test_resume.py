@@ -181,7 +181,7 @@ registry = fedplug.plugins.default_registry()  # imports every plugin once, befo
 from torch.func import grad, vmap
 vmap(grad(lambda x: (x * x).sum()))(torch.ones(2, 3))
 if "flower" in registry.names("aggregators"):
-    import flwr.app, flwr.serverapp.strategy, fedplug.adapters.flower.internals
+    import flwr.app, flwr.serverapp.strategy, fedplug.flower_internals
 import threading
 assert threading.active_count() == 1, threading.enumerate()
 print(json.dumps({"aggregators": registry.names("aggregators")}), flush=True)

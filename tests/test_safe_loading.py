@@ -35,7 +35,6 @@ from conftest import SMALL_EXPERIMENT, in_process
 
 from fedplug.config import validate_experiment
 from fedplug.errors import DataError, FedplugError, PluginError, TrainingError
-from fedplug.experiment import output_fingerprint
 from fedplug.output_folder import claim
 from fedplug.plugins import default_registry
 from fedplug.run.checkpoint import (
@@ -46,6 +45,7 @@ from fedplug.run.checkpoint import (
     save_checkpoint,
     to_storable,
 )
+from fedplug.run_folder import output_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -526,7 +526,7 @@ def logged_model_accuracy(run_id: str, uri: str, config_path: Path) -> float:
 
 def check_tracked_run(client: Any, run_id: str, out: Path, config: Path, uri: str) -> None:
     """What every `fedplug run --track` run must hold: steps 1..R, params, tags, model."""
-    from fedplug.experiment import git_commit
+    from fedplug.run_folder import git_commit
 
     run = client.get_run(run_id)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -591,7 +591,7 @@ def test_fedplug_run_has_its_own_experiment_names_configs_apart_and_logs_a_finis
     from mlflow.tracking import MlflowClient
 
     from fedplug.config import load_experiment
-    from fedplug.experiment import output_fingerprint
+    from fedplug.run_folder import output_fingerprint
 
     # Prepare: one config; the same command twice; another learning rate; another aggregator.
     config = write_config(tmp_path, rounds=2)

@@ -240,7 +240,7 @@ def _run_mpi(
     threads_per_rank: int,
     python: str | None,
 ) -> FedMLRun:
-    from fedplug.experiment import run_info, write_json, write_yaml
+    from fedplug.run_folder import run_info, write_json, write_yaml
 
     for stale in [
         *out.glob("error-rank*.json"),

@@ -122,8 +122,8 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
     args = fedml.init(args, check_env=False)
     dataset = fedml_dataset(federation, workers, config.train.eval_batch_size)
     if rank == 0:
-        from fedplug.experiment import write_json
         from fedplug.output_folder import write_atomically
+        from fedplug.run_folder import write_json
 
         def save(_record: Any) -> None:
             write_json(out / "metrics.json", coordinator.result.summary())

@@ -69,17 +69,17 @@ from fedplug.config import (
 )
 from fedplug.data.build import load_dataset
 from fedplug.errors import ConfigError, FedplugError
-from fedplug.experiment import (
+from fedplug.output_folder import claim, write_atomically
+from fedplug.registry import Registry
+from fedplug.run.model import resolve_device
+from fedplug.run.results import RunResult
+from fedplug.run_folder import (
     output_fingerprint,
     run_folder_layout,
     run_info,
     write_json,
     write_yaml,
 )
-from fedplug.output_folder import claim, write_atomically
-from fedplug.registry import Registry
-from fedplug.run.model import resolve_device
-from fedplug.run.results import RunResult
 
 from .nodes import (
     experiment_message_config,

@@ -54,7 +54,7 @@ How a round reaches Flower:
   ``Message(content, reply_to=instruction)``. Then ``aggregate_train`` returns the new
   model. Flower 1.38+ builds messages only in a process with a task identity; outside a
   Flower run the process gets the one the in-process test grid uses
-  (:func:`fedplug.adapters.flower.internals.ensure_task_identity`, Flower's only
+  (:func:`fedplug.flower_internals.ensure_task_identity`, Flower's only
   internal involved; a real Flower run sets its own).
 - Flower draws the DP noise from numpy's legacy global generator (``np.random.normal``)
   and samples nodes with Python's ``random``. Around every call into Flower both are
@@ -418,7 +418,7 @@ class FlowerStrategyAggregator(Aggregator):
         """
         from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-        from fedplug.adapters.flower.internals import ensure_task_identity
+        from fedplug.flower_internals import ensure_task_identity
 
         wanted = self.client_needs().reply_metrics
         replies: list[tuple[int, Any, dict[str, float]]] = []

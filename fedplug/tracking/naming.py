@@ -36,9 +36,9 @@ def command_line_run_name(config: Any, algorithm: str | None = None) -> str:
     Args:
         config: the resolved experiment config.
         algorithm: the ``--algorithm`` entry applied (default None: the label is made of
-            the algorithm slots, :func:`fedplug.experiment.algorithm_label`).
+            the algorithm slots, :func:`fedplug.run_folder.algorithm_label`).
     """
-    from fedplug.experiment import algorithm_label, output_fingerprint
+    from fedplug.run_folder import algorithm_label, output_fingerprint
 
     digest = output_fingerprint(config)[:HASH_LENGTH]
     label = algorithm_label(config, algorithm)

@@ -333,7 +333,7 @@ def standard_tags(
     """The tags every run carries: fedplug's version, the git commit, the dataset, the
     partition, the model, each algorithm slot, and under ``dvc exp run`` the experiment
     name and baseline rev."""
-    from fedplug.experiment import git_commit
+    from fedplug.run_folder import git_commit
     from fedplug.tracking.mlflow_tracker import _package_version
 
     environ = os.environ if environ is None else environ

@@ -399,8 +399,8 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
               parent: StudyParent | None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
     of ``parent`` (nothing logged when ``parent`` is None)."""
-    from fedplug.experiment import output_fingerprint
     from fedplug.output_folder import claim, files_named
+    from fedplug.run_folder import output_fingerprint
 
     # Locked against a second runner, marked as this run's (a folder of files the runner
     # did not write is refused).
@@ -412,7 +412,8 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
 def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
                   parent: StudyParent | None) -> dict[str, Any]:
     """:func:`train_one` in the claimed ``folder``."""
-    from fedplug.experiment import git_commit, run_experiment, write_json
+    from fedplug.experiment import run_experiment
+    from fedplug.run_folder import git_commit, write_json
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 

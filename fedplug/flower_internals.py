@@ -1,4 +1,6 @@
-"""The only Flower internals fedplug touches, all for :class:`.loopback.LoopbackGrid`.
+"""The only Flower internals fedplug touches: for the in-process grid
+(:class:`fedplug.adapters.flower.loopback.LoopbackGrid`) and for building messages outside
+a Flower run (the ``flower`` aggregator). It imports nothing from fedplug, so both use it.
 
 Everything else in fedplug uses Flower's public API (``flwr.app``, ``flwr.serverapp``,
 ``flwr.clientapp``, ``flwr.simulation``). An in-process grid cannot avoid two private
@@ -72,7 +74,7 @@ def internal(name: str) -> Any | None:
     except (ImportError, AttributeError):
         raise ImportError(
             f"Flower {version('flwr')} has no {module_name}.{name}, which fedplug's LoopbackGrid "
-            f"needs (adapters/flower/internals.py says where it lives in each version)"
+            f"needs (fedplug/flower_internals.py says where it lives in each version)"
         ) from None
 
 
