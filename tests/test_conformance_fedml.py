@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +50,7 @@ from torch import Tensor
 
 pytest.importorskip("fedml", reason="FedML lives in .venv-fedml: run `make test-fedml`")
 
+from conformance_checks import METRIC_TOLERANCE, assert_same_summary
 from conformance_plugins import AGGREGATOR, GROUPER, LOSS_TRANSFORM, conformance_registry
 from fedml.core import ClientTrainer
 from fedplug.adapters.fedml import drop_in
@@ -67,11 +67,12 @@ from fedplug.data.build import build_federation
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import default_registry
+from fedplug.run import local_training
 from fedplug.run.federated_round import client_needs, participants
 from fedplug.run.model import build_model
-from fedplug.run.results import RunResult, split_wall_clock
+from fedplug.run.results import RunResult
 from fedplug.run.vectors import model_to_vector, vector_to_model
-from fedplug.simulation import local_training, sequential
+from fedplug.simulation import sequential
 from fedplug.simulation.simulator import Simulator
 
 REGISTRY = conformance_registry()
@@ -136,14 +137,6 @@ SLOTS = {
 }
 SLOT_NAMES = list(SLOTS)
 
-METRIC_TOLERANCE = 1e-5
-APPROXIMATE_FIELDS = {"accuracy", "loss", "client_accuracy_mean", "client_accuracy_std"}
-WALL_TIME_FIELDS = {"seconds"}
-"""Measured, so never equal across runs."""
-SUMMARY_APPROXIMATE = {"final_accuracy", "best_accuracy", "final_loss"}
-"""Entries of a result summary computed from the rounds' accuracy and loss."""
-RUNTIME_ENTRIES = {"engine", "fedml_rounds", "fedml_workers"}
-"""Derived params that name the runtime rather than the experiment."""
 CENTRAL_TEST_ONLY = {"local_test_fraction": 0.0}
 """The drop-in's data: a FedML server evaluates on its own test data, so no client
 accuracies."""
@@ -326,59 +319,17 @@ class SiloTrainer(ClientTrainer):
         self.samples = result.num_samples
 
 
-def assert_same_history(result: RunResult, reference: RunResult) -> None:
-    """The same rounds: accuracy and loss within METRIC_TOLERANCE, every other field but
-    the wall times equal."""
-    assert len(result.history) == len(reference.history)
-    for mine, theirs in zip(result.history, reference.history):
-        mine_values, their_values = mine.as_dict(), theirs.as_dict()
-        assert mine_values.keys() == their_values.keys()
-        for key in mine_values.keys() - WALL_TIME_FIELDS:
-            if key in APPROXIMATE_FIELDS:
-                assert close(mine_values[key], their_values[key]), (mine.round, key)
-            else:
-                assert mine_values[key] == their_values[key], (mine.round, key)
-
-
-def assert_same_summary(result: RunResult, reference: RunResult) -> None:
-    """The same result summary (``metrics.json``) but the wall times: the rounds
-    (:func:`assert_same_history`), the entries computed from their accuracy and loss within
-    METRIC_TOLERANCE, the derived params apart from each runtime's own entries, every
-    other entry equal."""
-    assert_same_history(result, reference)
-    mine, _ = split_wall_clock(result.summary())
-    theirs, _ = split_wall_clock(reference.summary())
-    assert mine.keys() == theirs.keys()
-    for key in mine.keys() - {"history", "derived"}:
-        if key in SUMMARY_APPROXIMATE:
-            assert close(mine[key], theirs[key]), key
-        else:
-            assert mine[key] == theirs[key], key
-    assert without_runtime(mine["derived"]) == without_runtime(theirs["derived"])
-
-
 def assert_conform(config: Any, federation: Federation) -> tuple[RunResult, RunResult]:
     """Run both paths and assert they agree; return ``(simulator's, FedML's)`` results."""
     reference, reference_vector = simulate(config, federation)
     result, vector = run_on_fedml(config, federation)
     assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
     assert len(result.history) == config.train.rounds
-    assert_same_summary(result, reference)
+    assert_same_summary(result.summary(), reference.summary())
     # Both time their setup (the loss transform's preparation and phase), however short.
     assert result.setup_seconds > 0 and reference.setup_seconds > 0
     assert result.derived_params["engine"] == ENGINE_NAME
     return reference, result
-
-
-def close(mine: float | None, theirs: float | None) -> bool:
-    """Within METRIC_TOLERANCE; ``None`` is how a record writes NaN."""
-    if mine is None or theirs is None:
-        return mine is theirs
-    return math.isclose(mine, theirs, rel_tol=0.0, abs_tol=METRIC_TOLERANCE)
-
-
-def without_runtime(derived: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in derived.items() if key not in RUNTIME_ENTRIES}
 
 
 # ------------------------------------------------------------------------ combinations
@@ -433,7 +384,7 @@ def assert_drop_in_conforms(config: Any, federation: Federation) -> tuple[RunRes
     result, vector = run_drop_in(config, federation)
     assert torch.allclose(vector, reference_vector, rtol=0.0, atol=METRIC_TOLERANCE)
     assert len(result.history) == config.train.rounds
-    assert_same_summary(result, reference)
+    assert_same_summary(result.summary(), reference.summary())
     assert result.derived_params["engine"] == drop_in.ENGINE_NAME
     return reference, result
 

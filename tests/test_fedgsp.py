@@ -15,7 +15,6 @@ from pydantic import ValidationError
 
 from fedplug import hookspecs
 from fedplug.algorithms import fedgsp
-from fedplug.cost_model import LinkAndDevice, round_cost
 from fedplug.algorithms.fedgsp import (
     MAX_GROWTH,
     BalancedAssigner,
@@ -33,10 +32,11 @@ from fedplug.algorithms.fedgsp import (
     random_groups,
 )
 from fedplug.config import validate_experiment
+from fedplug.cost_model import LinkAndDevice, round_cost
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import collect_registry
-from fedplug.simulation import local_training
+from fedplug.run import local_training
 
 
 def skewed_counts(

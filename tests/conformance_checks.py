@@ -1,0 +1,61 @@
+"""What "the same run" means across runtimes, for every conformance suite (the simulator,
+Flower on its loopback grid and under ``flwr run``, the FedML coordinator and the FedML
+drop-in aggregator): the whole result summary (``metrics.json``) but the wall times.
+
+Accuracy and loss, and the summary entries computed from them, may differ by
+:data:`METRIC_TOLERANCE` (the runtimes sum the same numbers in another order); every other
+entry, each round's included, must be equal; the derived params apart from the entries
+that name the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fedplug.run.results import split_wall_clock
+
+METRIC_TOLERANCE = 1e-5
+APPROXIMATE_FIELDS = {"accuracy", "loss", "client_accuracy_mean", "client_accuracy_std"}
+"""Round entries computed from the evaluation's sums."""
+SUMMARY_APPROXIMATE = {"final_accuracy", "best_accuracy", "final_loss"}
+"""Entries of a result summary computed from the rounds' accuracy and loss."""
+RUNTIME_ENTRIES = {"engine", "fedml_rounds", "fedml_workers"}
+"""Derived params that name the runtime rather than the experiment."""
+
+
+def close(mine: float | None, theirs: float | None) -> bool:
+    """Within METRIC_TOLERANCE; ``None`` is how a record writes NaN."""
+    if mine is None or theirs is None:
+        return mine is theirs
+    return math.isclose(mine, theirs, rel_tol=0.0, abs_tol=METRIC_TOLERANCE)
+
+
+def without_runtime(derived: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in derived.items() if key not in RUNTIME_ENTRIES}
+
+
+def assert_same_summary(
+    mine: Mapping[str, Any], theirs: Mapping[str, Any], known_differences: frozenset[str] = frozenset()
+) -> None:
+    """Two :meth:`~fedplug.run.results.RunResult.summary` dicts (or two ``metrics.json``)
+    describe the same run; ``known_differences`` (top-level keys, default none) are left
+    to the caller, who says why they differ and checks them itself."""
+    mine, _ = split_wall_clock({key: value for key, value in mine.items() if key not in known_differences})
+    theirs, _ = split_wall_clock({key: value for key, value in theirs.items() if key not in known_differences})
+    assert mine.keys() == theirs.keys()
+    assert len(mine["history"]) == len(theirs["history"])
+    for my_round, their_round in zip(mine["history"], theirs["history"]):
+        assert my_round.keys() == their_round.keys(), their_round["round"]
+        for key in their_round:
+            same = close if key in APPROXIMATE_FIELDS else _equal
+            assert same(my_round[key], their_round[key]), (their_round["round"], key, my_round[key], their_round[key])
+    for key in theirs.keys() - {"history", "derived"}:
+        same = close if key in SUMMARY_APPROXIMATE else _equal
+        assert same(mine[key], theirs[key]), (key, mine[key], theirs[key])
+    assert without_runtime(mine["derived"]) == without_runtime(theirs["derived"])
+
+
+def _equal(mine: Any, theirs: Any) -> bool:
+    return mine == theirs
