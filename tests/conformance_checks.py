@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from fedplug.run.results import split_wall_clock
 
 METRIC_TOLERANCE = 1e-5
@@ -59,3 +61,20 @@ def assert_same_summary(
 
 def _equal(mine: Any, theirs: Any) -> bool:
     return mine == theirs
+
+
+def assert_same_state(ours: Any, theirs: Any, where: str) -> None:
+    """Equal nested states: tensors within 1e-5, every other value equal."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), where
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=where)
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), where
+        for key in theirs:
+            assert_same_state(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for index, (mine, other) in enumerate(zip(ours, theirs)):
+            assert_same_state(mine, other, f"{where}[{index}]")
+    else:
+        assert ours == theirs, where
