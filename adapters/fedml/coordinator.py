@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -35,8 +34,9 @@ from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
+from fedplug.run.chains import RoundChains
 from fedplug.run.evaluation import Evaluator
-from fedplug.run.federated_round import ClientFailure, Outcome, RoundCore, chain_update
+from fedplug.run.federated_round import RoundCore
 from fedplug.run.model import build_model
 from fedplug.run.results import RoundRecord
 from fedplug.run.vectors import model_to_vector, tensors_num_bytes, vector_to_model
@@ -48,20 +48,6 @@ from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of, 
 logger = logging.getLogger("fedplug.adapters.fedml")
 
 ENGINE_NAME = "fedml-mpi"
-
-
-@dataclass
-class _Chain:
-    """A chain's progress through the steps of a round."""
-
-    members: list[int]
-    vector: Tensor | None = None
-    samples: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
 
 
 class Coordinator:
@@ -216,19 +202,20 @@ class Coordinator:
         self.round_index = round_index
         self.round_started = time.perf_counter()
         if self.finished:
-            self.plan, self.chains, self.payload = RoundPlan(chains=[]), [], {}
+            self.plan, self.payload = RoundPlan(chains=[]), {}
+            self.round_chains = RoundChains(self.plan, self.global_vector)
             return
         self.plan = self.schedule.plans[round_index]
-        self.chains = [_Chain(list(chain)) for chain in self.plan.chains]
+        self.round_chains = RoundChains(self.plan, self.global_vector)
         self.payload = self.aggregator.server_payload()
 
     def _instructions(self) -> dict[int, WorkerInstructions]:
         """What each worker trains in the current step."""
         _, position = self.schedule.locate(self.step)
         tasks: dict[int, list[Task]] = {slot: [] for slot in range(self.workers)}
-        for index, chain in enumerate(self.chains):
-            if position < len(chain.members) and chain.error is None:
-                client = chain.members[position]
+        for index, chain in enumerate(self.round_chains.chains):
+            if not chain.done:  # every active chain is at the step's position (lockstep)
+                client = chain.current
                 start = None if position == 0 else chain.vector
                 tasks[owner_of(client, self.workers)].append(Task(client, index, start))
         needs_global = position == 0 and not self.finished
@@ -261,42 +248,28 @@ class Coordinator:
         return TaskResult(client_id, chain_index, error=reason)  # type: ignore[arg-type]
 
     def _record(self, result: TaskResult) -> None:
-        chain = self.chains[result.chain_index]
+        """Advance the result's chain with its member's model and counts, or fail it."""
+        chain = self.round_chains.chains[result.chain_index]
         if result.error is not None or result.vector is None:
-            chain.error = f"client {result.client_id}: {str(result.error or 'sent no model')[:300]}"
+            chain.fail(f"client {result.client_id}: {str(result.error or 'sent no model')[:300]}")
             return
         reason = result_problem(result, self.core.screening_rules.config)
         if reason is not None:
-            chain.error = f"client {result.client_id}: {reason}"
+            chain.fail(f"client {result.client_id}: {reason}")
             return
-        chain.vector = result.vector.to(self.federation.device)
-        chain.samples += int(result.num_samples)
-        chain.steps += int(result.num_steps)
-        chain.seconds += float(result.seconds)
-        chain.extras = {
-            key: value.to(self.federation.device) for key, value in result.extras.items()
-        }
-        chain.metrics = dict(result.metrics)  # a chain reports its last member's
-
-    def _outcome(self, chain: _Chain) -> Outcome:
-        """What a chain ended the round with, for the core to screen."""
-        if chain.error is not None or chain.vector is None:
-            return ClientFailure(chain.members, chain.error or "sent no model")
-        return chain_update(
-            chain.members,
-            chain.vector,
-            samples=chain.samples,
-            steps=chain.steps,
-            extras=chain.extras,
-            plan=self.plan,
-            seconds=chain.seconds,
-            metrics=chain.metrics,
+        chain.advance(
+            result.vector.to(self.federation.device),
+            int(result.num_samples),
+            int(result.num_steps),
+            float(result.seconds),
+            {key: value.to(self.federation.device) for key, value in result.extras.items()},
+            dict(result.metrics),  # a chain reports its last member's
         )
 
     def _finish_round(self) -> None:
         """Aggregate the chains' final models (FedML has already trained the round, so the
         core's one attempt is what the workers sent), evaluate, and record the round."""
-        outcomes = [self._outcome(chain) for chain in self.chains]
+        outcomes = self.round_chains.outcomes()
         attempt = self.core.run(
             self.round_index, self.global_vector, self.plan, lambda _attempt: outcomes
         )

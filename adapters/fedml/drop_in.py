@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from fedml.core import ServerAggregator
 from torch import Tensor, nn
 
@@ -41,16 +39,9 @@ from fedplug.config import validate_section
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
-from fedplug.run.federated_round import (
-    Attempt,
-    ClientFailure,
-    Evaluation,
-    Outcome,
-    RoundCore,
-    chain_update,
-    client_needs,
-    round_steps,
-)
+from fedplug.run.chains import ChainProgress, RoundChains
+from fedplug.run.evaluation import evaluate_batches
+from fedplug.run.federated_round import Attempt, Evaluation, RoundCore, client_needs, round_steps
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.screening import count_problem, dtype_problem
@@ -193,7 +184,7 @@ class FedplugAggregator(ServerAggregator):
         self.target_accuracy = target_accuracy
         self._round = 0
         self._position = 0
-        self._chains: list[_Chain] = []
+        self._chains: RoundChains | None = None
         self._started = time.perf_counter()
         self._bytes = 0
         self._start_round()
@@ -247,13 +238,9 @@ class FedplugAggregator(ServerAggregator):
                 f"FedML handed {len(replies)} replies, fedplug expects one per silo ({self.num_clients}); "
                 f"set client_num_per_round = client_num_in_total = {self.num_clients}"
             )
-        for chain in self._chains:
-            if self._position < len(chain.members):
-                chain.take(
-                    replies[chain.members[self._position]],
-                    self.model,
-                    self.core.screening_rules.config.max_num_examples,
-                )
+        max_samples = self.core.screening_rules.config.max_num_examples
+        for chain in self._round_chains().active():  # every one at this position (lockstep)
+            take_reply(chain, replies[chain.current], self.model, max_samples)
         self._position += 1
         if self._position < round_steps(self.plans[self._round]):
             return self._per_silo_models()
@@ -274,20 +261,26 @@ class FedplugAggregator(ServerAggregator):
     # ----------------------------------------------------------------- internals
 
     def _start_round(self) -> None:
-        plan = self.plans[self._round]
-        self._chains = [_Chain(list(chain), self.vector) for chain in plan.chains]
+        self._chains = RoundChains(self.plans[self._round], self.vector)
         self._position = 0
         self._started = time.perf_counter()
+
+    def _round_chains(self) -> RoundChains:
+        if self._chains is None:
+            raise RuntimeError("no round in progress: _start_round must run first")
+        return self._chains
 
     def _per_silo_models(self) -> dict[int, OrderedDict[str, Tensor]]:
         global_state = self.get_model_params()
         models: dict[int, OrderedDict[str, Tensor]] = {
             silo: global_state for silo in range(self.num_clients)
         }
-        for chain in self._chains:
-            if self._position < len(chain.members):
+        for chain in self._round_chains().chains:
+            # A failed chain's next member trains too (FedML sends every silo a model),
+            # from the chain's last model; its reply is ignored.
+            if self._position < len(chain.chain):
                 vector_to_model(chain.vector, self.model)
-                models[chain.members[self._position]] = copy.deepcopy(
+                models[chain.chain[self._position]] = copy.deepcopy(
                     OrderedDict(self.model.state_dict())
                 )
         vector_to_model(self.vector, self.model)
@@ -295,19 +288,20 @@ class FedplugAggregator(ServerAggregator):
 
     def _finish_round(self) -> None:
         plan = self.plans[self._round]
-
-        def outcomes(attempt: int) -> list[Outcome]:
-            return [chain.outcome(plan) for chain in self._chains]
-
-        attempt: Attempt = self.core.run(self._round, self.vector, plan, outcomes)
+        chains = self._round_chains()
+        attempt: Attempt = self.core.run(
+            self._round, self.vector, plan, lambda _attempt: chains.outcomes()
+        )
         self.vector = attempt.vector
         vector_to_model(self.vector, self.model)
-        accuracy, loss = self._evaluate()
+        evaluation = (
+            evaluate_batches(self.model, self.test_data) if self.test_data is not None else Evaluation()
+        )
         record = self.core.record(
             self._round,
             plan,
             attempt,
-            Evaluation(accuracy, loss, math.nan, math.nan),
+            evaluation,
             payload_bytes=0,
             bytes_so_far=self._bytes,
             started=self._started,
@@ -315,71 +309,39 @@ class FedplugAggregator(ServerAggregator):
         self._bytes = record.cumulative_bytes
         self.history.append(record)
 
-    @torch.no_grad()
-    def _evaluate(self) -> tuple[float, float]:
-        if self.test_data is None:
-            return math.nan, math.nan
-        self.model.eval()
-        correct, total, loss = 0, 0, 0.0
-        for inputs, labels in self.test_data:
-            logits = self.model(inputs)
-            loss += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == labels).sum())
-            total += len(labels)
-        self.model.train()
-        return correct / max(total, 1), loss / max(total, 1)
+
+def take_reply(chain: ChainProgress, reply: ClientReply, model: nn.Module, max_samples: int) -> None:
+    """Advance ``chain`` with its current member's ``(sample count, state dict)``; a reply
+    that is not one (a sample count that is not an integer in ``[0, max_samples]``, a state
+    dict of other keys, shapes or dtypes) fails the chain with the reason, as the round
+    core's screen would (which then screens the chain's model and total count)."""
+    decoded = decode_reply(reply, model, max_samples)
+    if isinstance(decoded, str):
+        chain.fail(decoded)
+        return
+    vector, samples = decoded
+    chain.advance(vector, samples, steps=0, seconds=0.0)
 
 
-class _Chain:
-    """One chain of a round: its model so far and the samples it trained on."""
-
-    def __init__(self, members: list[int], start: Tensor) -> None:
-        self.members = members
-        self.vector = start
-        self.samples = 0
-        self.failure: str | None = None
-
-    def take(self, reply: ClientReply, model: nn.Module, max_samples: int) -> None:
-        """Take one member's ``(sample count, state dict)``; a reply that is not one (a
-        sample count that is not an integer in ``[0, max_samples]``, a state dict of other
-        keys, shapes or dtypes) fails the chain with the reason, as the round core's
-        screen would (which then screens the chain's model and total count)."""
-        if self.failure is not None:
-            return
-        self.failure = self._take(reply, model, max_samples)
-
-    def _take(self, reply: ClientReply, model: nn.Module, max_samples: int) -> str | None:
-        try:
-            samples, state = reply
-        except (TypeError, ValueError):
-            return f"its reply is not FedML's (sample count, state dict) but {type(reply).__name__}"
-        if reason := count_problem("a sample count", samples, max_samples):
+def decode_reply(reply: ClientReply, model: nn.Module, max_samples: int) -> tuple[Tensor, int] | str:
+    """One silo's reply as ``(model vector, sample count)``, or why it is not FedML's
+    ``(sample count, state dict)`` for ``model``."""
+    try:
+        samples, state = reply
+    except (TypeError, ValueError):
+        return f"its reply is not FedML's (sample count, state dict) but {type(reply).__name__}"
+    if reason := count_problem("a sample count", samples, max_samples):
+        return reason
+    if not isinstance(state, Mapping):
+        return f"its reply is not the model's state dict but {type(state).__name__}"
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            return f"its state dict holds {type(value).__name__} at {str(key)[:60]!r}, expected tensors"
+        if reason := dtype_problem(f"state dict entry {str(key)[:60]!r}", value.dtype, "real"):
             return reason
-        if not isinstance(state, Mapping):
-            return f"its reply is not the model's state dict but {type(state).__name__}"
-        for key, value in state.items():
-            if not isinstance(value, Tensor):
-                return f"its state dict holds {type(value).__name__} at {str(key)[:60]!r}, expected tensors"
-            if reason := dtype_problem(f"state dict entry {str(key)[:60]!r}", value.dtype, "real"):
-                return reason
-        try:
-            scratch = copy.deepcopy(model)
-            scratch.load_state_dict(state)
-        except Exception as error:  # noqa: BLE001 - a silo's reply must not stop the server
-            return f"its reply is not the model's state dict ({type(error).__name__}: {str(error)[:200]})"
-        self.vector = model_to_vector(scratch).detach().clone()
-        self.samples += int(samples)
-        return None
-
-    def outcome(self, plan: RoundPlan) -> Outcome:
-        if self.failure is not None:
-            return ClientFailure(self.members, self.failure)
-        return chain_update(
-            self.members,
-            self.vector,
-            samples=self.samples,
-            steps=0,
-            extras={},
-            plan=plan,
-            seconds=0.0,
-        )
+    try:
+        scratch = copy.deepcopy(model)
+        scratch.load_state_dict(state)
+    except Exception as error:  # noqa: BLE001 - a silo's reply must not stop the server
+        return f"its reply is not the model's state dict ({type(error).__name__}: {str(error)[:200]})"
+    return model_to_vector(scratch).detach().clone(), int(samples)

@@ -9,7 +9,9 @@ of one) take one exchange, as any Flower strategy does.
 
 A member's reply is decoded at once, and an intermediate member's model is checked by
 the round core's own rule (:func:`fedplug.run.round_screen.unusable`): a chain whose
-member failed stops there. What the chains end with becomes one
+member failed stops there. The stepping itself (counts, hand-over, failure, outcome) is
+:mod:`fedplug.run.chains`', the same on every runtime; this module decodes and screens
+Flower's replies into it. What the chains end with becomes one
 :class:`~fedplug.run.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
 the round core screens, logs and aggregates as on every runtime.
 
@@ -54,10 +56,11 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.components import RoundPlan
 from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
-from fedplug.run.federated_round import ClientFailure, Outcome, chain_update
+from fedplug.run.chains import ChainProgress, RoundChains
+from fedplug.run.federated_round import Outcome
 from fedplug.run.round_screen import unusable
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
@@ -180,32 +183,6 @@ class ReplyDeadlineGrid(Grid):
 
 
 @dataclass
-class ChainProgress:
-    """One chain: the model to hand to its next member, and what it has done so far."""
-
-    chain: list[int]
-    vector: Tensor
-    position: int = 0
-    samples: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    failure: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.failure is not None or self.position == len(self.chain)
-
-    @property
-    def next_client(self) -> int:
-        return self.chain[self.position]
-
-    def fail(self, reason: str) -> None:
-        self.failure = reason
-
-
-@dataclass
 class RoundInProgress:
     """The chains of one round, advanced one exchange at a time.
 
@@ -231,7 +208,8 @@ class RoundInProgress:
     """The largest ``num-examples`` one reply may state (``train.screening``)."""
     max_num_steps: int = MAX_NUM_STEPS
     """The largest ``fedplug.num-steps`` one reply may state (``train.screening``)."""
-    chains: list[ChainProgress] = field(default_factory=list)
+    round_chains: RoundChains = field(init=False)
+    """Each chain's progress (the runtime-neutral stepper, :mod:`fedplug.run.chains`)."""
     replies: list[RecordDict] = field(default_factory=list)
     """The content of every member's usable reply, for the clients' metrics."""
     reply_clients: list[int] = field(default_factory=list)
@@ -242,15 +220,20 @@ class RoundInProgress:
     """Which replies lacked a required extra or metric (one line each)."""
 
     def __post_init__(self) -> None:
-        self.chains = [ChainProgress(list(chain), self.global_vector) for chain in self.plan.chains]
+        self.round_chains = RoundChains(self.plan, self.global_vector)
+
+    @property
+    def chains(self) -> list[ChainProgress]:
+        """Every chain of the plan, in plan order."""
+        return self.round_chains.chains
 
     def active(self) -> list[ChainProgress]:
         """The chains with a member still to train, in plan order."""
-        return [chain for chain in self.chains if not chain.done]
+        return self.round_chains.active()
 
     @property
     def complete(self) -> bool:
-        return not self.active()
+        return self.round_chains.complete
 
     def absorb(
         self,
@@ -327,16 +310,10 @@ class RoundInProgress:
             )
             return f"replied without {lacking}"
         self.provided = True
-        chain.vector = vector
-        chain.extras = extras
-        chain.metrics = reported
-        chain.samples += samples
-        chain.steps += steps
-        chain.seconds += seconds
-        chain.position += 1
-        if chain.position < len(chain.chain):  # the last member's model is screened by the core
+        chain.advance(vector, samples, steps, seconds, extras, reported)
+        if not chain.finished:  # the last member's model is screened by the core
             # Only the last member's metrics are the chain's, screened by the core.
-            return unusable(self._update(chain), tuple(self.global_vector.shape), self.timeout)
+            return unusable(chain.update(self.plan), tuple(self.global_vector.shape), self.timeout)
         return None
 
     def _samples(self, metrics: Mapping[str, Any]) -> int | None:
@@ -383,18 +360,6 @@ class RoundInProgress:
             return f"{unreported} in its {METRICS_KEY!r}"
         return None
 
-    def _update(self, chain: ChainProgress) -> ClientUpdate:
-        return chain_update(
-            chain.chain[: chain.position],
-            chain.vector,
-            samples=chain.samples,
-            steps=chain.steps,
-            extras=chain.extras,
-            plan=self.plan,
-            seconds=chain.seconds,
-            metrics=chain.metrics,
-        )
-
     def outcomes(self) -> list[Outcome]:
         """One outcome per chain, in plan order (the simulator's order, so a running sum
         adds the same numbers in the same order).
@@ -406,12 +371,7 @@ class RoundInProgress:
         """
         if self.unprovided and not self.provided:
             raise TrainingError(f"{self.unprovided[0]}; {self.requirement}")
-        return [
-            ClientFailure(list(chain.chain), chain.failure)
-            if chain.failure is not None
-            else self._update(chain)
-            for chain in self.chains
-        ]
+        return self.round_chains.outcomes()
 
 
 def _single(records: Mapping[str, Any], key: str, exclude: str | None = None) -> Any:

@@ -1,6 +1,13 @@
 """Evaluation of the global model: on the held-out test set and on every client's own
 local test split. Always with raw logits (no loss transform, no FedShift shift).
 
+This is the only place a global model is evaluated: the simulator and the FedML
+coordinator use :class:`Evaluator` (a federation's test sets), a runtime that holds only
+a test set or the user's own batches (Flower's central evaluation, the FedML drop-in)
+uses :func:`evaluate_held_out` or :func:`evaluate_batches`; all of them compute a batch
+with :func:`predict_batch` and combine batches with :func:`held_out_metrics`, so every
+runtime reports the same numbers for the same model.
+
 An evaluation is a list of fixed batches (:meth:`Evaluator.batches`); an engine with
 idle worker processes may compute them there (``spread``), and the results are combined
 in batch order, so the numbers do not depend on where each batch was computed.
@@ -8,7 +15,7 @@ in batch order, so the numbers do not depend on where each batch was computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,6 +39,49 @@ class BatchResult(NamedTuple):
     """Whether each sample's prediction is its label (bool)."""
     loss: float
     """The batch's summed cross-entropy."""
+
+
+@torch.no_grad()
+def predict_batch(model: nn.Module, inputs: Tensor, labels: Tensor) -> BatchResult:
+    """One batch's predictions with ``model`` (which the caller has put in eval mode):
+    which samples it classifies right, and its summed cross-entropy."""
+    logits = model(inputs)
+    loss = float(F.cross_entropy(logits, labels, reduction="sum"))
+    return BatchResult(logits.argmax(dim=1) == labels, loss)
+
+
+def held_out_metrics(results: Sequence[BatchResult], device: torch.device) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy over a test set's batch results, summed in batch
+    order (so the numbers do not depend on where each batch was computed); ``device``
+    holds the concatenated hits. An empty test set has NaN accuracy and loss 0."""
+    total_loss = 0.0
+    for result in results:
+        total_loss += result.loss
+    correct = _concatenate(list(results), device)
+    return float(correct.float().mean()), total_loss / max(len(correct), 1)
+
+
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]) -> Evaluation:
+    """Accuracy and mean loss of ``model`` over batches of ``(inputs, labels)`` (a FedML
+    user's test data); no per-client accuracies (NaN). The model is left in train mode."""
+    model.eval()
+    results = [predict_batch(model, inputs, labels) for inputs, labels in batches]
+    model.train()
+    device = results[0].correct.device if results else torch.device("cpu")
+    accuracy, loss = held_out_metrics(results, device)
+    return Evaluation(accuracy, loss)
+
+
+def held_out_batches(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Consecutive batches of ``batch_size`` rows of a test set ``(x, y)``."""
+    for start in range(0, len(y), batch_size):
+        yield x[start : start + batch_size], y[start : start + batch_size]
+
+
+def evaluate_held_out(model: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> Evaluation:
+    """:func:`evaluate_batches` over a held-out test set ``(x, y)`` in batches of
+    ``batch_size`` (Flower's central evaluation)."""
+    return evaluate_batches(model, held_out_batches(x, y, batch_size))
 
 
 Spread = Callable[["Evaluator", nn.Module, list[Batch]], "list[BatchResult] | None"]
@@ -61,14 +111,11 @@ class Evaluator:
         local = [Batch(True, start) for start in range(0, len(self.local_y), self.batch_size)]
         return test + local
 
-    @torch.no_grad()
     def predict(self, model: nn.Module, batch: Batch) -> BatchResult:
         """One batch's predictions with ``model`` (which the caller has put in eval mode)."""
         x, y = (self.local_x, self.local_y) if batch.local else (self.test_x, self.test_y)
-        logits = model(x[batch.start : batch.start + self.batch_size])
-        target = y[batch.start : batch.start + self.batch_size]
-        loss = float(F.cross_entropy(logits, target, reduction="sum"))
-        return BatchResult(logits.argmax(dim=1) == target, loss)
+        rows = slice(batch.start, batch.start + self.batch_size)
+        return predict_batch(model, x[rows], y[rows])
 
     def evaluate(self, model: nn.Module, spread: Spread | None = None) -> Evaluation:
         """Accuracy and mean loss on the held-out test set, and the mean and spread of
@@ -81,14 +128,10 @@ class Evaluator:
             model.train()
         test = [result for batch, result in zip(batches, results) if not batch.local]
         local = [result for batch, result in zip(batches, results) if batch.local]
-        total_loss = 0.0
-        for result in test:  # summed in batch order, wherever each batch was computed
-            total_loss += result.loss
-        accuracy = float(_concatenate(test, self.test_y).float().mean())
-        loss = total_loss / max(len(self.test_y), 1)
+        accuracy, loss = held_out_metrics(test, self.test_y.device)
         mean = std = float("nan")
         if len(self.local_y):
-            local_correct = _concatenate(local, self.local_y)
+            local_correct = _concatenate(local, self.local_y.device)
             hits = torch.bincount(self.local_owner, weights=local_correct.double(), minlength=self.num_clients)
             counts = torch.bincount(self.local_owner, minlength=self.num_clients).double()
             per_client = (hits / counts.clamp(min=1))[self.clients_with_tests.to(hits.device)]
@@ -97,7 +140,8 @@ class Evaluator:
         return Evaluation(accuracy, loss, mean, std)
 
 
-def _concatenate(results: list[BatchResult], labels: Tensor) -> Tensor:
+def _concatenate(results: list[BatchResult], device: torch.device) -> Tensor:
+    """Every batch's hits in batch order, on ``device``."""
     if not results:
-        return torch.zeros(0, dtype=torch.bool, device=labels.device)
-    return torch.cat([result.correct.to(labels.device) for result in results])
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    return torch.cat([result.correct.to(device) for result in results])

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
+from fedplug.run.chains import ChainProgress
 from fedplug.run.local_training import local_rng, train_locally
 from fedplug.run.round_context import ClientFailure, RoundContext
 
@@ -50,15 +51,15 @@ def train_chain(
     was training).
     """
     started = time.perf_counter()
-    vector, steps, samples, extras, metrics = start_vector, 0, 0, {}, {}
-    client_id = chain[0] if chain else -1
+    progress = ChainProgress(chain, start_vector)
     try:
         with deadline(context.client_timeout, _chain_name(chain)):
-            for client_id in chain:
+            while not progress.done:
+                client_id = progress.current
                 client = context.federation.clients[client_id]
                 result = train_locally(
                     model,
-                    vector,
+                    progress.vector,
                     client.train_x,
                     client.train_y,
                     client.class_counts,
@@ -71,14 +72,32 @@ def train_chain(
                     rng=local_rng(context.seed, round_index, client_id),
                     reply_metrics=context.reply_metrics,
                 )
-                vector, extras, metrics = result.vector, result.extras, result.metrics
-                steps += result.num_steps
-                samples += result.num_samples
+                progress.advance(
+                    result.vector, result.num_samples, result.num_steps, 0.0, result.extras, result.metrics
+                )
     except ClientTimeout as error:
-        return ClientFailure(list(chain), timeout_reason(client_id, chain, error))
+        return ClientFailure(list(chain), timeout_reason(_training(progress), chain, error))
     except Exception as error:  # a failing client must not stop the federation
         return ClientFailure(chain, f"{type(error).__name__}: {error}")
-    return context.make_update(chain, vector, samples, steps, extras, plan, time.perf_counter() - started, metrics)
+    # The chain's time is its wall time, loading the vectors included, not its members' sum.
+    return context.make_update(
+        chain,
+        progress.vector,
+        progress.samples,
+        progress.steps,
+        progress.extras,
+        plan,
+        time.perf_counter() - started,
+        progress.metrics,
+    )
+
+
+def _training(progress: ChainProgress) -> int:
+    """The member that was training when the chain was interrupted (the last one when it
+    was interrupted after its last member; -1 for an empty chain)."""
+    if not progress.chain:
+        return -1
+    return progress.chain[min(progress.position, len(progress.chain) - 1)]
 
 
 def _chain_name(chain: list[int]) -> str:

@@ -85,7 +85,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -96,6 +96,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from fedplug.components import TRAIN_LOSS, ClientUpdate, Context, LocalTraining, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import ConfigError
+from fedplug.run.chains import ChainProgress, start_chains
 from fedplug.run.local_training import local_rng, mean_loss
 from fedplug.run.round_context import ClientFailure, RoundContext
 from fedplug.simulation.linear_stack import LinearStackStep, linear_stack
@@ -357,15 +358,6 @@ class _Member:
 
 
 @dataclass
-class _ChainProgress:
-    vector: Tensor
-    steps: int = 0
-    samples: int = 0
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
 class VectorizedEngine:
     """Trains a round's chains in lockstep with ``torch.func.vmap`` over clients.
 
@@ -528,14 +520,12 @@ class VectorizedEngine:
 
     def _train_block(
         self, start_vector: Tensor, chains: list[list[int]], round_index: int, context: RoundContext
-    ) -> list[_ChainProgress]:
-        progress = [_ChainProgress(start_vector) for _ in chains]
-        for position in range(max(len(chain) for chain in chains)):
-            members = [
-                _Member(index, chain[position], progress[index].vector)
-                for index, chain in enumerate(chains)
-                if position < len(chain)
-            ]
+    ) -> list[ChainProgress]:
+        """Train ``chains`` position by position: the chains' members at one position
+        train together, each from its own chain's model."""
+        progress = start_chains(chains, start_vector)
+        while active := [index for index, item in enumerate(progress) if not item.done]:
+            members = [_Member(index, progress[index].current, progress[index].vector) for index in active]
             self._training = [member.client_id for member in members]
             end_vectors, steps, metrics = self._train_group(members, round_index, context)
             optimizer = context.schedule.optimizer
@@ -554,10 +544,14 @@ class VectorizedEngine:
                         context.payload,
                         context.client_state(client_id),
                     )
-                item = progress[member.chain_index]
-                item.vector, item.extras, item.metrics = end_vector, extras, member_metrics
-                item.steps += num_steps
-                item.samples += context.federation.clients[client_id].num_samples
+                progress[member.chain_index].advance(
+                    end_vector,
+                    context.federation.clients[client_id].num_samples,
+                    num_steps,
+                    0.0,
+                    extras,
+                    member_metrics,
+                )
         return progress
 
     # -------------------------------------------------------------------- one group
