@@ -1,0 +1,109 @@
+"""What :meth:`~.strategy.FedplugStrategy.setup` does once, before round 1, on the nodes:
+tell which node holds which client (asking every node for its class counts only when
+needed, :mod:`.priors`), and prepare the loss transform from those counts, running its
+setup phase over messages when it declares one (:mod:`.setup_phase`).
+
+:class:`NodeMessages` is what every message to a node carries besides its own entries
+(the run's size, the number of classes, the strategy's ``message_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+
+from fedplug.components import PhaseCost
+from fedplug.errors import TrainingError
+
+from .priors import ClassCounts, NodeDirectory, gather_class_counts, node_order_directory
+from .records import CLIENT_ID, NUM_CLASSES, NUM_CLIENTS, ROUND, encode_loss_state
+from .setup_phase import run_setup_phase
+
+
+@dataclass(frozen=True)
+class NodeMessages:
+    """The entries every message to a node carries: the strategy's ``message_config``
+    (the ready apps send the experiment there), the number of clients and, when known,
+    the number of classes."""
+
+    message_config: dict[str, Any]
+    num_classes: int | None
+
+    def for_run(self, num_clients: int) -> dict[str, Any]:
+        """The entries of a message to every node (a query, a setup-phase step)."""
+        config = {NUM_CLIENTS: num_clients, **self.message_config}
+        if self.num_classes is not None:
+            config[NUM_CLASSES] = self.num_classes
+        return config
+
+    def for_client(self, round_number: int, client: int, num_clients: int) -> dict[str, Any]:
+        """The entries of a train or evaluate message to ``client``'s node."""
+        return {ROUND: round_number, CLIENT_ID: client, **self.for_run(num_clients)}
+
+
+def find_clients(
+    grid: Grid,
+    node_ids: list[int],
+    num_clients: int,
+    *,
+    query_nodes: bool,
+    messages: NodeMessages,
+    requirement: str | None,
+    timeout: float | None,
+) -> NodeDirectory:
+    """Which node holds which client: asked of every node with a ``query`` message
+    (with its class counts) when ``query_nodes``, else the node ids' order."""
+    if not query_nodes:
+        return node_order_directory(node_ids, num_clients)
+    return gather_class_counts(
+        grid,
+        num_clients,
+        messages.num_classes or 0,
+        config=messages.message_config,
+        timeout=timeout,
+        node_ids=node_ids,
+        requirement=requirement,
+    )
+
+
+def prepare_loss_transform(
+    grid: Grid,
+    directory: NodeDirectory,
+    counts: np.ndarray,
+    transform: Any,
+    *,
+    name: str,
+    message_config: dict[str, Any],
+    requirement: str | None,
+    timeout: float | None,
+) -> tuple[PhaseCost, tuple[ArrayRecord, ConfigRecord] | None]:
+    """Prepare the loss transform ``name`` from the class counts, then run its setup phase
+    on the nodes; return the setup's cost and the prepared state to send with every train
+    message (``None`` when it has none).
+
+    Raises:
+        TrainingError: a node failed in the setup phase; when a node lacks the phase's
+            handler, the message names what the ClientApp must add (``requirement``).
+    """
+    cost = transform.prepare(ClassCounts(counts)) or PhaseCost(0, 0, 0)
+    phase = transform.setup_phase()  # after prepare, which may have loaded its result
+    if phase is not None:
+        try:
+            extra = run_setup_phase(
+                grid, directory.node_of, phase, message_config=message_config, timeout=timeout
+            )
+        except TrainingError as error:
+            if "function registered" in str(error) and requirement:
+                raise TrainingError(f"{error}; {requirement}") from None
+            raise
+        cost = PhaseCost(
+            cost.rounds + extra.rounds,
+            cost.bytes_up + extra.bytes_up,
+            cost.bytes_down + extra.bytes_down,
+        )
+    state = transform.state_dict()
+    return cost, encode_loss_state(state, name) if state else None

@@ -1,0 +1,135 @@
+"""Evaluation on the server side of a :class:`~.strategy.FedplugStrategy` run.
+
+- central, on the server's test set: :func:`central_evaluation` makes an ``evaluate_fn``
+  (the simulator's evaluator), :func:`central_metrics` is the round's central metrics,
+  and :func:`round_evaluation` turns a round's metric records into the round core's
+  :class:`~fedplug.run.federated_round.Evaluation`;
+- federated, on every node's local test split: :func:`nodes_to_evaluate`,
+  :func:`evaluate_messages` and :func:`federated_metrics` (the replies averaged, plus the
+  per-client accuracy spread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from torch import Tensor, nn
+
+from fedplug.run.federated_round import Evaluation
+from fedplug.run.vectors import vector_to_model
+
+from .messages import MetricsAggregation, client_accuracy, evaluate_message
+from .node_setup import NodeMessages
+from .priors import NodeDirectory
+from .records import ACCURACY, LOSS, NUM_EXAMPLES, ROUND, number, record_to_vector, vector_layout
+
+CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
+
+
+def central_evaluation(
+    model: nn.Module, test_x: Tensor, test_y: Tensor, batch_size: int = 1000
+) -> CentralEvaluation:
+    """An ``evaluate_fn`` for :meth:`FedplugStrategy.start`: accuracy and mean
+    cross-entropy on a held-out test set, computed as the simulator's evaluator does."""
+    layout = vector_layout(model)
+
+    @torch.no_grad()
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        vector_to_model(record_to_vector(arrays, layout).to(test_x.device), model)
+        model.eval()
+        correct = torch.zeros(len(test_y), dtype=torch.bool, device=test_y.device)
+        total_loss = 0.0
+        for start in range(0, len(test_y), batch_size):
+            logits = model(test_x[start : start + batch_size])
+            target = test_y[start : start + batch_size]
+            total_loss += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            correct[start : start + batch_size] = logits.argmax(dim=1) == target
+        model.train()
+        return MetricRecord(
+            {ACCURACY: float(correct.float().mean()), LOSS: total_loss / max(len(test_y), 1)}
+        )
+
+    return evaluate
+
+
+def central_metrics(
+    central: MetricRecord | None,
+    evaluate_fn: CentralEvaluation | None,
+    round_number: int,
+    arrays: Callable[[], ArrayRecord],
+) -> MetricRecord | None:
+    """A round's central metrics: those of the ``evaluate_fn`` Flower's loop called, or,
+    when this strategy is driven by another one's ``start`` (a DP wrapper, which keeps
+    its ``evaluate_fn`` to itself), the constructor's ``evaluate_fn`` on ``arrays()``."""
+    if central is None and evaluate_fn is not None:  # driven by another start()
+        central = evaluate_fn(round_number, arrays())
+    return central
+
+
+def round_evaluation(central: MetricRecord | None, federated: MetricRecord | None) -> Evaluation:
+    """The round core's :class:`Evaluation` of a round: central ``accuracy`` and ``loss``,
+    the clients' accuracy mean and spread; NaN for what was not evaluated."""
+    nan = float("nan")
+    return Evaluation(
+        number(central, ACCURACY, nan) if central is not None else nan,
+        number(central, LOSS, nan) if central is not None else nan,
+        number(federated, "client-accuracy-mean", nan) if federated is not None else nan,
+        number(federated, "client-accuracy-std", nan) if federated is not None else nan,
+    )
+
+
+def nodes_to_evaluate(directory: NodeDirectory, grid: Grid) -> dict[int, int]:
+    """node id -> client id of the run's clients whose node is connected."""
+    connected = set(grid.get_node_ids())
+    return {node: client for client, node in directory.node_of.items() if node in connected}
+
+
+def evaluate_messages(
+    evaluating: Mapping[int, int],
+    round_number: int,
+    arrays: ArrayRecord,
+    config: Mapping[str, Any],
+    messages: NodeMessages,
+    num_clients: int,
+) -> list[Message]:
+    """One ``evaluate`` message per node of ``evaluating``, in client order."""
+    return [
+        evaluate_message(
+            node,
+            round_number,
+            arrays,
+            {**messages.for_client(round_number, client, num_clients), **config, ROUND: round_number},
+        )
+        for node, client in sorted(evaluating.items(), key=lambda item: item[1])
+    ]
+
+
+def federated_metrics(
+    replies: Iterable[Message],
+    evaluating: Mapping[int, int],
+    round_number: int,
+    aggregate: MetricsAggregation,
+) -> tuple[MetricRecord | None, MetricRecord | None]:
+    """The clients' evaluate metrics averaged by ``aggregate`` (weighted by
+    ``num-examples``) with the mean and (population) spread of their ``accuracy`` added
+    (:func:`.messages.client_accuracy`), and that spread alone (``None``: none)."""
+    replies = list(replies)
+    # Only the nodes asked: a reply from any other is not one of this run's clients.
+    usable = [
+        reply.content
+        for reply in replies
+        if not reply.has_error() and reply.metadata.src_node_id in evaluating
+    ]
+    metrics = aggregate(usable, NUM_EXAMPLES) if usable else None
+    spread = client_accuracy(replies, evaluating, round_number)
+    if spread is not None:
+        metrics = metrics if metrics is not None else MetricRecord()
+        for key, value in spread.items():
+            metrics[key] = value
+    if metrics is not None and not len(metrics):
+        metrics = None
+    return metrics, spread

@@ -1,0 +1,266 @@
+"""The run a :class:`~.strategy.FedplugStrategy` drives, between Flower's calls.
+
+:class:`ServerRun` sets the run up on the nodes once (:mod:`.node_setup`) and starts the
+round core, starts the aggregator from the initial model or resumes from the checkpoint
+(:mod:`.server_checkpoint`), and writes the record of every finished round when
+:class:`.round_records.RoundRecords` says the round is complete: logged, checkpointed,
+told to the observers. :class:`RunSettings` holds the strategy's arguments it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedplug.components import PhaseCost
+from fedplug.cost_model import LinkAndDevice
+from fedplug.registry import Registry
+from fedplug.run.federated_round import RoundCore
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.state import resume_run
+
+from .node_sampling import NodeRule
+from .node_setup import NodeMessages, find_clients, prepare_loss_transform
+from .priors import NodeDirectory
+from .records import record_to_vector
+from .round_records import FinishedRound, RoundRecords, log_round, record_round
+from .server_checkpoint import checkpointed_components, run_fingerprint, save_run
+from .server_components import build_aggregator_for_nodes
+from .server_evaluation import CentralEvaluation, central_metrics, round_evaluation
+
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
+
+RoundObserver = Callable[[RoundRecord], None]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The strategy's arguments a run reads, as the constructor resolved them."""
+
+    train_config: Any
+    registry: Registry
+    nodes: NodeRule
+    messages: NodeMessages
+    query_nodes: bool
+    requirement: str | None
+    """What the ClientApp must add to the quickstart shape (``None``: nothing)."""
+    layout: list[tuple[str, tuple[int, ...]]]
+    train_flops: int
+    link: LinkAndDevice
+    checkpoint_path: Path | None
+    target_accuracy: float | None
+    observers: list[RoundObserver]
+    evaluate_fn: CentralEvaluation | None
+
+
+class ServerRun:
+    """One run: its setup on the nodes, its start, and its record of every round.
+
+    Args:
+        settings: the strategy's arguments.
+        loss_transform, aggregator, grouper: the built components (the aggregator is
+            rebuilt at setup for the connected nodes when K is not fixed).
+        vector_record: a flat model vector as the ArrayRecord sent to the nodes.
+    """
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        loss_transform: Any,
+        aggregator: Any,
+        grouper: Any,
+        vector_record: Callable[[Tensor], ArrayRecord],
+    ) -> None:
+        self.settings = settings
+        self.loss_transform, self.aggregator, self.grouper = loss_transform, aggregator, grouper
+        self._vector_record = vector_record
+        # Set by setup(), once the nodes are known.
+        self.directory: NodeDirectory | None = None
+        self.core: RoundCore | None = None
+        self.setup_cost = PhaseCost(0, 0, 0)
+        self.setup_seconds = 0.0
+        self.fingerprint: str | None = None
+        self.loss_records: tuple[ArrayRecord, ConfigRecord] | None = None
+        self.began = False
+        self.offset = 0
+        """Rounds a resumed checkpoint had finished: Flower's round r is fedplug's r + offset."""
+        self.total_bytes = 0
+        self.history: list[RoundRecord] = []
+        """fedplug's record of every round finished so far (1..R, resumed ones included)."""
+        self.run_result: RunResult | None = None
+        self.final_vector: Tensor | None = None
+        self.records = RoundRecords(self.write_record)
+        """When the aggregated round is recorded (:mod:`.round_records`)."""
+
+    def setup(self, grid: Grid, timeout: float | None = None) -> NodeDirectory:
+        """Find the nodes, gather their class counts when a component needs them,
+        prepare the loss transform (and run its setup phase), prepare the grouper, and
+        start the round core (see :meth:`.strategy.FedplugStrategy.setup`)."""
+        settings, config = self.settings, self.settings.train_config
+        started = time.perf_counter()
+        if settings.requirement is not None:
+            logger.info("fedplug: %s", settings.requirement)
+        node_ids = settings.nodes.wait_for_population(grid)
+        num_clients = settings.nodes.num_clients
+        directory = find_clients(
+            grid,
+            node_ids,
+            num_clients if num_clients is not None else len(node_ids),
+            query_nodes=settings.query_nodes,
+            messages=settings.messages,
+            requirement=settings.requirement,
+            timeout=timeout,
+        )
+        if num_clients is None:
+            self.aggregator = build_aggregator_for_nodes(
+                config, settings.registry, directory.num_clients
+            )
+        counts = directory.counts_or_zeros(settings.messages.num_classes)
+        setup_started = time.perf_counter()
+        self.setup_cost, self.loss_records = prepare_loss_transform(
+            grid,
+            directory,
+            counts,
+            self.loss_transform,
+            name=config.loss_transform.name,
+            message_config=settings.messages.for_run(directory.num_clients),
+            requirement=settings.requirement,
+            timeout=timeout,
+        )
+        self.setup_seconds = time.perf_counter() - setup_started
+        self.grouper.prepare(counts)
+        self.core = RoundCore(
+            config,
+            aggregator=self.aggregator,
+            grouper=self.grouper,
+            num_clients=directory.num_clients,
+            class_counts=directory.class_counts,
+            client_sizes=directory.sizes,
+            model_bytes=sum(math.prod(shape) for _, shape in settings.layout) * 4,
+            train_flops=settings.train_flops,
+            link=settings.link,
+            runtime="flower",
+            checkpoint=settings.checkpoint_path,
+        )
+        self.directory = directory
+        self.fingerprint = run_fingerprint(
+            config,
+            settings.messages.message_config,
+            settings.messages.num_classes,
+            directory,
+            settings.layout,
+            settings.nodes,
+        )
+        logger.info(
+            "fedplug setup: %d clients on %d nodes%s in %.1fs",
+            directory.num_clients,
+            len(node_ids),
+            " (class counts gathered)" if directory.class_counts is not None else "",
+            time.perf_counter() - started,
+        )
+        return directory
+
+    def begin(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Start the aggregator from ``arrays``, or resume from the checkpoint when it
+        holds a run of this config; return the global model to train round 1 (or the
+        first round after the checkpoint's) from.
+
+        Raises:
+            TrainingError: the checkpoint belongs to another config (one line saying so).
+        """
+        settings = self.settings
+        self.began = True
+        self.total_bytes = self.setup_cost.bytes_up + self.setup_cost.bytes_down
+        initial = record_to_vector(arrays, settings.layout)
+        restored = None
+        if settings.checkpoint_path is not None:
+            assert self.fingerprint is not None  # set by setup()
+            restored = resume_run(
+                settings.checkpoint_path,
+                self.fingerprint,
+                initial_vector=initial,
+                num_clients=self.require_setup().num_clients,
+                rounds=settings.train_config.rounds,
+                components=self.checkpointed_components(),
+            )
+        if restored is None:
+            self.aggregator.initialize(initial)
+            return arrays
+        vector = restored.global_vector
+        self.history = restored.history
+        self.setup_cost, self.setup_seconds = restored.setup_cost, restored.setup_seconds
+        self.offset = len(self.history)
+        if self.history:
+            self.total_bytes = self.history[-1].cumulative_bytes
+        self.final_vector = vector
+        self.run_result = self.result()
+        logger.info(
+            "fedplug: resuming from %s after round %d", settings.checkpoint_path, self.offset
+        )
+        return self._vector_record(vector)
+
+    def require_core(self) -> RoundCore:
+        if self.core is None:
+            raise RuntimeError(
+                "call FedplugStrategy.setup(grid) (the first configure_train does) first"
+            )
+        return self.core
+
+    def require_setup(self) -> NodeDirectory:
+        self.require_core()
+        assert self.directory is not None  # set with the core
+        return self.directory
+
+    def write_record(self, finished: FinishedRound) -> None:
+        """Write a finished round's record (:class:`.round_records.RoundRecords` says
+        when), log it, save the checkpoint, tell the observers."""
+        settings = self.settings
+        central = central_metrics(
+            finished.central,
+            settings.evaluate_fn,
+            finished.round_number,
+            lambda: self._vector_record(finished.attempt.vector),
+        )
+        evaluation = round_evaluation(central, finished.federated)
+        record = record_round(self.require_core(), finished, evaluation, self.total_bytes)
+        self.total_bytes = record.cumulative_bytes
+        self.history.append(record)
+        self.final_vector = finished.attempt.vector
+        self.run_result = self.result()
+        log_round(record, finished)
+        if settings.checkpoint_path is not None:
+            assert self.fingerprint is not None  # set by setup()
+            save_run(
+                settings.checkpoint_path,
+                self.fingerprint,
+                finished.attempt.vector,
+                self.history,
+                self.setup_cost,
+                self.setup_seconds,
+                self.checkpointed_components(),
+            )
+        for observer in settings.observers:
+            observer(record)
+
+    def checkpointed_components(self) -> dict[str, Any]:
+        return checkpointed_components(self.aggregator, self.grouper, self.loss_transform)
+
+    def result(self) -> RunResult:
+        """fedplug's :class:`RunResult` of the rounds recorded so far."""
+        return self.require_core().run_result(
+            list(self.history),
+            self.loss_transform,
+            target_accuracy=self.settings.target_accuracy,
+            engine="flower",
+            setup_cost=self.setup_cost,
+            setup_seconds=self.setup_seconds,
+        )
