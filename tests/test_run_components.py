@@ -196,9 +196,9 @@ def test_build_builds_each_slot_once_in_slot_order(small_experiment):
 class Declares:
     """A stand-in component that declares given needs, metrics and a setup report."""
 
-    def __init__(self, needs: ClientNeeds = ClientNeeds(), metrics: dict[str, float] | None = None,
+    def __init__(self, needs: ClientNeeds | None = None, metrics: dict[str, float] | None = None,
                  report: dict[str, Any] | None = None, cost: PhaseCost | None = None) -> None:
-        self.needs, self.metrics, self.report, self.cost = needs, metrics or {}, report or {}, cost
+        self.needs, self.metrics, self.report, self.cost = needs or ClientNeeds(), metrics or {}, report or {}, cost
         self.prepared_with: Any = None
 
     def client_needs(self) -> ClientNeeds:
