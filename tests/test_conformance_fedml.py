@@ -71,7 +71,8 @@ from fedplug.run.federated_round import client_needs, participants
 from fedplug.run.model import build_model
 from fedplug.run.results import RunResult, split_wall_clock
 from fedplug.run.vectors import model_to_vector, vector_to_model
-from fedplug.simulation import local_training, sequential
+from fedplug.run import local_training
+from fedplug.simulation import sequential
 from fedplug.simulation.simulator import Simulator
 
 REGISTRY = conformance_registry()
