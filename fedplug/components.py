@@ -2,12 +2,12 @@
 
 A component is a config class (a strict pydantic model tagged by ``name``) plus the
 object built from it. Components describe themselves through these interfaces: what they
-need from the clients (:class:`ClientNeeds`), the per-round metrics they report
-(:meth:`Grouper.round_metrics`, :meth:`Aggregator.round_metrics`), the values derived
-from their config
-(:meth:`ComponentConfig.derived_values`) and any phase they run before round 1
-(:meth:`LossTransform.setup_phase`), and what a study keeps and draws of those reports
-(:attr:`ComponentConfig.analysis`). The round itself lives in
+need from the clients (:class:`ClientNeeds`), and through the hooks every slot shares
+(:class:`ComponentHooks`: ``prepare``, ``round_metrics``, ``setup_phase``,
+``setup_report``) what they compute before round 1 and report each round; the values
+derived from their config (:meth:`ComponentConfig.derived_values`) and what a study keeps
+and draws of those reports (:attr:`ComponentConfig.analysis`).
+:class:`fedplug.run.components.Components` builds a run's four and asks them all. The round itself lives in
 :mod:`fedplug.run.federated_round`; the simulator, Flower and FedML move models and messages
 and read nothing else about an algorithm, so a third-party plugin runs wherever a
 built-in does.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, Mapping, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Mapping, Protocol, get_args
 
 import numpy as np
 import torch
@@ -39,9 +39,23 @@ from torch.nn import functional as F
 
 from fedplug.analysis import Analysis
 
+if TYPE_CHECKING:
+    from fedplug.setup_phase import SetupPhase
+
 Context = dict[str, Any]
 """Tensors (or nested dicts of tensors) a client's loss needs; stacked across clients by
 the vectorised engine."""
+
+SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
+"""The component slots of a ``train`` config, in the order a run builds, prepares and
+asks them."""
+SLOT_KINDS = {
+    "sampler": "samplers",
+    "loss_transform": "loss_transforms",
+    "aggregator": "aggregators",
+    "grouper": "groupers",
+}
+"""The registry kind of each of :data:`SLOTS`."""
 
 
 class StrictConfig(BaseModel):
@@ -232,10 +246,95 @@ class ClientNeeds:
         return items
 
 
+# ------------------------------------------------------------------ shared hooks
+
+
+class FederationView(Protocol):
+    """What :meth:`ComponentHooks.prepare` receives on every runtime: the K x C class
+    counts of all clients and K. The simulator passes its whole
+    :class:`fedplug.data.federation.Federation` (which also holds the data, for a
+    component whose :class:`ClientNeeds` sets ``pooled_data``); a federated runtime passes
+    a :class:`FederationSummary` of the counts it gathered (zeros when no component asked
+    for them)."""
+
+    @property
+    def class_counts(self) -> np.ndarray: ...
+
+    @property
+    def num_clients(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class FederationSummary:
+    """A :class:`FederationView` of class counts alone: what a federated runtime (Flower,
+    FedML's drop-in aggregator), which never holds the clients' data, prepares the
+    components with."""
+
+    class_counts: np.ndarray
+    """K x C."""
+    num_clients: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        counts = np.asarray(self.class_counts)
+        if counts.ndim != 2:
+            raise ValueError(f"class counts must be a K x C matrix, got shape {counts.shape}")
+        object.__setattr__(self, "class_counts", counts)
+        object.__setattr__(self, "num_clients", int(counts.shape[0]))
+
+
+class ComponentHooks:
+    """The optional hooks every component slot shares, each a no-op by default; a run
+    calls them on all four of its components
+    (:class:`fedplug.run.components.Components`)."""
+
+    def client_needs(self) -> ClientNeeds:
+        """What this component needs from the clients (default: nothing)."""
+        return ClientNeeds()
+
+    def prepare(self, federation: FederationView) -> PhaseCost | None:
+        """Compute what the component needs from the whole federation, once per start of
+        a run, before round 1 (FedShift's global prior, FedGSP's clusters). ``federation``
+        holds ``class_counts`` (K x C) and ``num_clients`` (:class:`FederationView`; the
+        whole :class:`~fedplug.data.federation.Federation` on the simulator). Returns the
+        communication cost of any extra phase it ran, or ``None``. Runs again when a run
+        resumes (what it builds that :meth:`state_dict` does not keep is rebuilt); work on
+        the clients' own data belongs in :meth:`setup_phase`."""
+        return None
+
+    def setup_phase(self) -> SetupPhase | None:
+        """A :class:`fedplug.setup_phase.SetupPhase` that runs on the clients' data before
+        round 1, in steps the server drives (FedDisk's MADE training); ``None`` when there
+        is none (the default). Every runtime runs it the same way, after :meth:`prepare`,
+        on a fresh start only (a resumed run restores its result through
+        :meth:`load_state_dict`)."""
+        return None
+
+    def setup_report(self) -> dict[str, Any]:
+        """What :meth:`prepare` and the setup phase produced that a reader wants to see
+        (FedDisk's per-client sample-weight quantiles and their histogram), as JSON-ready
+        values; the run's :attr:`fedplug.run.results.RunResult.setup_report` merges every
+        slot's. Empty by default, and before :meth:`prepare` has run."""
+        return {}
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """Metrics of the round of ``plan``, recorded with it (FedGSP's CPD);
+        ``class_counts``: the K x C counts, or ``None`` when the runtime has not gathered
+        them. A key two slots report is an error. None by default; a study summarises them
+        as the config's ``analysis`` declares."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+
 # --------------------------------------------------------------------------- samplers
 
 
-class Sampler(ABC):
+class Sampler(ComponentHooks, ABC):
     """Decides which local samples a client visits, and in which order, in one epoch."""
 
     def client_needs(self) -> ClientNeeds:
@@ -261,41 +360,20 @@ class Sampler(ABC):
 # ---------------------------------------------------------------------- loss transforms
 
 
-class LossTransform:
+class LossTransform(ComponentHooks, ABC):
     """Forms a client's training loss from its logits.
 
-    The default is plain cross-entropy. The loss of a batch is
-    ``sum(mask * per_sample_loss) / sum(mask) + penalty``; the mask is all ones except in
-    the vectorised engine's padded batches.
+    The default is plain cross-entropy, so a subclass overrides only what it changes. The
+    loss of a batch is ``sum(mask * per_sample_loss) / sum(mask) + penalty``; the mask is
+    all ones except in the vectorised engine's padded batches. A loss transform that must
+    see the whole federation first does so in :meth:`~ComponentHooks.prepare` (FedShift's
+    prior), one that learns from the clients' data in
+    :meth:`~ComponentHooks.setup_phase` (FedDisk).
     """
 
     def client_needs(self) -> ClientNeeds:
         """Any loss but plain cross-entropy runs on the client."""
         return ClientNeeds(client_side=True)
-
-    def prepare(self, federation: Any) -> "PhaseCost | None":
-        """Compute what the transform needs from the whole federation, once, before
-        round 1 (FedShift's global prior). ``federation`` is the
-        :class:`fedplug.data.federation.Federation` on the simulator; on a federated
-        runtime it holds only ``class_counts`` (K x C) and ``num_clients``, unless
-        :meth:`client_needs` sets ``pooled_data``. Returns the communication cost of any
-        extra phase it ran, or ``None``. Work on the clients' own data belongs in
-        :meth:`setup_phase`."""
-        return None
-
-    def setup_phase(self) -> "Any | None":
-        """A :class:`fedplug.setup_phase.SetupPhase` that runs on the clients' data before
-        round 1, in steps the server drives (FedDisk's MADE training); ``None`` when there
-        is none. Every runtime runs it the same way, after :meth:`prepare`."""
-        return None
-
-    def setup_report(self) -> dict[str, Any]:
-        """What :meth:`prepare` and the setup phase produced that a reader wants to see
-        (FedDisk's per-client sample-weight quantiles and their histogram), as JSON-ready
-        values; the simulator writes them to metrics.json as ``setup_report``
-        (:attr:`fedplug.run.results.RunResult.setup_report`). Empty by default, and
-        before :meth:`prepare` has run."""
-        return {}
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         """Per-client constant tensors for :meth:`per_sample_loss` and :meth:`penalty`."""
@@ -315,13 +393,6 @@ class LossTransform:
         holds the parameters the client started the round from."""
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """State to checkpoint (e.g. FedDisk's computed weights)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
-
 
 @dataclass(frozen=True)
 class PhaseCost:
@@ -330,6 +401,10 @@ class PhaseCost:
     rounds: int
     bytes_up: int
     bytes_down: int
+
+    def __add__(self, other: PhaseCost) -> PhaseCost:
+        """Both phases' rounds and bytes added up."""
+        return PhaseCost(self.rounds + other.rounds, self.bytes_up + other.bytes_up, self.bytes_down + other.bytes_down)
 
 
 # ------------------------------------------------------------------------- aggregators
@@ -369,7 +444,7 @@ class ClientUpdate:
     server holds; ``None`` when the runtime does not know it."""
 
 
-class Aggregator(ABC):
+class Aggregator(ComponentHooks, ABC):
     """Server-side combination of client models, plus the client-side work it needs.
 
     Server side: :meth:`initialize`, :meth:`server_payload`, :meth:`aggregate`.
@@ -413,12 +488,6 @@ class Aggregator(ABC):
         to send with the model."""
         return {}
 
-    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
-        """Metrics of the round just aggregated that the round record keeps beside the
-        grouper's (:meth:`Grouper.round_metrics`; a key both report is an error); none by
-        default. A study summarises them as its config's ``analysis`` declares."""
-        return {}
-
     def check_update(self, update: ClientUpdate) -> str | None:
         """Why this aggregator cannot use ``update``, for relations between its fields
         that only the algorithm knows (FedNova: ``a`` against ``num_steps``); ``None``
@@ -435,9 +504,6 @@ class Aggregator(ABC):
     def state_dict(self) -> dict[str, Any]:
         """Server state to checkpoint (momentum buffers, control variates)."""
         return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
 
 
 class WeightedMean:
@@ -493,31 +559,16 @@ class RoundPlan:
     """All groups formed this round (sampled or not), for the CPD metric."""
 
 
-class Grouper(ABC):
+class Grouper(ComponentHooks, ABC):
     """Forms the round's chains from the sampled clients."""
 
     def client_needs(self) -> ClientNeeds:
         """What forming the groups needs (default: nothing)."""
         return ClientNeeds()
 
-    def prepare(self, class_counts: np.ndarray) -> None:
-        """Called once with the K x C class-count matrix of all clients (zeros when
-        :meth:`client_needs` asks for no class counts and the runtime has none)."""
-
-    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray) -> dict[str, float]:
-        """Metrics of one round's plan, recorded with the round (FedGSP's CPD);
-        ``class_counts`` as given to :meth:`prepare`."""
-        return {}
-
     @abstractmethod
     def plan(self, round_number: int, clients: np.ndarray, rng: np.random.Generator) -> RoundPlan:
         """Return the plan of round ``round_number`` (1-based) for the sampled ``clients``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
 
 
 def as_tensor_context(values: dict[str, np.ndarray]) -> Context:

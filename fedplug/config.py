@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, model_serializer, model_validator
 
-from fedplug.components import ComponentConfig, StrictConfig
+from fedplug.components import SLOTS, ComponentConfig, StrictConfig
 from fedplug.config_errors import format_validation_error  # callers import it from here too
 from fedplug.deadline import LONGEST_CLIENT_TIMEOUT_SECONDS
 from fedplug.errors import ConfigError
@@ -43,7 +43,8 @@ COMPONENT_FIELDS = {
     "aggregator": "aggregators",
     "grouper": "groupers",
 }
-ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
+ALGORITHM_SLOTS = SLOTS
+"""The algorithm slots of ``train`` (:data:`fedplug.components.SLOTS`)."""
 
 MAX_SEED = 2**32 - 1
 """The largest seed (``train.seed``, ``data.seed``, ``study.seeds``): FedML seeds numpy's

@@ -383,16 +383,10 @@ def check_flower(config: Any, registry: Any, reference: tuple[Any, Any]) -> str:
         from fedplug.adapters.flower import LoopbackGrid, make_client_app, run_on_grid
     except ImportError:
         raise CheckSkipped("Flower is not installed (pip install 'fedplug[flower]')") from None
-    from fedplug.run.federated_round import client_needs
+    from fedplug.run.components import Components
 
-    train = config.train
-    components = [
-        registry.build("samplers", train.sampler),
-        registry.build("loss_transforms", train.loss_transform),
-        registry.build("aggregators", train.aggregator, config.data.num_clients),
-        registry.build("groupers", train.grouper),
-    ]
-    if client_needs(*components).pooled_data is not None:
+    components = Components.build(config.train, registry, config.data.num_clients)
+    if components.needs().pooled_data is not None:
         raise CheckSkipped("a component pools raw data in one place: simulator only")
     grid = LoopbackGrid(make_client_app(), config.data.num_clients)
     flower_logger = logging.getLogger("flwr")

@@ -1,8 +1,8 @@
 """Phases that run on the clients' data before round 1, the same way on every runtime.
 
-A loss transform that must learn something from the clients' own data before training
-(FedDisk's density models) declares a :class:`SetupPhase` through
-:meth:`fedplug.components.LossTransform.setup_phase`. The phase is a conversation: the
+A component of any slot that must learn something from the clients' own data before
+training (FedDisk's density models) declares a :class:`SetupPhase` through
+:meth:`fedplug.components.ComponentHooks.setup_phase`. The phase is a conversation: the
 server side (:meth:`SetupPhase.server`, a generator) yields one :class:`SetupStep` at a
 time and receives every client's :class:`SetupReply`; the client side
 (:meth:`SetupPhase.client`) answers a step on one client's data, keeping what it needs in
@@ -21,13 +21,16 @@ streams, so the phase ends with the same result.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torch import Tensor
 
-from fedplug.components import Context, LossTransform, PhaseCost
+from fedplug.components import ComponentHooks, Context, PhaseCost
+
+NO_COST = PhaseCost(0, 0, 0)
+"""The cost of no phase."""
 
 Value = int | float | str | bool
 """A plain value a step or a reply carries."""
@@ -119,24 +122,40 @@ def run_in_process(phase: SetupPhase, clients: list[ClientInputs]) -> PhaseCost:
     return cost if cost is not None else PhaseCost(0, 0, 0)
 
 
-def prepare_loss_transform(loss_transform: LossTransform, federation: Any) -> PhaseCost:
-    """Prepare ``loss_transform`` in one process that holds the whole ``federation``:
-    :meth:`~fedplug.components.LossTransform.prepare`, then its setup phase, if any. The
-    returned cost adds up both."""
-    cost = loss_transform.prepare(federation) or PhaseCost(0, 0, 0)
-    phase = loss_transform.setup_phase()
-    if phase is None:
-        return cost
-    clients = [
-        PhaseInputs(index, client.train_x, client.train_y)
-        for index, client in enumerate(federation.clients)
-    ]
-    extra = run_in_process(phase, clients)
-    return PhaseCost(
-        cost.rounds + extra.rounds,
-        cost.bytes_up + extra.bytes_up,
-        cost.bytes_down + extra.bytes_down,
-    )
+def prepare_in_process(components: Iterable[ComponentHooks], federation: Any) -> PhaseCost:
+    """Prepare ``components`` (a run's :class:`~fedplug.run.components.Components`, or
+    any of its slots) in one process that holds the whole ``federation``: every one's
+    :meth:`~fedplug.components.ComponentHooks.prepare`, then :func:`setup_in_process`.
+    The returned cost adds up all of them."""
+    components = list(components)
+    cost = NO_COST
+    for component in components:
+        cost = cost + (component.prepare(federation) or NO_COST)
+    return cost + setup_in_process(components, federation)
+
+
+def setup_in_process(components: Iterable[ComponentHooks], federation: Any) -> PhaseCost:
+    """Run the setup phase of every one of ``components`` that declares one (whatever its
+    slot, in the order given; ask after they have prepared) with every client of
+    ``federation`` in this process (:func:`run_in_process`); their costs added up."""
+    cost = NO_COST
+    clients: list[ClientInputs] | None = None
+    for component in components:
+        phase = component.setup_phase()
+        if phase is None:
+            continue
+        if clients is None:
+            clients = [
+                PhaseInputs(index, client.train_x, client.train_y)
+                for index, client in enumerate(federation.clients)
+            ]
+        cost = cost + run_in_process(phase, clients)
+    return cost
+
+
+def prepare_loss_transform(loss_transform: ComponentHooks, federation: Any) -> PhaseCost:
+    """:func:`prepare_in_process` of one component (a loss transform, or any slot's)."""
+    return prepare_in_process([loss_transform], federation)
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,6 @@ TIMING_NAME = "timing.json"
 PURPOSE = "fedplug pipeline stage setup"
 """The fingerprint in this stage's output marker: what the folder is for (its content
 changes with the params; the stage itself replaces what is stale)."""
-SETUP_SLOTS = {"loss_transform": "loss_transforms"}
-"""The slots whose components can run a setup phase (:meth:`LossTransform.setup_phase`),
-and their registry kinds; a setup file named by a component of another slot is an error."""
 
 
 class SetupWork(NamedTuple):
@@ -123,11 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                 file_name = work.config.setup_file(federation)
                 if file_name is None:
                     continue
-                if work.slot not in SETUP_SLOTS:
-                    from fedplug.errors import ConfigError
-
-                    raise ConfigError(f"algorithms.{label}.{work.slot}: {work.config.name} names a setup file, but "
-                                      f"only {', '.join(SETUP_SLOTS)} components run a setup phase")
                 entry, took = ensure_setup_file(label, work, file_name, federation, folder, existing, registry, owned)
                 entries.append(entry)
                 seconds[file_name] = took
@@ -194,8 +186,9 @@ def ensure_setup_file(label: str, work: SetupWork, file_name: str, federation: A
     """Make ``folder/<file_name>`` exist (kept, copied from another label's folder with the
     same name, or computed by running the component's setup), list it in the output marker
     (``owned``); returns the ``info.json`` entry and the seconds it took to compute."""
+    from fedplug.components import SLOT_KINDS
     from fedplug.output_folder import write_through_path
-    from fedplug.setup_phase import prepare_loss_transform
+    from fedplug.setup_phase import prepare_in_process
 
     target = folder / file_name
     previous = {item.get("file") for item in (_read_info(folder) or {}).get("setup") or [] if isinstance(item, dict)}
@@ -208,8 +201,10 @@ def ensure_setup_file(label: str, work: SetupWork, file_name: str, federation: A
     else:
         owned.remove(f"{folder.name}/{file_name}")
         started = time.perf_counter()
-        component = registry.build(SETUP_SLOTS[work.slot], work.config.model_copy(update={"cache_dir": str(folder)}))
-        prepare_loss_transform(component, federation)  # the component writes its file here, once
+        config = work.config.model_copy(update={"cache_dir": str(folder)})
+        arguments = (federation.num_clients,) if work.slot == "aggregator" else ()
+        component = registry.build(SLOT_KINDS[work.slot], config, *arguments)
+        prepare_in_process([component], federation)  # the component writes its file here, once
         seconds, status = time.perf_counter() - started, "computed"
     owned.record(f"{folder.name}/{file_name}")
     cost = work.config.setup_file_cost(target)

@@ -31,6 +31,7 @@ from fedplug.algorithms.fedgsp import (
     num_groups,
     random_groups,
 )
+from fedplug.components import FederationSummary
 from fedplug.config import validate_experiment
 from fedplug.cost_model import LinkAndDevice, round_cost
 from fedplug.errors import ConfigError
@@ -267,7 +268,7 @@ def test_cpd_summary_leaves_out_groups_without_samples() -> None:
 def test_plan_samples_ceil_kappa_of_the_groups_in_random_order() -> None:
     counts = skewed_counts(np.random.default_rng(0), num_clients=200)
     grouper = FedGSPGrouper(FedGSPConfig(name="fedgsp"))
-    grouper.prepare(counts)
+    grouper.prepare(FederationSummary(counts))
     clients = np.arange(50, 150)  # 100 sampled clients with global ids
     plan = grouper.plan(1, clients, np.random.default_rng(1))
     # Round 1: M = 10 * floor(2 ln 1 + 1) = 10 -> L = 10 clusters of 10 -> 10 groups.
@@ -286,7 +287,7 @@ def test_plan_samples_ceil_kappa_of_the_groups_in_random_order() -> None:
 def test_plan_is_reproducible_from_the_generator() -> None:
     counts = skewed_counts(np.random.default_rng(0))
     grouper = FedGSPGrouper(FedGSPConfig(name="fedgsp", group_fraction=0.5))
-    grouper.prepare(counts)
+    grouper.prepare(FederationSummary(counts))
     first = grouper.plan(2, np.arange(100), np.random.default_rng(9))
     second = grouper.plan(2, np.arange(100), np.random.default_rng(9))
     assert first == second
@@ -305,7 +306,7 @@ def test_naive_mode_uses_random_groups_of_fixed_size() -> None:
 def test_naive_icg_mode_keeps_m_fixed_across_rounds() -> None:
     counts = skewed_counts(np.random.default_rng(0))
     grouper = FedGSPGrouper(FedGSPConfig(name="fedgsp", mode="naive_icg", fixed_groups=20))
-    grouper.prepare(counts)
+    grouper.prepare(FederationSummary(counts))
     for round_number in (1, 50):
         plan = grouper.plan(round_number, np.arange(100), np.random.default_rng(0))
         assert plan.groups is not None and len(plan.groups) == 20

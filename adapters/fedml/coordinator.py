@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
@@ -35,13 +36,14 @@ from fedplug.errors import TrainingError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.run.chains import RoundChains
+from fedplug.run.components import Components
 from fedplug.run.evaluation import Evaluator
 from fedplug.run.federated_round import RoundCore
 from fedplug.run.model import build_model
 from fedplug.run.results import RoundRecord
 from fedplug.run.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 from fedplug.screening import ScreeningConfig, count_problem, number_problem
-from fedplug.setup_phase import prepare_loss_transform
+from fedplug.setup_phase import prepare_in_process
 
 from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of, reply
 
@@ -88,16 +90,17 @@ class Coordinator:
         self.workers = workers
         self.on_round = on_round
         self.model = build_model(train_config, registry, federation, federation.device)
-        self.aggregator = registry.build(
-            "aggregators", train_config.aggregator, federation.num_clients
+        # The schedule's grouper formed the plans: the run's grouper is that one.
+        self.components = replace(
+            Components.build(train_config, registry, federation.num_clients), grouper=schedule.grouper
         )
-        self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
+        self.aggregator = self.components.aggregator
+        self.loss_transform = self.components.loss_transform
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.global_vector = model_to_vector(self.model)
         self.core = RoundCore(
             train_config,
-            aggregator=self.aggregator,
-            grouper=schedule.grouper,
+            components=self.components,
             num_clients=federation.num_clients,
             class_counts=federation.class_counts,
             client_sizes=federation.client_sizes,
@@ -108,12 +111,12 @@ class Coordinator:
             runtime="FedML",
         )
         started = time.perf_counter()
-        setup_cost = prepare_loss_transform(self.loss_transform, federation)
+        setup_cost = prepare_in_process(self.components, federation)
         setup_seconds = time.perf_counter() - started
         self.aggregator.initialize(self.global_vector)
         self.result = self.core.run_result(
             [],
-            self.loss_transform,
+            self.components,
             target_accuracy=target_accuracy,
             engine=ENGINE_NAME,
             setup_cost=setup_cost,

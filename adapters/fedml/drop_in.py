@@ -34,14 +34,20 @@ import numpy as np
 from fedml.core import ServerAggregator
 from torch import Tensor, nn
 
-from fedplug.components import ClientNeeds, RoundPlan
+from fedplug.components import SLOTS, ClientNeeds, FederationSummary, RoundPlan
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.run.chains import ChainProgress, RoundChains
+from fedplug.run.components import Components
 from fedplug.run.evaluation import evaluate_batches
-from fedplug.run.federated_round import Attempt, Evaluation, RoundCore, client_needs, round_steps
+from fedplug.run.federated_round import (
+    Attempt,
+    Evaluation,
+    RoundCore,
+    round_steps,
+)
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.screening import count_problem, dtype_problem
@@ -136,17 +142,13 @@ class FedplugAggregator(ServerAggregator):
             raise ConfigError(f"num_clients ({num_clients}) must be positive")
         self.config = train_config
         self.num_clients = num_clients
-        self.aggregator = registry.build("aggregators", train_config.aggregator, num_clients)
-        self.grouper = registry.build("groupers", train_config.grouper)
-        sampler = registry.build("samplers", train_config.sampler)
-        self.loss_transform = registry.build("loss_transforms", train_config.loss_transform)
-        needs = client_needs(sampler, self.loss_transform, self.aggregator, self.grouper)
-        unmet = unmet_needs(needs, class_counts is not None)
+        self.components = Components.build(train_config, registry, num_clients)
+        self.aggregator = self.components.aggregator
+        self.grouper = self.components.grouper
+        self.loss_transform = self.components.loss_transform
+        unmet = unmet_needs(self.components.needs(), class_counts is not None)
         if unmet:
-            names = ", ".join(
-                f"{slot}={getattr(train_config, slot).name}"
-                for slot in ("sampler", "loss_transform", "aggregator", "grouper")
-            )
+            names = ", ".join(f"{slot}={getattr(train_config, slot).name}" for slot in SLOTS)
             raise ConfigError(
                 f"FedplugAggregator runs next to your own FedML ClientTrainer, whose replies are "
                 f"a model and a sample count; {names} also needs: {'; '.join(unmet)}. Run it with "
@@ -161,15 +163,21 @@ class FedplugAggregator(ServerAggregator):
             raise ConfigError(
                 f"class_counts has {counts.shape[0]} rows, one per client is {num_clients}"
             )
-        self.grouper.prepare(counts)
+        self.components.prepare(FederationSummary(counts))
+        phases = self.components.setup_phases()
+        if phases:
+            raise ConfigError(
+                f"FedplugAggregator runs next to your own FedML ClientTrainer, which cannot run the setup "
+                f"phase of the {', '.join(slot for slot, _ in phases)}; run it with fedplug's ClientTrainer "
+                "instead: python -m fedplug.adapters.fedml run CONFIG"
+            )
         self.vector = model_to_vector(model).detach().clone()
         self.aggregator.initialize(self.vector)
         if input_shape is None and test_data is not None:
             input_shape = first_input_shape(test_data)
         self.core = RoundCore(
             train_config,
-            aggregator=self.aggregator,
-            grouper=self.grouper,
+            components=self.components,
             num_clients=num_clients,
             class_counts=counts if class_counts is not None else None,
             client_sizes=counts.sum(axis=1) if class_counts is not None else None,
@@ -201,7 +209,7 @@ class FedplugAggregator(ServerAggregator):
         ``metrics.json`` holds them (no setup phase: the components are client-free)."""
         return self.core.run_result(
             list(self.history),
-            self.loss_transform,
+            self.components,
             target_accuracy=self.target_accuracy,
             engine=ENGINE_NAME,
             fedml_rounds=self.comm_round,

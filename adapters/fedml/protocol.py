@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from fedplug.components import Grouper, RoundPlan
+from fedplug.components import FederationSummary, Grouper, RoundPlan
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
+from fedplug.run.components import build_component
 from fedplug.run.federated_round import participants, plan_round, round_steps
 
 
@@ -129,8 +130,8 @@ def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray)
     """Every round's plan, in round order, from the round core
     (:func:`fedplug.run.federated_round.plan_round`): the clients and groups the simulator
     draws for the same config."""
-    grouper = registry.build("groupers", train_config.grouper)
-    grouper.prepare(class_counts)
+    grouper = build_component("grouper", train_config, registry)
+    grouper.prepare(FederationSummary(class_counts))
     plans = []
     for round_index in range(train_config.rounds):
         plan = plan_round(train_config, grouper, class_counts.shape[0], round_index)

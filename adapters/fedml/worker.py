@@ -25,9 +25,8 @@ from fedplug.data.federation import Federation
 from fedplug.deadline import deadline
 from fedplug.errors import TrainingError
 from fedplug.registry import Registry
-from fedplug.run.federated_round import client_needs
+from fedplug.run.components import Components
 from fedplug.run.local_training import (
-    ClientAlgorithm,
     LocalSchedule,
     check_reply_metrics,
     local_rng,
@@ -63,23 +62,13 @@ class Worker:
         self.slot = slot
         self.workers = workers
         self.model = model
-        algorithm = ClientAlgorithm(
-            sampler=registry.build("samplers", train_config.sampler),
-            loss_transform=registry.build("loss_transforms", train_config.loss_transform),
-            aggregator=registry.build(
-                "aggregators", train_config.aggregator, federation.num_clients
-            ),
-        )
+        components = Components.build(train_config, registry, federation.num_clients)
+        algorithm = components.client_algorithm()
         schedule = LocalSchedule(
             train_config.local_epochs, train_config.batch_size, train_config.optimizer
         )
         # The metrics the server's components read (the grouper's too) travel with each model.
-        reply_metrics = client_needs(
-            algorithm.sampler,
-            algorithm.loss_transform,
-            algorithm.aggregator,
-            registry.build("groupers", train_config.grouper),
-        ).reply_metrics
+        reply_metrics = components.needs().reply_metrics
         check_reply_metrics(reply_metrics)
         self.context = RoundContext(
             federation,

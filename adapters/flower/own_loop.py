@@ -60,6 +60,7 @@ from fedplug.components import TRAIN_LOSS, ComponentConfig, LocalTraining, LossT
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
+from fedplug.run.components import build_component
 from fedplug.run.local_training import check_reply_metrics, local_rng, mean_loss
 from fedplug.run.vectors import model_to_vector, split_like
 
@@ -170,7 +171,7 @@ class RoundSampler(Sampler[int]):
         self.config = train.sampler
         self.seed = int(train.seed)
         self.num_classes = num_classes
-        self.component = registry.build("samplers", train.sampler)
+        self.component = build_component("sampler", train, registry)
         self._labels = _LabelCache(label_key)
         self._round: tuple[np.ndarray, np.ndarray, int, np.random.Generator] | None = None
         self._next_epoch: np.ndarray | None = None
@@ -303,11 +304,11 @@ class FedplugLoss:
         algorithm = self.trainer.algorithm
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.state_namespace = state_namespace
-        self.needs = algorithm.loss_transform.client_needs() | algorithm.aggregator.client_needs()
-        self._phase = algorithm.loss_transform.setup_phase()
+        self.needs = self.trainer.components.needs()
+        self._phases = [phase for _, phase in self.trainer.components.setup_phases()]
         self._uses_client_data = (
             self.needs.class_counts
-            or self._phase is not None
+            or bool(self._phases)
             or type(algorithm.loss_transform).client_context is not LossTransform.client_context
         )
         self._labels = _LabelCache(label_key)
@@ -319,9 +320,9 @@ class FedplugLoss:
 
     def register(self, app: ClientApp, data: DataOf | None) -> None:
         """Register on ``app`` what the components need the node to answer: the class
-        counts query (``@app.query()``) and the loss transform's setup phase
+        counts query (``@app.query()``) and every component's setup phase
         (``@app.train("<phase name>")``); nothing when they need neither."""
-        if not (self.needs.class_counts or self._phase is not None):
+        if not (self.needs.class_counts or self._phases):
             return
         if data is None:
             raise ConfigError(
@@ -330,7 +331,7 @@ class FedplugLoss:
             )
         if self.needs.class_counts:
             answer_class_counts(app, data, trainer=self.trainer)
-        if self._phase is not None:
+        if self._phases:
             trainer, namespace = self.trainer, self.state_namespace
 
             def setup_phase(message: Message, context: Context) -> Message:
@@ -338,7 +339,8 @@ class FedplugLoss:
                     data(context), message, context, state_namespace=namespace
                 )
 
-            app.train(self._phase.name)(setup_phase)
+            for phase in self._phases:
+                app.train(phase.name)(setup_phase)
 
     def _names(self) -> str:
         config = self.trainer.config
@@ -349,8 +351,7 @@ class FedplugLoss:
 
     def _data_uses(self) -> list[str]:
         uses = ["its class counts"] if self.needs.class_counts else []
-        if self._phase is not None:
-            uses.append(f"the setup phase {self._phase.name!r}")
+        uses.extend(f"the setup phase {phase.name!r}" for phase in self._phases)
         return uses
 
     # --------------------------------------------------------------------- round

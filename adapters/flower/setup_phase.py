@@ -1,11 +1,11 @@
-"""Any loss transform's setup phase (:class:`fedplug.setup_phase.SetupPhase`) over Flower
-messages: the server drives the phase, every node answers for its own client and keeps
+"""Any component's setup phase (:class:`fedplug.setup_phase.SetupPhase`), whatever its
+slot, over Flower messages: the server drives the phase, every node answers for its own client and keeps
 its client's state in ``context.state``.
 
 Every :class:`~fedplug.setup_phase.SetupStep` the phase's server side yields goes as one
 message of type ``train.<phase name>`` to every node (a ClientApp answers it with
 ``@app.train("<phase name>")`` returning ``trainer.setup_phase(data, message, context)``;
-the ready ``client_app`` does for every phase an installed loss transform declares):
+the ready ``client_app`` does for every phase an installed component declares):
 
 ============================ ============= ===============================================
 key                          record        content
@@ -44,7 +44,7 @@ from flwr.serverapp import Grid
 from pydantic import ValidationError
 from torch import Tensor
 
-from fedplug.components import PhaseCost
+from fedplug.components import SLOT_KINDS, PhaseCost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.registry import Registry
 from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, Value
@@ -221,8 +221,8 @@ def answer_setup_step(
     """
     if message.metadata.message_type != message_type(phase):
         raise ConfigError(
-            f"a {message.metadata.message_type!r} message arrived, but this node's loss "
-            f"transform runs the setup phase {phase.name!r} ({message_type(phase)!r})"
+            f"a {message.metadata.message_type!r} message arrived, but this node answers it with "
+            f"the setup phase {phase.name!r} ({message_type(phase)!r})"
         )
     content = message.content
     config = content.config_records.get(CONFIG_KEY, ConfigRecord())
@@ -283,19 +283,21 @@ def save_phase_state(context: Context, namespace: str, name: str, state: Mapping
 
 
 def setup_phase_names(registry: Registry) -> list[str]:
-    """The names of the setup phases the loss transforms of ``registry`` declare with
-    their default config: the actions a ready ClientApp answers. A loss transform whose
-    config has no defaults cannot be built here; its users register its handler
-    themselves."""
+    """The names of the setup phases the components of ``registry`` (of every slot)
+    declare with their default config: the actions a ready ClientApp answers. A
+    component whose config has no defaults cannot be built here; its users register its
+    handler themselves."""
     names: list[str] = []
-    for registration in registry.entries("loss_transforms"):
-        try:
-            config = registration.config_class()
-        except ValidationError:
-            continue
-        phase = registration.factory(config).setup_phase()
-        if phase is not None and phase.name not in names:
-            names.append(phase.name)
+    for kind in SLOT_KINDS.values():
+        for registration in registry.entries(kind):
+            try:
+                config = registration.config_class()
+            except ValidationError:
+                continue
+            arguments = (1,) if kind == SLOT_KINDS["aggregator"] else ()
+            phase = registration.factory(config, *arguments).setup_phase()
+            if phase is not None and phase.name not in names:
+                names.append(phase.name)
     return names
 
 

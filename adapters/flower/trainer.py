@@ -47,12 +47,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fedplug.components import Context as LossContext
-from fedplug.components import LossTransform
+from fedplug.components import FederationSummary, LossTransform
 from fedplug.config import validate_section
 from fedplug.deadline import deadline
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
-from fedplug.run.federated_round import client_needs
+from fedplug.run.components import Components
 from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
@@ -139,22 +139,22 @@ class FedplugTrainer:
         self.num_classes = num_classes
         self.label_key = label_key
         self.input_key = input_key
-        self.algorithm = ClientAlgorithm(
-            sampler=registry.build("samplers", train_config.sampler),
-            loss_transform=registry.build("loss_transforms", train_config.loss_transform),
-            # K only matters to the server side of an aggregator.
-            aggregator=registry.build("aggregators", train_config.aggregator, 1),
-        )
+        # K only matters to the server side of an aggregator.
+        self.components = Components.build(train_config, registry, num_clients=1)
+        self.algorithm: ClientAlgorithm = self.components.client_algorithm()
         self.schedule = LocalSchedule(
             train_config.local_epochs, train_config.batch_size, train_config.optimizer
         )
-        self.reply_metrics = client_needs(
-            self.algorithm.sampler, self.algorithm.loss_transform, self.algorithm.aggregator
-        ).reply_metrics
-        """The metrics every reply carries because this trainer's own components read
-        them; a server adds more by naming them in ``fedplug.reply-metrics``."""
+        self.reply_metrics = self.components.needs().reply_metrics
+        """The metrics every reply carries because the run's components read them; a
+        server adds more by naming them in ``fedplug.reply-metrics``."""
         self._prepared = not _needs_prepare(self.algorithm.loss_transform)
+        self._phases: dict[str, SetupPhase] = {
+            phase.name: phase for _, phase in self.components.setup_phases()
+        }
+        """Every slot's setup phase by name: the ``train.<name>`` messages this node answers."""
         self._phase: SetupPhase | None = self.algorithm.loss_transform.setup_phase()
+        """The loss transform's setup phase, whose state gives the loss its client context."""
         self._payload_keys = frozenset(self.algorithm.aggregator.client_needs().server_payload)
         """What the aggregator's server side sends with every model, as it declares it."""
         self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
@@ -194,9 +194,7 @@ class FedplugTrainer:
         FedAvg). With :class:`~fedplug.adapters.flower.FedplugStrategy` on the server this
         is not needed: the server gathers the counts by a query message and sends the
         result."""
-        from .priors import ClassCounts
-
-        self.algorithm.loss_transform.prepare(ClassCounts(np.asarray(class_counts)))
+        self.algorithm.loss_transform.prepare(FederationSummary(np.asarray(class_counts)))
         self._prepared = True
 
     def _load_loss_state(self, content: RecordDict) -> None:
@@ -428,16 +426,19 @@ class FedplugTrainer:
         Raises:
             ConfigError: the loss transform declares no setup phase, or another one.
         """
-        if self._phase is None:
+        message_type = message.metadata.message_type
+        phase = self._phases.get(message_type.partition(".")[2])
+        if phase is None:
+            declared = sorted(self._phases) or "none"
             raise ConfigError(
-                f"a {message.metadata.message_type!r} message arrived, but loss transform "
-                f"{self.config.loss_transform.name!r} declares no setup phase"
+                f"a {message_type!r} message arrived, but the components declare no such setup "
+                f"phase (their setup phases: {declared})"
             )
         config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
         local = self._local_data(data, torch.device(device))
         inputs = local.inputs[torch.arange(local.num_samples, device=local.labels.device)]
         client = PhaseInputs(self._client_id(config, context), inputs, local.labels)
-        return answer_setup_step(self._phase, client, message, context, state_namespace, device)
+        return answer_setup_step(phase, client, message, context, state_namespace, device)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Any, message: Message) -> Message:

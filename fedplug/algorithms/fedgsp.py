@@ -49,7 +49,7 @@ from ortools.graph.python.min_cost_flow import SimpleMinCostFlow
 from pydantic import Field
 
 from fedplug.analysis import Analysis, BoxFigure, RoundMetricColumn
-from fedplug.components import ClientNeeds, ComponentConfig, Grouper, RoundPlan
+from fedplug.components import ClientNeeds, ComponentConfig, FederationView, Grouper, RoundPlan
 from fedplug.hookspecs import RegisterGrouper, hookimpl
 
 GrowthKind = Literal["linear", "log", "exp"]
@@ -666,8 +666,9 @@ class FedGSPGrouper(Grouper):
         """The paper's CPD (eq. 14) between the round's groups, with ``cpd_sigma``."""
         return group_cpd_metrics(plan, class_counts, self.config.cpd_sigma)
 
-    def prepare(self, class_counts: np.ndarray) -> None:
-        class_counts = np.asarray(class_counts, dtype=np.float64)
+    def prepare(self, federation: FederationView) -> None:
+        """Keep ``federation``'s K x C class counts, which ICG clusters."""
+        class_counts = np.asarray(federation.class_counts, dtype=np.float64)
         if class_counts.ndim != 2:
             raise ValueError(f"class_counts must be K x C, got shape {class_counts.shape}")
         self.class_counts = class_counts
@@ -688,7 +689,7 @@ class FedGSPGrouper(Grouper):
             groups = random_groups(clients, count, rng)
         else:
             if self.class_counts is None:
-                raise RuntimeError("FedGSPGrouper.prepare(class_counts) must run before plan()")
+                raise RuntimeError("FedGSPGrouper.prepare(federation) must run before plan()")
             local = inter_cluster_groups(
                 self.class_counts[clients], count, rng, self.config.max_iterations
             )

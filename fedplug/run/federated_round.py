@@ -54,17 +54,19 @@ import torch
 from torch import Tensor
 
 from fedplug.components import (
+    SLOTS,
     Aggregator,
     ClientNeeds,
     ClientUpdate,
+    ComponentHooks,
     Grouper,
-    LossTransform,
     PhaseCost,
     RoundPlan,
 )
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
+from fedplug.run.components import Components, merged_round_metrics
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.round_screen import (
     ClientFailure,
@@ -84,8 +86,6 @@ SAMPLING_STREAM = 0xC11E
 """Tag of the generator that samples a round's clients: ``[seed, round_index, tag]``."""
 GROUPER_STREAM = 0x6E0
 """Tag of the generator handed to :meth:`fedplug.components.Grouper.plan`."""
-SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
-"""The component slots of a ``train`` config."""
 NO_SETUP = PhaseCost(0, 0, 0)
 """The cost of a run without a setup phase."""
 
@@ -250,6 +250,13 @@ class Attempt:
     attempts: int
 
 
+class SetupReporter(Protocol):
+    """What reports a run's setup (:class:`~fedplug.run.components.Components`, or one
+    component)."""
+
+    def setup_report(self) -> dict[str, Any]: ...
+
+
 TrainAttempt = Callable[[int], Iterable[Outcome]]
 """Runs one attempt (0-based) of the round's plan on the runtime; returns one outcome per
 chain, in plan order (a generator may train lazily, as the aggregator consumes it)."""
@@ -260,7 +267,11 @@ class RoundCore:
 
     Args:
         train_config: the validated ``train`` section.
-        aggregator, grouper: the run's components (built and prepared by the runtime).
+        components: the run's components (built and prepared by the runtime,
+            :class:`~fedplug.run.components.Components`); every slot's round metrics
+            go into the record.
+        aggregator, grouper: instead of ``components``, for a runtime that holds them
+            one by one (only their round metrics go into the record).
         num_clients: K.
         class_counts: the K x C class counts, or ``None`` when the runtime has not
             gathered them (no component asked; metrics that need them are left out).
@@ -278,8 +289,9 @@ class RoundCore:
         self,
         train_config: Any,
         *,
-        aggregator: Aggregator,
-        grouper: Grouper,
+        components: Components | None = None,
+        aggregator: Aggregator | None = None,
+        grouper: Grouper | None = None,
         num_clients: int,
         class_counts: np.ndarray | None,
         client_sizes: np.ndarray | None,
@@ -291,8 +303,17 @@ class RoundCore:
         checkpoint: Any = None,
     ) -> None:
         self.config = train_config
-        self.aggregator = aggregator
-        self.grouper = grouper
+        if components is not None:
+            aggregator, grouper = components.aggregator, components.grouper
+            reporting: dict[str, ComponentHooks] = components.by_slot()
+        elif aggregator is None or grouper is None:
+            raise TypeError("RoundCore needs the run's components, or its aggregator and grouper")
+        else:
+            reporting = {"aggregator": aggregator, "grouper": grouper}
+        self.aggregator: Aggregator = aggregator
+        self.grouper: Grouper = grouper
+        self.reporting = reporting
+        """The components whose round metrics the record keeps, by slot."""
         self.num_clients = num_clients
         self.class_counts = class_counts
         self.client_sizes = client_sizes
@@ -571,19 +592,13 @@ class RoundCore:
     # ----------------------------------------------------------------- record
 
     def round_metrics(self, plan: RoundPlan) -> dict[str, float]:
-        """The server-side components' own metrics of the round of ``plan``: the grouper's
-        (FedGSP's CPD) and the aggregator's.
+        """The components' own metrics of the round of ``plan`` (FedGSP's CPD), every
+        slot's (:func:`~fedplug.run.components.merged_round_metrics`).
 
         Raises:
-            ConfigError: both report a metric of the same name.
+            ConfigError: two components report a metric of the same name.
         """
-        grouper = self.grouper.round_metrics(plan, self.class_counts)
-        aggregator = self.aggregator.round_metrics(plan, self.class_counts)
-        clash = sorted(set(grouper) & set(aggregator))
-        if clash:
-            raise ConfigError(f"the grouper and the aggregator both report the round metric(s) {', '.join(clash)}; "
-                              "rename one component's metric")
-        return {key: float(value) for key, value in {**grouper, **aggregator}.items()}
+        return merged_round_metrics(self.reporting, plan, self.class_counts)
 
     def record(
         self,
@@ -651,7 +666,7 @@ class RoundCore:
     def run_result(
         self,
         history: list[RoundRecord],
-        loss_transform: LossTransform,
+        reporter: SetupReporter,
         *,
         target_accuracy: float | None,
         engine: str,
@@ -661,7 +676,8 @@ class RoundCore:
     ) -> RunResult:
         """The run's result, the same on every runtime: ``history`` (the list the runtime
         appends each round's record to), the setup's cost (default none) and wall time, the
-        loss transform's :meth:`~fedplug.components.LossTransform.setup_report`, and
+        ``reporter``'s setup report (the run's :class:`~fedplug.run.components.Components`,
+        every slot's :meth:`~fedplug.components.ComponentHooks.setup_report`), and
         :meth:`derived_params` with ``engine`` and the runtime's ``runtime_entries``."""
         return RunResult(
             history,
@@ -670,7 +686,7 @@ class RoundCore:
             setup_bytes=setup_cost.bytes_up + setup_cost.bytes_down,
             setup_seconds=setup_seconds,
             derived_params=self.derived_params(engine, **runtime_entries),
-            setup_report=loss_transform.setup_report(),
+            setup_report=reporter.setup_report(),
         )
 
 
@@ -688,8 +704,9 @@ def derived_params(train_config: Any, engine: str, model_bytes: int, train_flops
 
 
 def client_needs(*components: Any) -> ClientNeeds:
-    """The union of what ``components`` (built sampler, loss transform, aggregator,
-    grouper) need from the clients."""
+    """The union of what ``components`` need from the clients, for a runtime that holds
+    them one by one (:meth:`fedplug.run.components.Components.needs` is this over a
+    run's four)."""
     needs = ClientNeeds()
     for component in components:
         needs = needs | component.client_needs()

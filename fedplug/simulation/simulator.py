@@ -38,8 +38,9 @@ from fedplug.models.flops import training_flops_per_sample
 from fedplug.models.zoo import has_batch_norm
 from fedplug.registry import Registry
 from fedplug.run.checkpoint import save_checkpoint
+from fedplug.run.components import Components
 from fedplug.run.evaluation import Evaluator
-from fedplug.run.federated_round import RoundCore, client_needs, sample_clients
+from fedplug.run.federated_round import RoundCore, sample_clients
 from fedplug.run.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.run.model import build_model, resolve_device
 from fedplug.run.results import RoundRecord, RunResult
@@ -50,7 +51,7 @@ from fedplug.run.vectors import (
     tensors_num_bytes,
     vector_to_model,
 )
-from fedplug.setup_phase import prepare_loss_transform
+from fedplug.setup_phase import setup_in_process
 from fedplug.simulation.sequential import SequentialEngine
 
 __all__ = ["Simulator", "sample_clients"]
@@ -98,16 +99,10 @@ class Simulator:
             )
         self.model = build_model(train_config, registry, federation, self.device)
         num_clients = federation.num_clients
-        self.algorithm = ClientAlgorithm(
-            sampler=registry.build("samplers", train_config.sampler),
-            loss_transform=registry.build("loss_transforms", train_config.loss_transform),
-            aggregator=registry.build("aggregators", train_config.aggregator, num_clients),
-        )
-        self.grouper = registry.build("groupers", train_config.grouper)
-        self.grouper.prepare(federation.class_counts)
-        self.reply_metrics = client_needs(
-            self.algorithm.sampler, self.algorithm.loss_transform, self.algorithm.aggregator, self.grouper
-        ).reply_metrics
+        self.components = Components.build(train_config, registry, num_clients)
+        self.algorithm: ClientAlgorithm = self.components.client_algorithm()
+        self.grouper = self.components.grouper
+        self.reply_metrics = self.components.needs().reply_metrics
         """The metrics every client reports with its model (none unless a component asks)."""
         check_reply_metrics(self.reply_metrics)
         self.schedule = LocalSchedule(train_config.local_epochs, train_config.batch_size, train_config.optimizer)
@@ -120,8 +115,7 @@ class Simulator:
         self.fingerprint = config_fingerprint(train_config, federation)
         self.core = RoundCore(
             train_config,
-            aggregator=self.algorithm.aggregator,
-            grouper=self.grouper,
+            components=self.components,
             num_clients=num_clients,
             class_counts=federation.class_counts,
             client_sizes=federation.client_sizes,
@@ -153,9 +147,10 @@ class Simulator:
 
     def prepare(self, *, resume: bool = True) -> None:
         """Where the run starts: the checkpoint's state when resuming from one (a corrupt
-        one, or one of another config, is refused), else the loss transform's preparation
-        and setup phase (FedDisk's density estimation, which can refuse the data) and the
-        aggregator's initial state. Runs once: :meth:`run` calls it unless
+        one, or one of another config, is refused), else the components' setup phases
+        (FedDisk's density estimation, which can refuse the data) and the aggregator's
+        initial state; every component is prepared first either way (its ``prepare``
+        rebuilds what a checkpoint does not keep: FedGSP's clusters). Runs once: :meth:`run` calls it unless
         :func:`fedplug.experiment.prepare_experiment` did, before anything is printed or
         written."""
         if self._start is not None:
@@ -163,7 +158,8 @@ class Simulator:
         global_vector = model_to_vector(self.model)
         client_states: dict[int, dict[str, Tensor]] = {}
         history: list[RoundRecord] = []
-        setup_cost = PhaseCost(0, 0, 0)
+        started = time.perf_counter()
+        setup_cost = self.components.prepare(self.federation)
         restored = None
         if self.checkpoint_path and resume:
             restored = resume_run(
@@ -172,7 +168,7 @@ class Simulator:
                 initial_vector=global_vector,
                 num_clients=self.federation.num_clients,
                 rounds=self.config.rounds,
-                components=self._components(),
+                components=self.components.checkpointed(),
                 num_samples=int(self.federation.client_sizes.sum()),
                 device=self.device,
             )
@@ -184,8 +180,7 @@ class Simulator:
             self._setup_seconds = restored.setup_seconds
             logger.info("resuming from %s after round %d", self.checkpoint_path, restored.rounds_done)
         else:
-            started = time.perf_counter()
-            setup_cost = prepare_loss_transform(self.algorithm.loss_transform, self.federation)
+            setup_cost = setup_cost + setup_in_process(self.components, self.federation)
             self._setup_seconds = time.perf_counter() - started
             self.algorithm.aggregator.initialize(global_vector)
         self._start = (global_vector, client_states, history, setup_cost)
@@ -207,7 +202,7 @@ class Simulator:
         )
         result = self.core.run_result(
             history,
-            self.algorithm.loss_transform,
+            self.components,
             target_accuracy=self.target_accuracy,
             engine=self.engine.name,
             setup_cost=setup_cost,
@@ -259,14 +254,6 @@ class Simulator:
         )
         return attempt.vector, record
 
-    def _components(self) -> dict[str, Any]:
-        """The components whose state a checkpoint holds, by checkpoint key."""
-        return {
-            "aggregator": self.algorithm.aggregator,
-            "grouper": self.grouper,
-            "loss_transform": self.algorithm.loss_transform,
-        }
-
     def _checkpoint_state(
         self, global_vector: Tensor, client_states: dict, history: list[RoundRecord], setup_cost: PhaseCost
     ) -> dict[str, Any]:
@@ -276,6 +263,6 @@ class Simulator:
             history,
             setup_cost,
             self._setup_seconds,
-            self._components(),
+            self.components.checkpointed(),
             client_states,
         ).to_dict()

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from fedplug.components import SLOTS as ALGORITHM_SLOTS
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
 
@@ -43,7 +44,6 @@ TENSORBOARD_FOLDER = "tensorboard"
 DVC_ENVIRONMENT_TAGS = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.baseline_rev"}
 """What ``dvc exp run`` sets in a stage's environment (dvc/env.py,
 dvc/repo/experiments/queue/base.py), and the tag each becomes."""
-ALGORITHM_SLOTS = ("sampler", "loss_transform", "aggregator", "grouper")
 
 
 @runtime_checkable

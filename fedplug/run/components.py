@@ -1,0 +1,160 @@
+"""A run's four components, built in one place and asked together.
+
+Every runtime (the simulator, Flower's strategy and trainer, FedML's coordinator,
+workers and drop-in aggregator, the plugin check) builds the sampler, loss transform,
+aggregator and grouper of a ``train`` config through :meth:`Components.build`, and asks
+them what they need, prepare them, collect their round metrics, setup phases and setup
+reports through :class:`Components`, slot by slot in the order of
+:data:`fedplug.components.SLOTS`: no runtime asks one slot what another may also say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedplug.components import (
+    SLOT_KINDS,
+    SLOTS,
+    Aggregator,
+    ClientNeeds,
+    ComponentHooks,
+    FederationView,
+    Grouper,
+    LossTransform,
+    PhaseCost,
+    RoundPlan,
+    Sampler,
+)
+from fedplug.errors import ConfigError
+from fedplug.run.local_training import ClientAlgorithm
+from fedplug.run.state import COMPONENT_KEYS
+from fedplug.setup_phase import NO_COST
+
+if TYPE_CHECKING:
+    from fedplug.registry import Registry
+    from fedplug.setup_phase import SetupPhase
+
+__all__ = ["SLOTS", "Components", "build_component", "merged_round_metrics"]
+
+
+def build_component(slot: str, train_config: Any, registry: Registry, num_clients: int = 1) -> Any:
+    """The component of ``slot`` (one of :data:`~fedplug.components.SLOTS`) that
+    ``train_config`` names, built by its registered factory; the aggregator is given K =
+    ``num_clients`` (1 where only its client side runs)."""
+    config = getattr(train_config, slot)
+    if slot == "aggregator":
+        return registry.build(SLOT_KINDS[slot], config, num_clients)
+    return registry.build(SLOT_KINDS[slot], config)
+
+
+def merged_round_metrics(
+    components: Mapping[str, ComponentHooks], plan: RoundPlan, class_counts: np.ndarray | None
+) -> dict[str, float]:
+    """Every one of ``components``' (by slot) round metrics of ``plan``, as floats, under
+    the names each reports.
+
+    Raises:
+        ConfigError: two slots report a metric of the same name.
+    """
+    merged: dict[str, float] = {}
+    owner: dict[str, str] = {}
+    for slot, component in components.items():
+        for key, value in component.round_metrics(plan, class_counts).items():
+            if key in owner:
+                raise ConfigError(
+                    f"the {owner[key]} and the {slot} both report the round metric {key!r}; "
+                    "rename one component's metric"
+                )
+            owner[key] = slot
+            merged[key] = float(value)
+    return merged
+
+
+@dataclass(frozen=True)
+class Components:
+    """The sampler, loss transform, aggregator and grouper of one run (or one client)."""
+
+    sampler: Sampler
+    loss_transform: LossTransform
+    aggregator: Aggregator
+    grouper: Grouper
+
+    @classmethod
+    def build(cls, train_config: Any, registry: Registry, num_clients: int = 1) -> Components:
+        """Build the four components ``train_config`` names, each once, in slot order;
+        the aggregator is given K = ``num_clients`` (default 1: a client, where only the
+        aggregator's client side runs)."""
+        built = {slot: build_component(slot, train_config, registry, num_clients) for slot in SLOTS}
+        return cls(**built)
+
+    def by_slot(self) -> dict[str, ComponentHooks]:
+        """The components by slot name, in slot order."""
+        return {slot: getattr(self, slot) for slot in SLOTS}
+
+    def __iter__(self) -> Iterator[ComponentHooks]:
+        return iter(self.by_slot().values())
+
+    def needs(self) -> ClientNeeds:
+        """The union of what the four need from the clients."""
+        needs = ClientNeeds()
+        for component in self:
+            needs = needs | component.client_needs()
+        return needs
+
+    def prepare(self, federation: FederationView) -> PhaseCost:
+        """Run every slot's ``prepare`` with ``federation`` (the simulator's
+        :class:`~fedplug.data.federation.Federation`, or a
+        :class:`~fedplug.components.FederationSummary` of class counts), in slot order;
+        their costs added up."""
+        cost = NO_COST
+        for component in self:
+            cost = cost + (component.prepare(federation) or NO_COST)
+        return cost
+
+    def setup_phases(self) -> list[tuple[str, SetupPhase]]:
+        """``(slot, phase)`` of every slot that declares a setup phase, in slot order; ask
+        after :meth:`prepare`, which may have loaded a phase's result (then the component
+        declares none)."""
+        phases = []
+        for slot, component in self.by_slot().items():
+            phase = component.setup_phase()
+            if phase is not None:
+                phases.append((slot, phase))
+        return phases
+
+    def setup_report(self) -> dict[str, Any]:
+        """Every slot's setup report merged (:meth:`~fedplug.components.ComponentHooks.setup_report`).
+
+        Raises:
+            ConfigError: two slots report an entry of the same name.
+        """
+        merged: dict[str, Any] = {}
+        owner: dict[str, str] = {}
+        for slot, component in self.by_slot().items():
+            for key, value in component.setup_report().items():
+                if key in owner:
+                    raise ConfigError(
+                        f"the {owner[key]} and the {slot} both report the setup entry {key!r}; "
+                        "rename one component's entry"
+                    )
+                owner[key] = slot
+                merged[key] = value
+        return merged
+
+    def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
+        """Every slot's metrics of the round of ``plan`` (:func:`merged_round_metrics`)."""
+        return merged_round_metrics(self.by_slot(), plan, class_counts)
+
+    def checkpointed(self) -> dict[str, ComponentHooks]:
+        """The components whose state a checkpoint holds, by checkpoint key
+        (:data:`fedplug.run.state.COMPONENT_KEYS`)."""
+        return {key: getattr(self, key) for key in COMPONENT_KEYS}
+
+    def client_algorithm(self) -> ClientAlgorithm:
+        """The client-side pieces (sampler, loss transform, aggregator) as local training
+        takes them."""
+        return ClientAlgorithm(self.sampler, self.loss_transform, self.aggregator)
