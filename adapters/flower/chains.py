@@ -61,7 +61,6 @@ from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
 from fedplug.run.chains import ChainProgress, RoundChains
 from fedplug.run.federated_round import Outcome
-from fedplug.run.round_screen import unusable
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
 from .records import (
@@ -311,10 +310,7 @@ class RoundInProgress:
             return f"replied without {lacking}"
         self.provided = True
         chain.advance(vector, samples, steps, seconds, extras, reported)
-        if not chain.finished:  # the last member's model is screened by the core
-            # Only the last member's metrics are the chain's, screened by the core.
-            return unusable(chain.update(self.plan), tuple(self.global_vector.shape), self.timeout)
-        return None
+        return chain.handed_on_problem(self.plan, self.timeout)
 
     def _samples(self, metrics: Mapping[str, Any]) -> int | None:
         """The reply's ``num-examples`` in ``[0, max_num_examples]``; ``None`` when absent

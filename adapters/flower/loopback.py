@@ -25,7 +25,12 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
-from fedplug.flower_internals import LOOPBACK_RUN_ID, SERVER_NODE_ID, empty_run, ensure_task_identity
+from fedplug.flower_internals import (
+    LOOPBACK_RUN_ID,
+    SERVER_NODE_ID,
+    empty_run,
+    ensure_task_identity,
+)
 
 __all__ = [
     "CLIENT_APP_RAISED_EXCEPTION",

@@ -16,10 +16,11 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
-from fedplug.components import PhaseCost
+from fedplug.components import FederationSummary, PhaseCost
 from fedplug.errors import TrainingError
+from fedplug.run.components import Components
 
-from .priors import ClassCounts, NodeDirectory, gather_class_counts, node_order_directory
+from .priors import NodeDirectory, gather_class_counts, node_order_directory
 from .records import CLIENT_ID, NUM_CLASSES, NUM_CLIENTS, ROUND, encode_loss_state
 from .setup_phase import run_setup_phase
 
@@ -70,28 +71,28 @@ def find_clients(
     )
 
 
-def prepare_loss_transform(
+def prepare_components(
     grid: Grid,
     directory: NodeDirectory,
     counts: np.ndarray,
-    transform: Any,
+    components: Components,
     *,
     name: str,
     message_config: dict[str, Any],
     requirement: str | None,
     timeout: float | None,
 ) -> tuple[PhaseCost, tuple[ArrayRecord, ConfigRecord] | None]:
-    """Prepare the loss transform ``name`` from the class counts, then run its setup phase
-    on the nodes; return the setup's cost and the prepared state to send with every train
-    message (``None`` when it has none).
+    """Prepare every component from the class counts, then run on the nodes the setup
+    phase of every component that declares one; return the setup's cost and the loss
+    transform's (named ``name``) prepared state to send with every train message (``None``
+    when it has none).
 
     Raises:
         TrainingError: a node failed in the setup phase; when a node lacks the phase's
             handler, the message names what the ClientApp must add (``requirement``).
     """
-    cost = transform.prepare(ClassCounts(counts)) or PhaseCost(0, 0, 0)
-    phase = transform.setup_phase()  # after prepare, which may have loaded its result
-    if phase is not None:
+    cost = components.prepare(FederationSummary(counts))
+    for _, phase in components.setup_phases():  # after prepare, which may have loaded a result
         try:
             extra = run_setup_phase(
                 grid, directory.node_of, phase, message_config=message_config, timeout=timeout
@@ -100,10 +101,6 @@ def prepare_loss_transform(
             if "function registered" in str(error) and requirement:
                 raise TrainingError(f"{error}; {requirement}") from None
             raise
-        cost = PhaseCost(
-            cost.rounds + extra.rounds,
-            cost.bytes_up + extra.bytes_up,
-            cost.bytes_down + extra.bytes_down,
-        )
-    state = transform.state_dict()
+        cost = cost + extra
+    state = components.loss_transform.state_dict()
     return cost, encode_loss_state(state, name) if state else None

@@ -47,11 +47,6 @@ def run_fingerprint(
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def checkpointed_components(aggregator: Any, grouper: Any, loss_transform: Any) -> dict[str, Any]:
-    """The components whose states a checkpoint keeps, by :class:`RunState` key."""
-    return {"aggregator": aggregator, "grouper": grouper, "loss_transform": loss_transform}
-
-
 def save_run(
     path: Path,
     fingerprint: str,

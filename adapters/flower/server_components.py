@@ -4,7 +4,7 @@ the clients, and the global model.
 
 It also checks the strategy's sizes and logs its summary. Building is kept here, one function per thing built, so that the strategy never calls
 the registry itself: :func:`build_components` (at construction),
-:func:`build_aggregator_for_nodes` (at setup, once the connected nodes are counted) and
+:func:`with_aggregator_for_nodes` (at setup, once the connected nodes are counted) and
 :func:`build_global_model`.
 """
 
@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from fedplug.components import ClientNeeds
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
-from fedplug.run.federated_round import client_needs
+from fedplug.run.components import Components, build_component
 from fedplug.run.model import build_model
 
 from .node_sampling import NodeRule
@@ -38,20 +37,7 @@ class _ModelShape:
     num_classes: int
 
 
-@dataclass
-class ServerComponents:
-    """The components of one ``train`` config, as built, and what they need together."""
-
-    sampler: Any
-    loss_transform: Any
-    aggregator: Any
-    grouper: Any
-    needs: ClientNeeds
-
-
-def build_components(
-    train_config: Any, registry: Registry, num_clients: int | None
-) -> ServerComponents:
+def build_components(train_config: Any, registry: Registry, num_clients: int | None) -> Components:
     """Build the config's components (the aggregator for ``num_clients``, 1 when the
     nodes are counted only at setup) and collect what they need from the clients.
 
@@ -59,24 +45,19 @@ def build_components(
         ConfigError: a component needs every client's raw data in one place
             (``ClientNeeds.pooled_data``), which a Flower deployment must not do.
     """
-    loss_transform = registry.build("loss_transforms", train_config.loss_transform)
-    # Rebuilt for the number of connected nodes when that is only known at setup.
-    aggregator = registry.build("aggregators", train_config.aggregator, num_clients or 1)
-    grouper = registry.build("groupers", train_config.grouper)
-    sampler = registry.build("samplers", train_config.sampler)
-    needs = client_needs(sampler, loss_transform, aggregator, grouper)
-    name = train_config.loss_transform.name
-    if needs.pooled_data is not None:
-        raise ConfigError(
-            f"train.loss_transform {name!r} cannot run on Flower: {needs.pooled_data}"
-        )
-    return ServerComponents(sampler, loss_transform, aggregator, grouper, needs)
+    # The aggregator is rebuilt for the number of connected nodes when that is only known at setup.
+    components = Components.build(train_config, registry, num_clients or 1)
+    pooled = components.needs().pooled_data
+    if pooled is not None:
+        name = train_config.loss_transform.name
+        raise ConfigError(f"train.loss_transform {name!r} cannot run on Flower: {pooled}")
+    return components
 
 
-def build_aggregator_for_nodes(train_config: Any, registry: Registry, num_clients: int) -> Any:
-    """The aggregator rebuilt for the ``num_clients`` nodes counted at setup (when the
-    strategy was not given ``num_clients``)."""
-    return registry.build("aggregators", train_config.aggregator, num_clients)
+def with_aggregator_for_nodes(components: Components, train_config: Any, registry: Registry, num_clients: int) -> Components:
+    """``components`` with the aggregator rebuilt for the ``num_clients`` nodes counted at
+    setup (when the strategy was not given ``num_clients``)."""
+    return replace(components, aggregator=build_component("aggregator", train_config, registry, num_clients))
 
 
 def build_global_model(
@@ -101,17 +82,15 @@ def build_global_model(
     return build_model(train_config, registry, shape, device)
 
 
-def requirement_line(train_config: Any, components: ServerComponents) -> str | None:
+def requirement_line(train_config: Any, components: Components) -> str | None:
     """What the ClientApp must add to the quickstart shape for these components, in one
     line (``None``: nothing); see :mod:`.requirements`."""
     slots = [
-        Component("sampler", train_config.sampler.name, components.sampler),
-        Component("loss_transform", train_config.loss_transform.name, components.loss_transform),
-        Component("aggregator", train_config.aggregator.name, components.aggregator),
-        Component("grouper", train_config.grouper.name, components.grouper),
+        Component(slot, getattr(train_config, slot).name, component)
+        for slot, component in components.by_slot().items()
     ]
-    phase = components.loss_transform.setup_phase()
-    return client_requirements(slots, phase.name if phase is not None else None)
+    phases = ", ".join(phase.name for _, phase in components.setup_phases())
+    return client_requirements(slots, phases or None)
 
 
 def check_sizes(

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from torch import Tensor, nn
 
+from fedplug.run.evaluation import evaluate_held_out
 from fedplug.run.federated_round import Evaluation
 from fedplug.run.vectors import vector_to_model
 
@@ -34,24 +34,14 @@ def central_evaluation(
     model: nn.Module, test_x: Tensor, test_y: Tensor, batch_size: int = 1000
 ) -> CentralEvaluation:
     """An ``evaluate_fn`` for :meth:`FedplugStrategy.start`: accuracy and mean
-    cross-entropy on a held-out test set, computed as the simulator's evaluator does."""
+    cross-entropy on a held-out test set, by the simulator's own evaluation
+    (:func:`fedplug.run.evaluation.evaluate_held_out`)."""
     layout = vector_layout(model)
 
-    @torch.no_grad()
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         vector_to_model(record_to_vector(arrays, layout).to(test_x.device), model)
-        model.eval()
-        correct = torch.zeros(len(test_y), dtype=torch.bool, device=test_y.device)
-        total_loss = 0.0
-        for start in range(0, len(test_y), batch_size):
-            logits = model(test_x[start : start + batch_size])
-            target = test_y[start : start + batch_size]
-            total_loss += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-            correct[start : start + batch_size] = logits.argmax(dim=1) == target
-        model.train()
-        return MetricRecord(
-            {ACCURACY: float(correct.float().mean()), LOSS: total_loss / max(len(test_y), 1)}
-        )
+        evaluation = evaluate_held_out(model, test_x, test_y, batch_size)
+        return MetricRecord({ACCURACY: evaluation.accuracy, LOSS: evaluation.loss})
 
     return evaluate
 

@@ -24,17 +24,18 @@ from torch import Tensor
 from fedplug.components import PhaseCost
 from fedplug.cost_model import LinkAndDevice
 from fedplug.registry import Registry
+from fedplug.run.components import Components
 from fedplug.run.federated_round import RoundCore
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.state import resume_run
 
 from .node_sampling import NodeRule
-from .node_setup import NodeMessages, find_clients, prepare_loss_transform
+from .node_setup import NodeMessages, find_clients, prepare_components
 from .priors import NodeDirectory
 from .records import record_to_vector
 from .round_records import FinishedRound, RoundRecords, log_round, record_round
-from .server_checkpoint import checkpointed_components, run_fingerprint, save_run
-from .server_components import build_aggregator_for_nodes
+from .server_checkpoint import run_fingerprint, save_run
+from .server_components import with_aggregator_for_nodes
 from .server_evaluation import CentralEvaluation, central_metrics, round_evaluation
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
@@ -67,21 +68,19 @@ class ServerRun:
 
     Args:
         settings: the strategy's arguments.
-        loss_transform, aggregator, grouper: the built components (the aggregator is
-            rebuilt at setup for the connected nodes when K is not fixed).
+        components: the built components (the aggregator is rebuilt at setup for the
+            connected nodes when K is not fixed).
         vector_record: a flat model vector as the ArrayRecord sent to the nodes.
     """
 
     def __init__(
         self,
         settings: RunSettings,
-        loss_transform: Any,
-        aggregator: Any,
-        grouper: Any,
+        components: Components,
         vector_record: Callable[[Tensor], ArrayRecord],
     ) -> None:
         self.settings = settings
-        self.loss_transform, self.aggregator, self.grouper = loss_transform, aggregator, grouper
+        self.components = components
         self._vector_record = vector_record
         # Set by setup(), once the nodes are known.
         self.directory: NodeDirectory | None = None
@@ -121,27 +120,25 @@ class ServerRun:
             timeout=timeout,
         )
         if num_clients is None:
-            self.aggregator = build_aggregator_for_nodes(
-                config, settings.registry, directory.num_clients
+            self.components = with_aggregator_for_nodes(
+                self.components, config, settings.registry, directory.num_clients
             )
         counts = directory.counts_or_zeros(settings.messages.num_classes)
         setup_started = time.perf_counter()
-        self.setup_cost, self.loss_records = prepare_loss_transform(
+        self.setup_cost, self.loss_records = prepare_components(
             grid,
             directory,
             counts,
-            self.loss_transform,
+            self.components,
             name=config.loss_transform.name,
             message_config=settings.messages.for_run(directory.num_clients),
             requirement=settings.requirement,
             timeout=timeout,
         )
         self.setup_seconds = time.perf_counter() - setup_started
-        self.grouper.prepare(counts)
         self.core = RoundCore(
             config,
-            aggregator=self.aggregator,
-            grouper=self.grouper,
+            components=self.components,
             num_clients=directory.num_clients,
             class_counts=directory.class_counts,
             client_sizes=directory.sizes,
@@ -251,14 +248,19 @@ class ServerRun:
         for observer in settings.observers:
             observer(record)
 
+    @property
+    def aggregator(self) -> Any:
+        """The run's aggregator (rebuilt at setup when K is not fixed)."""
+        return self.components.aggregator
+
     def checkpointed_components(self) -> dict[str, Any]:
-        return checkpointed_components(self.aggregator, self.grouper, self.loss_transform)
+        return self.components.checkpointed()
 
     def result(self) -> RunResult:
         """fedplug's :class:`RunResult` of the rounds recorded so far."""
         return self.require_core().run_result(
             list(self.history),
-            self.loss_transform,
+            self.components,
             target_accuracy=self.settings.target_accuracy,
             engine="flower",
             setup_cost=self.setup_cost,

@@ -187,7 +187,7 @@ class FedplugStrategy(Strategy):
         components = build_components(train_config, registry, num_clients)
         self.sampler, self.loss_transform = components.sampler, components.loss_transform
         self.grouper = components.grouper
-        self.needs = components.needs
+        self.needs = components.needs()
         self.client_requirements = requirement_line(train_config, components)
         """What the ClientApp must add to the quickstart shape (``None``: nothing)."""
         if self.needs.class_counts and num_classes is None:
@@ -225,7 +225,7 @@ class FedplugStrategy(Strategy):
             evaluate_fn,
         )
         self.run = ServerRun(
-            settings, self.loss_transform, components.aggregator, self.grouper, self._vector_record
+            settings, components, self._vector_record
         )
         """The run: setup, start or resumption, and records (:mod:`.server_run`)."""
         self.exchange = TrainExchange(train_config, self.needs, self.layout, self.client_requirements)

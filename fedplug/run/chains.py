@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.run.federated_round import ClientFailure, Outcome, chain_update, round_steps
+from fedplug.run.round_screen import unusable
 
 
 @dataclass
@@ -47,6 +48,12 @@ class ChainProgress:
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     failure: str | None = None
+    chain_start_shape: tuple[int, ...] = ()
+    """The shape of the model the chain started from, which every member must hand on."""
+
+    def __post_init__(self) -> None:
+        if not self.chain_start_shape:
+            self.chain_start_shape = tuple(self.vector.shape)
 
     @property
     def finished(self) -> bool:
@@ -97,6 +104,22 @@ class ChainProgress:
         self.extras = dict(extras) if extras else {}
         self.metrics = dict(metrics) if metrics else {}
         self.position += 1
+
+    def handed_on_problem(self, plan: RoundPlan, timeout: float | None) -> str | None:
+        """Why the model a member just handed on cannot go to the next member, or None:
+        the round screen's rule (:func:`~fedplug.run.round_screen.unusable`) applied inside
+        the chain, so that no runtime trains a member from a NaN or misshapen model. None
+        once the chain is done: its last model is the round core's to screen."""
+        if self.done:
+            return None
+        return unusable(self.update(plan), tuple(self.chain_start_shape), timeout)
+
+    def stop_if_unusable(self, plan: RoundPlan, timeout: float | None) -> None:
+        """Fail the chain at the member that just trained when :meth:`handed_on_problem`
+        finds a reason, naming that member (``"client K <reason>"``)."""
+        problem = self.handed_on_problem(plan, timeout)
+        if problem is not None:
+            self.fail(f"client {self.chain[self.position - 1]} {problem}")
 
     def fail(self, reason: str) -> None:
         """Stop the chain: no further member trains, and it ends the round as a

@@ -75,10 +75,13 @@ def train_chain(
                 progress.advance(
                     result.vector, result.num_samples, result.num_steps, 0.0, result.extras, result.metrics
                 )
+                progress.stop_if_unusable(plan, context.client_timeout)
     except ClientTimeout as error:
         return ClientFailure(list(chain), timeout_reason(_training(progress), chain, error))
     except Exception as error:  # a failing client must not stop the federation
         return ClientFailure(chain, f"{type(error).__name__}: {error}")
+    if progress.failure is not None:
+        return ClientFailure(list(chain), progress.failure)
     # The chain's time is its wall time, loading the vectors included, not its members' sum.
     return context.make_update(
         chain,

@@ -443,7 +443,7 @@ class VectorizedEngine:
                     timeout * len(block) if timeout is not None else None,
                     f"a vectorised block of {len(block)} chains",
                 ):
-                    progress = self._train_block(start_vector, chains, round_index, context)
+                    progress = self._train_block(start_vector, chains, plan, round_index, context)
             except _ClientHung as hung:  # that client's chain fails; the others train again
                 context.restore(members, saved_states)
                 culprit = next(n for n, chain in enumerate(chains) if hung.client_id in chain)
@@ -480,6 +480,9 @@ class VectorizedEngine:
             seconds = time.perf_counter() - started
             total_steps = sum(item.steps for item in progress)
             for chain, item in zip(chains, progress):
+                if item.failure is not None:
+                    yield ClientFailure(list(chain), item.failure)
+                    continue
                 # Chains of a block run simultaneously; each is charged its share of the
                 # block's time in proportion to its steps.
                 share = item.steps / total_steps if total_steps else 1.0 / len(chains)
@@ -519,10 +522,11 @@ class VectorizedEngine:
         return self.block_size
 
     def _train_block(
-        self, start_vector: Tensor, chains: list[list[int]], round_index: int, context: RoundContext
+        self, start_vector: Tensor, chains: list[list[int]], plan: RoundPlan, round_index: int, context: RoundContext
     ) -> list[ChainProgress]:
         """Train ``chains`` position by position: the chains' members at one position
-        train together, each from its own chain's model."""
+        train together, each from its own chain's model; a chain stops at a member whose
+        model cannot be handed on (:meth:`ChainProgress.stop_if_unusable`)."""
         progress = start_chains(chains, start_vector)
         while active := [index for index, item in enumerate(progress) if not item.done]:
             members = [_Member(index, progress[index].current, progress[index].vector) for index in active]
@@ -544,7 +548,8 @@ class VectorizedEngine:
                         context.payload,
                         context.client_state(client_id),
                     )
-                progress[member.chain_index].advance(
+                chain = progress[member.chain_index]
+                chain.advance(
                     end_vector,
                     context.federation.clients[client_id].num_samples,
                     num_steps,
@@ -552,6 +557,7 @@ class VectorizedEngine:
                     extras,
                     member_metrics,
                 )
+                chain.stop_if_unusable(plan, context.client_timeout)
         return progress
 
     # -------------------------------------------------------------------- one group
