@@ -36,7 +36,7 @@ from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import collect_registry
-from fedplug.simulation import local_training
+from fedplug.run import local_training
 
 
 def skewed_counts(
