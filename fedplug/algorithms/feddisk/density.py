@@ -1,8 +1,9 @@
 """FedDisk's density models: the MADEs of phase 1, steps 1-2, and what every party
 shares about the inputs (see :mod:`fedplug.algorithms.feddisk` for the method).
 
-1. Every client fits a local MADE (:mod:`fedplug.models.made`) to its flattened inputs,
-   early-stopped on a validation split of its own training data (:func:`train_local_mades`).
+1. Every client fits a local MADE (:mod:`fedplug.algorithms.feddisk.made`) to its
+   flattened inputs, early-stopped on a validation split of its own training data
+   (:func:`train_local_mades`).
 2. All clients fit one global MADE by FedAvg (weights n_k / n, a few local epochs per
    round, :func:`global_made_round`), stopping at the first round whose federated
    validation NLL (the n_k-weighted mean of the clients' validation NLLs,
@@ -51,8 +52,9 @@ from torch import Tensor, nn
 from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import DataError
-from fedplug.models.made import (
-    MADE,
+
+from .made import MADE
+from .made_training import (
     PaddedSets,
     stack_mades,
     stacked_mean_nll,

@@ -46,7 +46,6 @@ from torch import Tensor
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, DataError, TrainingError
-from fedplug.models.made import MADE, train_epochs_stacked
 from fedplug.setup_phase import (
     ClientInputs,
     PhaseInputs,
@@ -77,6 +76,8 @@ from .density import (
     train_local_mades,
     unit_interval_bounds,
 )
+from .made import MADE
+from .made_training import train_epochs_stacked
 from .weights import (
     SAMPLE_WEIGHT_KEY,
     ClassifierHistory,

@@ -44,7 +44,6 @@ from torch.nn.utils import skip_init
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
-from fedplug.models.made import MADE, PaddedSets, StackedMLP, expand_slices, ragged_batches
 
 from .density import (
     BYTES_PER_PARAMETER,
@@ -53,6 +52,8 @@ from .density import (
     torch_generator,
     unit_interval_inputs,
 )
+from .made import MADE
+from .made_training import PaddedSets, StackedMLP, expand_slices, ragged_batches
 
 if TYPE_CHECKING:
     from .config import FedDiskAbConfig, FedDiskConfig, SampleWeightConfig
