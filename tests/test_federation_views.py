@@ -327,7 +327,7 @@ def make_synthetic_reference(num_train, num_test, num_features, num_classes, cla
 
 @pytest.mark.parametrize("block_values", [1 << 22, 64, 7])
 def test_block_wise_synthetic_data_equals_one_large_draw(monkeypatch, block_values: int) -> None:
-    monkeypatch.setattr("fedplug.data.datasets.SYNTHETIC_BLOCK_VALUES", block_values)
+    monkeypatch.setattr("fedplug.data.datasets.synthetic.SYNTHETIC_BLOCK_VALUES", block_values)
     expected_rng, rng = np.random.default_rng(5), np.random.default_rng(5)
     expected = make_synthetic_reference(1003, 211, 7, 5, 1.5, expected_rng)
     dataset = make_synthetic(1003, 211, 7, 5, 1.5, rng)
