@@ -46,7 +46,8 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from fedplug.components import ComponentConfig
-from fedplug.data.partitions import Partition, _check_request, class_counts_of
+from fedplug.data.partitions import Partition, class_counts_of
+from fedplug.data.partitions.sampling import _check_request
 from fedplug.errors import DataError
 from fedplug.hookspecs import RegisterPartitioner, hookimpl
 
