@@ -3,8 +3,12 @@ plugin's tracker) through one observer.
 
 - :mod:`fedplug.tracking.observer`: :func:`open_tracker` and :class:`Tracker`, what every
   runtime calls; the backend protocol plugins implement (:class:`TrackerBackend`).
-- :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend, URI resolution and the
-  server check.
+- :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend (one MLflow run per run,
+  resumed after a restart).
+- :mod:`fedplug.tracking.mlflow_store`: where MLflow runs go (URI resolution, the server
+  check, the local store).
+- :mod:`fedplug.tracking.payloads`: the metrics, params and tags every backend logs.
+- :mod:`fedplug.tracking.outage`: keeping calls while the tracking server is down.
 - :mod:`fedplug.tracking.tensorboard_tracker`: the TensorBoard backend.
 - :mod:`fedplug.tracking.naming`: the experiment and run names of ``fedplug run``.
 - :mod:`fedplug.tracking.ui`: links that open MLflow's UI on the runs.
@@ -16,23 +20,18 @@ as a third-party plugin registers its own.
 from __future__ import annotations
 
 from fedplug.hookspecs import RegisterTracker, hookimpl
-from fedplug.tracking.mlflow_tracker import (
+from fedplug.tracking.mlflow_store import (
     HEALTH_TIMEOUT_SECONDS,
     LOCAL_STORE_NAME,
-    MlflowTracker,
     TrackingTarget,
     check_server,
     choose_tracking_uri,
     is_remote,
     local_artifact_location,
     local_tracking_uri,
-    params_payload,
     resolve_tracking_uri,
-    round_metrics,
-    run_tags,
-    start_run_tags,
-    summary_metrics,
 )
+from fedplug.tracking.mlflow_tracker import MlflowTracker, start_run_tags
 from fedplug.tracking.observer import (
     MLFLOW_STATE_NAME,
     TENSORBOARD_FOLDER,
@@ -46,6 +45,7 @@ from fedplug.tracking.observer import (
     open_tracker,
     standard_tags,
 )
+from fedplug.tracking.payloads import params_payload, round_metrics, run_tags, summary_metrics
 
 __all__ = [
     "HEALTH_TIMEOUT_SECONDS",

@@ -11,7 +11,7 @@ call before the run stopped with a :class:`~fedplug.errors.TrackingError`. Here:
   timeout, an HTTP 5xx), ``on_error: "stop"`` raises one line,
   and ``"continue"`` (the default) warns once, keeps the call and every later one in order
   in memory, and, at most every :data:`PROBE_SECONDS`, probes the server's ``/health``
-  (:data:`~fedplug.tracking.mlflow_tracker.HEALTH_TIMEOUT_SECONDS`) and sends them all when
+  (:data:`~fedplug.tracking.mlflow_store.HEALTH_TIMEOUT_SECONDS`) and sends them all when
   it answers again. The round metrics are also in the run's checkpoint: a run that ends
   while the server is still down keeps its MLflow resume state, and running the same
   command again re-opens the same MLflow run and sends every round it lacks, the summary
@@ -157,7 +157,7 @@ class Outbox:
             return True
         if not now and time.monotonic() < self._next_probe:
             return False
-        from fedplug.tracking.mlflow_tracker import check_server
+        from fedplug.tracking.mlflow_store import check_server
 
         try:
             check_server(self.uri)
