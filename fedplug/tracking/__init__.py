@@ -1,20 +1,12 @@
 """Tracking: every fedplug run logged to MLflow (and, optionally, TensorBoard or a
-plugin's tracker) through one observer.
-
-- :mod:`fedplug.tracking.observer`: :func:`open_tracker` and :class:`Tracker`, what every
-  runtime calls; the backend protocol plugins implement (:class:`TrackerBackend`).
-- :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend (one MLflow run per run,
-  resumed after a restart).
-- :mod:`fedplug.tracking.mlflow_store`: where MLflow runs go (URI resolution, the server
-  check, the local store).
-- :mod:`fedplug.tracking.payloads`: the metrics, params and tags every backend logs.
-- :mod:`fedplug.tracking.outage`: keeping calls while the tracking server is down.
-- :mod:`fedplug.tracking.tensorboard_tracker`: the TensorBoard backend.
-- :mod:`fedplug.tracking.naming`: the experiment and run names of ``fedplug run``.
-- :mod:`fedplug.tracking.ui`: links that open MLflow's UI on the runs.
-
-Built-in backends are registered by the hook ``fedplug_register_trackers`` below, exactly
-as a third-party plugin registers its own.
+plugin's tracker) through one observer, :func:`open_tracker` (:mod:`.observer`), which
+every runtime calls. Backends: :mod:`.mlflow_tracker` (one MLflow run per run, resumed
+after a restart) and :mod:`.tensorboard_tracker`; beside them :mod:`.mlflow_store` (where
+MLflow runs go, the server check), :mod:`.payloads` (what every backend logs),
+:mod:`.outage` (calls kept while the server is down), :mod:`.naming` (the experiment and
+run names of ``fedplug run``) and :mod:`.ui` (links that open MLflow's UI on the runs).
+The built-in backends register through the hook ``fedplug_register_trackers`` below,
+exactly as a third-party plugin registers its own.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""MADE: a masked autoencoder that is an autoregressive density model.
+"""MADE: a masked autoencoder that is an autoregressive density model (natural ordering,
+one fixed connectivity, Bernoulli outputs), with every random draw from an explicit
+``torch.Generator``.
 
     MADE: Masked Autoencoder for Distribution Estimation.
     Mathieu Germain, Karol Gregor, Iain Murray, Hugo Larochelle.
     ICML 2015, arXiv:1502.03509.
 
-A MADE is an autoencoder whose weight matrices are multiplied by fixed binary masks so
-that output ``d`` sees only inputs ``1 .. d-1`` (natural ordering, 1-based), which makes
-its outputs the conditionals of the factorisation
-``p(x) = prod_d p(x_d | x_{<d})``. With one hidden layer of H units (paper section 4):
-
-- input unit d has degree d (1 .. D);
-- hidden unit k gets a degree m(k) drawn uniformly from [1, D - 1]; for further hidden
-  layers from [min m^{l-1}, D - 1] so that no unit is left without inputs;
-- hidden mask ``M^W[k, d] = 1 if m(k) >= d`` (a unit sees inputs up to its degree), and
-  between hidden layers ``1 if m^l(k) >= m^{l-1}(j)``;
-- output mask ``M^V[d, k] = 1 if d > m(k)`` (strictly greater: output d never sees x_d).
-
-Outputs are Bernoulli logits: ``sigmoid(logits[:, d]) = p(x_d = 1 | x_{<d})``. The
-negative log-likelihood is the binary cross-entropy summed over dimensions; it is also
-well defined for inputs anywhere in [0, 1] (grey-level pixels), as the FedDisk paper uses
-it. Only the natural ordering and one fixed connectivity are implemented (the paper's
-order- and connectivity-agnostic training is not needed here).
-
-Everything random (the degrees, the initial weights, the mini-batch order) comes from an
-explicit ``torch.Generator``.
+The degrees and masks: docs/algorithms.md, "FedDisk: MADE".
 """
 
 from __future__ import annotations
