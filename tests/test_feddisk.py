@@ -38,13 +38,14 @@ from fedplug.algorithms.feddisk import (
     unit_interval_inputs,
     weight_summary,
 )
+from fedplug.algorithms.feddisk.made import MADE
+from fedplug.algorithms.feddisk.made_training import PaddedSets
 from fedplug.algorithms.feddisk.weights import ClassifierHistory, classifier_split
 from fedplug.components import PhaseCost
 from fedplug.config import validate_experiment
 from fedplug.data.federation import ClientData, Federation
 from fedplug.errors import DataError, TrainingError
 from fedplug.experiment import run_experiment
-from fedplug.models.made import MADE, PaddedSets
 from fedplug.plugins import collect_registry
 from fedplug.setup_phase import prepare_loss_transform
 

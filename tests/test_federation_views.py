@@ -305,7 +305,7 @@ def test_dirichlet_client_counts_on_an_ample_pool_are_one_dirichlet_and_one_mult
 
 def test_dirichlet_client_counts_batches_join_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # Batches of 3 clients: the pool carried from batch to batch is used up exactly.
-    monkeypatch.setattr(partitions_module, "DIRICHLET_CLIENT_BATCH", 3)
+    monkeypatch.setattr(partitions_module.sampling, "DIRICHLET_CLIENT_BATCH", 3)
     counts = dirichlet_client_counts(np.array([17, 9, 4]), np.array([3] * 10), 0.3, np.random.default_rng(5))
     assert counts.sum(axis=0).tolist() == [17, 9, 4] and counts.sum(axis=1).tolist() == [3] * 10
 
@@ -327,7 +327,7 @@ def make_synthetic_reference(num_train, num_test, num_features, num_classes, cla
 
 @pytest.mark.parametrize("block_values", [1 << 22, 64, 7])
 def test_block_wise_synthetic_data_equals_one_large_draw(monkeypatch, block_values: int) -> None:
-    monkeypatch.setattr("fedplug.data.datasets.SYNTHETIC_BLOCK_VALUES", block_values)
+    monkeypatch.setattr("fedplug.data.datasets.synthetic.SYNTHETIC_BLOCK_VALUES", block_values)
     expected_rng, rng = np.random.default_rng(5), np.random.default_rng(5)
     expected = make_synthetic_reference(1003, 211, 7, 5, 1.5, expected_rng)
     dataset = make_synthetic(1003, 211, 7, 5, 1.5, rng)

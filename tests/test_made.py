@@ -11,16 +11,14 @@ import pytest
 import torch
 from torch.autograd.functional import jacobian
 
-from fedplug.errors import ConfigError
-from fedplug.models.made import (
+from fedplug.algorithms.feddisk.made import (
     MADE,
     independent_bernoulli_nll,
     made_degrees,
     mean_nll,
-    train_epochs,
-    train_made,
-    train_made_stacked,
 )
+from fedplug.algorithms.feddisk.made_training import train_epochs, train_made, train_made_stacked
+from fedplug.errors import ConfigError
 
 
 def markov_chain_bits(num_samples: int, dim: int, stay: float, seed: int) -> torch.Tensor:

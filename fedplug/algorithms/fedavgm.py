@@ -1,24 +1,10 @@
-"""FedAvgM: FedAvg with momentum on the server.
+"""FedAvgM: FedAvg with momentum (heavy ball or Nesterov) on the server.
 
     Measuring the Effects of Non-Identical Data Distribution for Federated Visual
     Classification. Tzu-Ming Harry Hsu, Hang Qi, Matthew Brown. 2019, arXiv:1909.06335.
 
-Over the clients S that replied in round t (section 4.2 of the paper)::
-
-    dw      = sum_{k in S} p_k (w^t - w_k^{t+1}),    p_k = weight_k / sum_{j in S} weight_j
-    v       = beta * v + dw                          (v starts at 0)
-    w^{t+1} = w^t - eta_s * v                        (heavy ball)
-    w^{t+1} = w^t - eta_s * (beta * v + dw)          (Nesterov, with the updated v)
-
-The paper's experiments use Nesterov momentum with ``eta_s = 1`` and beta in
-{0, 0.7, 0.9, 0.97, 0.99, 0.997}; the default here is heavy-ball momentum, ``nesterov``
-switches. The paper compares runs by the *effective learning rate* ``eta / (1 - beta)``,
-where ``eta`` is the client learning rate (the server rate being 1):
-:meth:`FedAvgMConfig.effective_learning_rate`.
-
-``beta = 0`` with ``eta_s = 1`` reproduces FedAvg bit for bit: the update is evaluated as
-``(1 - eta_s) w + eta_s * mean - eta_s * beta * v`` in float64, which is algebraically the
-formula above and equals the FedAvg mean exactly when ``beta = 0`` and ``eta_s = 1``.
+The update, the effective learning rate and why ``beta = 0`` is FedAvg bit for bit:
+docs/algorithms.md, "FedAvgM".
 """
 
 from __future__ import annotations

@@ -4,23 +4,8 @@
     Jianyu Wang, Qinghua Liu, Hao Liang, Gauri Joshi, H. Vincent Poor.
     NeurIPS 2020, arXiv:2007.07481.
 
-Client k ran tau_k local SGD steps (momentum rho) and reports, besides its model w_k, the
-norm of its accumulation vector::
-
-    a_k = tau_k                                                      (rho = 0)
-    a_k = (tau_k - rho (1 - rho^tau_k) / (1 - rho)) / (1 - rho)      (heavy-ball momentum rho)
-
-The server, over the clients S that replied (p_k = weight_k / sum_{j in S} weight_j)::
-
-    d_k      = (w^t - w_k) / a_k            normalised update (lr already inside w_k)
-    tau_eff  = sum_k p_k a_k
-    w^{t+1}  = w^t - tau_eff * sum_k p_k d_k
-
-The client sends its model as usual plus ``a_k`` in ``extras["a"]``; the server forms d_k
-itself, keeping two running sums so that it never holds every model at once. A client that
-took no step (a_k = 0) contributes d_k = 0. With equal a_k this is exactly FedAvg.
-The a_k formula assumes SGD (with or without heavy-ball momentum), so other local
-optimisers are rejected.
+Clients report their accumulation norm ``a_k`` in ``extras["a"]``; the server averages the
+normalised updates with two running sums. The maths: docs/algorithms.md, "FedNova".
 """
 
 from __future__ import annotations

@@ -4,28 +4,9 @@
     Zachary Garrett, Keith Rush, Jakub Konecny, Sanjiv Kumar, H. Brendan McMahan.
     ICLR 2021, arXiv:2003.00295.
 
-The server treats the averaged client change as a pseudo-gradient and applies an
-adaptive step (the paper's Algorithm 2), over the clients S that replied in round t::
-
-    delta = sum_{k in S} p_k w_k - w^t,            p_k = weight_k / sum_{j in S} weight_j
-    m     = beta1 * m + (1 - beta1) * delta        (m starts at 0)
-    v     = v + delta^2                            FedAdagrad
-    v     = beta2 * v + (1 - beta2) * delta^2      FedAdam
-    v     = v - (1 - beta2) * delta^2 * sign(v - delta^2)   FedYogi
-    w^{t+1} = w^t + eta_s * m / (sqrt(v) + tau)
-
-Choices, written down because implementations differ:
-
-- ``v`` starts at ``tau^2`` (Algorithm 2 initialises ``v_{-1} >= tau^2``); Flower starts it
-  at 0.
-- No bias correction of ``m`` or ``v``: Algorithm 2 has none (Flower's FedAdam adds one).
-- The paper averages the client changes with equal weights; here they are weighted by
-  :attr:`ClientUpdate.weight` like FedAvg, which is the paper's mean whenever the weights
-  are equal (e.g. the grouper's ``uniform`` weighting).
-- Defaults: ``beta1 = 0.9``, ``beta2 = 0.99``, ``tau = 1e-3`` as in the paper's experiments
-  and Flower; ``server_lr`` 0.01 for FedAdam and FedYogi (Flower's FedYogi default) and
-  0.1 for FedAdagrad (Flower's default). The paper tunes ``server_lr`` per task over a
-  log10 grid, so treat these as starting points.
+The averaged client change is a pseudo-gradient for an adaptive server step (the paper's
+Algorithm 2). The update and the choices where implementations differ (initial ``v``, no
+bias correction, weighting, defaults): docs/algorithms.md, "FedAdam, FedYogi, FedAdagrad".
 """
 
 from __future__ import annotations

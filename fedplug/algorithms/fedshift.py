@@ -3,27 +3,9 @@
     Federated Learning with Classifier Shift for Class Imbalance.
     Yunheng Shen, Haoxiang Wang, Hairong Lv. Preprint, arXiv:2304.04972 (2023).
 
-Client k trains on ``CE(f(w; x) + s_k, y)`` with the fixed shift (paper eq. 4-5)::
-
-    s_{k,c} = ln( P_k(y=c) / P(y=c) )
-    P_k(y=c) = (N_{k,c} + 1) / (n_k + C)          Laplace smoothing (paper footnote 2)
-    P(y=c)   = sum_k (n_k / n) P_k(y=c)
-
-so that the local optimum of every client is the global optimum (Theorem 1). The shift is
-used in training only; evaluation reads the raw logits (evaluation never goes through a
-loss transform). P is computed once before round 0 from the clients' class counts (in a
-deployment through secure aggregation; the simulator sums the count matrix, the Flower
-adapter gathers the counts by message). Smoothing keeps the shift finite for a class the
-client does not hold. The server side is unchanged (pair it with ``fedavg``).
-
-The paper's "Reweighting" baseline (section 3.2, Table 1) is the loss transform
-``reweighting``: class-weighted cross-entropy with weight ``P(y=c) / P_k(y=c)``, the
-importance weight that turns the local label distribution into the global one. Choice of
-normalisation: none. The batch loss is the plain mean of ``r(y_i) * CE_i`` over the batch
-(the engine divides by the batch size, not by the sum of the weights as torch's
-``cross_entropy(weight=...)`` would), which is an unbiased estimate of the risk under the
-global label prior; the weights have mean close to 1 over the client's data (exactly 1 up
-to the smoothing).
+The loss transforms ``fedshift`` (the shifted cross-entropy) and ``reweighting`` (the
+paper's class-weighted baseline). The shift, the smoothing and the normalisation chosen:
+docs/algorithms.md, "FedShift".
 """
 
 from __future__ import annotations

@@ -1,82 +1,10 @@
 """Flower's server strategies as a fedplug aggregator: ``aggregator: {name: flower, ...}``.
 
-Flower (``pip install fedplug[flower]``) ships robust and private aggregation as
-Message-API strategies (``flwr.serverapp.strategy``). This aggregator hands each round's
-client updates to one of them, so ``fedplug run`` composes it with any sampler, loss
-transform and grouper (IWDS, FedShift, FedGSP), under fedplug's screening, failure
-policy and checkpoints::
-
-    aggregator: {name: flower, strategy: FedMedian}
-    aggregator: {name: flower, strategy: FedTrimmedAvg, beta: 0.2}
-    aggregator: {name: flower, strategy: MultiKrum, num_malicious_nodes: 1, num_nodes_to_select: 3}
-    aggregator: {name: flower, strategy: QFedAvg, q: 0.1, client_learning_rate: 0.1}
-    aggregator: {name: flower, strategy: DifferentialPrivacyServerSideFixedClipping,
-                 noise_multiplier: 1.0, clipping_norm: 5.0, wrapped: Krum, num_malicious_nodes: 1}
-
-The strategies and their papers (the maths is Flower's; see each class in
-``flwr/serverapp/strategy/``):
-
-- ``FedAvg``: McMahan et al., "Communication-Efficient Learning of Deep Networks from
-  Decentralized Data", AISTATS 2017, arXiv:1602.05629.
-- ``FedMedian`` (coordinate-wise median) and ``FedTrimmedAvg`` (coordinate-wise mean
-  without the ``beta`` fraction at each tail): Yin, Chen, Ramchandran, Bartlett,
-  "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates", ICML 2018,
-  arXiv:1803.01498.
-- ``Krum`` and ``MultiKrum``: Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning
-  with Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017, arXiv:1703.02757.
-- ``Bulyan``: El Mhamdi, Guerraoui, Rouault, "The Hidden Vulnerability of Distributed
-  Learning in Byzantium", ICML 2018, arXiv:1802.07927.
-- ``QFedAvg`` (q-FedAvg: clients with a higher training loss weigh more, ``q = 0`` is
-  FedAvg's direction with a step size from the Lipschitz estimate ``L = 1 /
-  client_learning_rate``): Li, Sanjabi, Beirami, Smith, "Fair Resource Allocation in
-  Federated Learning", ICLR 2020, arXiv:1905.10497. It reads each client's mean
-  training loss (:data:`fedplug.components.TRAIN_LOSS`), which this aggregator asks the
-  clients for (``ClientNeeds.reply_metrics``): every runtime's clients then report it.
-- ``DifferentialPrivacyServerSideFixedClipping`` (wrapping any of the above): McMahan,
-  Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent Language Models",
-  ICLR 2018, arXiv:1710.06963.
-
-How a round reaches Flower:
-
-- Every round builds the Flower strategy afresh from the config, so no strategy state
-  outlives a round; the aggregator's own state is the count of rounds aggregated, which
-  :meth:`FlowerStrategyAggregator.state_dict` checkpoints.
-- Each :class:`~fedplug.components.ClientUpdate` becomes a Flower reply ``Message``: an
-  ``ArrayRecord`` with the flat model vector under ``"vector"`` and a ``MetricRecord``
-  whose ``num-examples`` is the update's weight (n_k, or 1 for a uniformly weighted
-  FedGSP group), plus the reply metrics the strategy reads (QFedAvg's ``train_loss``).
-  One flat array instead of one per layer gives the same result for every strategy
-  offered: they work coordinate by coordinate or on the norm and distances of the whole
-  model. Updates of weight 0 (a client with no training samples) are left out.
-- The strategy's ``configure_train`` runs first, on a stand-in grid whose nodes are the
-  round's replies: the DP wrapper records the current global model there (it clips each
-  update's distance to it), and each reply is built as Flower builds one, with
-  ``Message(content, reply_to=instruction)``. Then ``aggregate_train`` returns the new
-  model. Flower 1.38+ builds messages only in a process with a task identity; outside a
-  Flower run the process gets the one the in-process test grid uses
-  (:func:`fedplug.flower_internals.ensure_task_identity`, Flower's only
-  internal involved; a real Flower run sets its own).
-- Flower draws the DP noise from numpy's legacy global generator (``np.random.normal``)
-  and samples nodes with Python's ``random``. Around every call into Flower both are
-  seeded from ``[noise_seed, round, digest of the global model]`` and restored afterwards,
-  so a round's noise is a function of the run's state: a resumed run adds exactly the
-  noise an uninterrupted one adds, a replayed round the same noise again, and runs with
-  another ``train.seed`` (hence another model) draw other noise. Nothing else in the
-  process sees those generators move.
-- Flower's per-round INFO lines (about the stand-in grid) are silenced; its warnings pass.
-
-Memory: Flower needs all of a round's replies at once, so unlike fedplug's streaming
-aggregators this one holds every accepted update of the round, serialised (one copy of
-each, 4 bytes per parameter), plus the strategy's working copies (the median and trimmed
-mean stack all of them once more). A round of n updates of P parameters takes about
-``3 * n * P * 4`` bytes at its peak.
-
-Not offered, with the reason the config error gives: the client-side DP wrappers need
-clients that clip (Flower's ``fixedclipping_mod``); the server optimisers (``FedAvgM``,
-``FedAdam``, ...) keep state across rounds: fedplug has its own.
-
-This module registers ``flower`` only when Flower is installed, and imports it only when
-the aggregator is built, so fedplug starts as fast without it.
+Hands each round's client updates to one of Flower's Message-API strategies (FedMedian,
+FedTrimmedAvg, Krum, MultiKrum, Bulyan, QFedAvg, server-side DP clipping), so it composes
+with any sampler, loss transform and grouper. Registered only when Flower is installed.
+Use: docs/flower.md, "Flower's strategies inside `fedplug run`"; the strategies' papers
+and how a round reaches Flower: docs/algorithms.md, "Flower's strategies".
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """IWDS: imbalanced weight decay sampling of each client's local data.
 
-    Imbalanced Weight Decay Sampling (IWDS) for federated learning on non-IID data.
-    A short paper whose extracted text (``shared/papers/iwds-imbalanced-weight-decay-
-    sampling.txt``) lost its title and author lines; the authors' code derives from FedML.
-    It cites Hsu et al. 2019 (arXiv:1909.06335) for the non-IID setting.
+    Imbalanced Weight Decay Sampling (IWDS) for federated learning on non-IID data
+    (``shared/papers/iwds-imbalanced-weight-decay-sampling.txt``; the authors' code
+    derives from FedML).
 
-On client k in global round t, sample i (label y_i) is drawn with probability::
-
-    w_{k,i,t} = (1 - beta_t) / (1 - beta_t ** N_{k,y_i})
-    p(k, i)   = w_{k,i,t} / sum_j w_{k,j,t}
-    beta_t    = beta_m + (beta_0 - beta_m) * rho ** t
-
-beta near 1 gives weights near 1 / N_{k,y} (every class equally likely: class-balanced);
-beta = 0 gives uniform sampling. beta_t decays from beta_0 to beta_m, so training starts
-rebalanced (faster convergence) and ends close to the client's own distribution. A local
-epoch draws n_k samples with replacement from p(k, .).
-
-How fast the rebalancing fades is set by 1 / (1 - beta_t), the class size at which the
-weight saturates: a class of N samples gets weight about 1 / N while N << 1 / (1 - beta_t)
-and about (1 - beta_t) once N >> 1 / (1 - beta_t). With the defaults 1 / (1 - beta_t) falls
-from 10^4 at t = 0 to about 59 at t = 11 (beta_11 = 0.98307), so by round 11 classes much
-larger than about 60 samples are drawn nearly in proportion to their size again.
-
-Fixed-beta ablation (no new option needed): ``rho: 1.0`` keeps beta_t = beta_0 in every
-round (``rho ** t`` is exactly 1), e.g. ``{name: iwds, beta_0: 0.9999, rho: 1.0}`` samples
-class-balanced throughout; ``beta_0: 0.8, beta_m: 0.8`` fixes beta at the decay's end
-point instead. Comparing either with the default schedule isolates the decay.
-
-Numerics: ``1 - beta^N`` is evaluated as ``-expm1(N log beta)``, which keeps full relative
-precision when beta is close to 1; beta = 0 (uniform) and beta = 1 (the limit 1 / N) are
-handled without dividing by zero, and a class with no samples is counted as 1, as in the
-authors' code.
+A sampler that draws each local epoch with class-rebalancing weights whose strength
+decays over the rounds. The weights, the schedule, the fixed-beta ablation and the
+numerics: docs/algorithms.md, "IWDS".
 """
 
 from __future__ import annotations

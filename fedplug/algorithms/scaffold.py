@@ -4,31 +4,9 @@
     Sai Praneeth Karimireddy, Satyen Kale, Mehryar Mohri, Sashank J. Reddi,
     Sebastian U. Stich, Ananda Theertha Suresh. ICML 2020, arXiv:1910.06378.
 
-The server holds a control variate c, client k its own c_k (zero until it first trains).
-In round t the server sends (x, c) to the sampled clients S; client k runs tau local SGD
-steps with learning rate eta from y = x::
-
-    y   <- y - eta (g_k(y) - c_k + c)
-    c_k+ = c_k - c + (x - y) / (tau eta)          (option II of the paper's Algorithm 1)
-
-and sends y and delta_c_k = c_k+ - c_k. The server then sets::
-
-    x <- x + eta_g * mean_{k in S}(y_k - x)
-    c <- c + (|S| / K) * mean_{k in S}(delta_c_k)  =  c + sum_{k in S} delta_c_k / K
-
-Both means are unweighted, as in Algorithm 1 (the updates' sample weights are ignored).
-
-How the correction enters local training: :meth:`Scaffold.client_context` hands the client
-the flat vector ``c - c_k`` and :meth:`Scaffold.client_penalty` adds
-``<c - c_k, w - x>`` to every batch's loss. Its gradient is exactly ``c - c_k``, so plain
-SGD on the penalised loss takes the step above. This only holds for SGD without
-momentum, which :meth:`ScaffoldConfig.incompatibilities` checks. The penalty is measured from
-the round's start x so that its value starts at 0 and the logged loss stays readable.
-
-The flat vectors hold the parameters first and then the floating-point buffers
-(:mod:`fedplug.run.vectors`); the penalty reads the leading, parameter part of the
-correction. The variates also carry buffer entries (e.g. BatchNorm running statistics);
-they are computed and averaged like the rest but never enter a gradient.
+The server's and the clients' control variates (option II of Algorithm 1), and the loss
+penalty whose gradient applies the correction during plain SGD. The maths and how the
+correction enters local training: docs/algorithms.md, "SCAFFOLD".
 """
 
 from __future__ import annotations

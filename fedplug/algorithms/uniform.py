@@ -1,20 +1,8 @@
 """fedplug's defaults: uniform shuffling, plain cross-entropy and no grouping.
 
-These are what an experiment gets when it names no other sampler, loss transform or
-grouper, and together they make ordinary federated training as in FedAvg:
-
-    Communication-Efficient Learning of Deep Networks from Decentralized Data.
-    H. Brendan McMahan, Eider Moore, Daniel Ramage, Seth Hampson, Blaise Aguera y Arcas.
-    AISTATS 2017, arXiv:1602.05629.
-
-- sampler ``uniform``: every local epoch visits each local sample once, in a fresh random
-  order (sampling without replacement);
-- loss transform ``cross_entropy``: the batch-mean cross-entropy, no penalty;
-- grouper ``none``: every sampled client trains alone from the global model and its model
-  is weighted by its number of samples.
-
-The module keeps its historical name ``uniform`` (the first default it held) so that the
-built-in plugin list does not change.
+What an experiment gets when it names no other sampler (``uniform``), loss transform
+(``cross_entropy``) or grouper (``none``): ordinary federated training as in FedAvg
+(McMahan et al., AISTATS 2017, arXiv:1602.05629). Details: docs/algorithms.md, "Defaults".
 """
 
 from __future__ import annotations

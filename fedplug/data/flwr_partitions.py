@@ -1,37 +1,9 @@
 """Flower Datasets' partitioners as a fedplug partitioner: ``data.partition.name: flwr``.
 
-Any row partitioner of ``flwr_datasets.partitioner`` (``IidPartitioner``,
-``DirichletPartitioner``, ``ShardPartitioner``, ``PathologicalPartitioner``,
-``NaturalIdPartitioner``, ...) splits a fedplug dataset, e.g. in params.yaml::
-
-    data:
-      partition:
-        name: flwr
-        partitioner: DirichletPartitioner
-        params: {alpha: 0.5, partition_by: label, min_partition_size: 10}
-
-The factory hands the partitioner a ``datasets.Dataset.from_dict`` with the columns
-``label`` (the training labels), ``user`` (the writer of each sample, when the dataset
-has writers) and ``fedplug_index`` (0..n-1), calls ``load_partition(k)`` for every client
-and reads the ``fedplug_index`` column back: the result holds exactly the rows
-flwr-datasets' own ``load_partition(k)`` returns, in its order, whatever the partitioner
-does to the dataset internally (``ShardPartitioner`` sorts it).
-
-``params`` are the partitioner's own keyword arguments (see the Flower Datasets
-reference), except three that fedplug fills in:
-
-- ``num_partitions`` is ``data.num_clients``; giving it in ``params`` is an error.
-  Partitioners without it (``NaturalIdPartitioner``, ``SizePartitioner``, ...) must make
-  exactly ``data.num_clients`` partitions.
-- ``partition_by`` defaults to ``label``; ``user`` is the other column there is.
-- ``seed``, when the partitioner takes one and ``params`` leaves it out, is drawn from
-  fedplug's partition generator, so ``data.seed`` decides the split as for the built-in
-  partitioners. Set it in ``params`` to reproduce a split made by flwr-datasets itself.
-
-The column partitioners (``VerticalEvenPartitioner``, ``VerticalSizePartitioner``) split
-features, not samples, and are not offered. This module registers ``flwr`` only when
-flwr-datasets is installed (``pip install fedplug[flower]``); it imports it only when a
-``flwr`` partition is validated or built, so fedplug starts as fast without it.
+Any row partitioner of ``flwr_datasets.partitioner`` splits a fedplug dataset; client k
+holds exactly the rows flwr-datasets' own ``load_partition(k)`` returns. Registered only
+when flwr-datasets is installed. Use: docs/flower.md, "Flower Datasets' partitioners in
+`fedplug run`"; how it works: docs/algorithms.md, "Flower Datasets' partitioners".
 """
 
 from __future__ import annotations
@@ -46,7 +18,8 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from fedplug.components import ComponentConfig
-from fedplug.data.partitions import Partition, _check_request, class_counts_of
+from fedplug.data.partitions import Partition, class_counts_of
+from fedplug.data.partitions.sampling import _check_request
 from fedplug.errors import DataError
 from fedplug.hookspecs import RegisterPartitioner, hookimpl
 

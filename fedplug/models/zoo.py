@@ -1,45 +1,9 @@
-"""The built-in model architectures, registered as a fedplug plugin.
+"""The built-in model architectures, registered as a fedplug plugin: ``mlp``, ``logreg``,
+``cnn_mnist``, ``cnn_femnist``, ``vgg9`` and ``resnet18``.
 
-Every factory has the signature ``factory(config, input_shape, num_classes)`` and returns
-a fresh ``torch.nn.Module`` mapping a float32 batch ``(B, *input_shape)`` to
-``(B, num_classes)`` logits. The weights are initialised from torch's global generator,
-which the simulator seeds before it calls the factory. No model contains dropout, so
-local training is deterministic given the order of the data, and every parameter is
-float32. A model that cannot take the dataset's input shape raises
-:class:`fedplug.errors.ConfigError` when it is built, naming the models that can.
-
-Architectures and where they come from:
-
-- ``mlp``: the "2NN" of McMahan, Moore, Ramage, Hampson and Agüera y Arcas,
-  "Communication-Efficient Learning of Deep Networks from Decentralized Data",
-  AISTATS 2017, arXiv:1602.05629 (two hidden layers of 200 ReLU units by default).
-- ``logreg``: multinomial logistic regression (flatten, one linear layer).
-- ``cnn_mnist``: the "CNN" of the same McMahan et al. (2017) paper: conv 5x5 32, ReLU,
-  max-pool 2, conv 5x5 64, ReLU, max-pool 2, fully connected 512, ReLU, fully connected
-  C. We pad the convolutions by 2 ("same" padding, as the TensorFlow tutorial model the
-  paper builds on), which gives the paper's 1,663,370 parameters on 1x28x28 inputs.
-- ``cnn_femnist``: the FEMNIST CNN of LEAF (Caldas, Duddu, Wu, Li, Konečný, McMahan,
-  Smith and Talwalkar, "LEAF: A Benchmark for Federated Settings", 2018,
-  arXiv:1812.01097): conv 5x5 32 ("same"), max-pool 2, conv 5x5 64 ("same"), max-pool 2,
-  fully connected 2048, ReLU, fully connected C. FedGSP (Zeng, Li, Yu, He, Xu, Niyato and
-  Yu, "Heterogeneous Federated Learning via Grouped Sequential-to-Parallel Training",
-  DASFAA 2022, arXiv:2201.12515) trains "2 convolutional layers and 2 fully connected
-  layers with a total of 6.3 million parameters" on FEMNIST; with the 2048-unit hidden
-  layer LEAF uses, this model has 6,603,710 parameters for 62 classes and
-  3 x 34.4M = 103M training FLOPs per sample, against the 96M FLOPs FedGSP's cost model
-  assumes. That is why we default to 2048 rather than McMahan's 512.
-- ``vgg9``: the VGG-9 of Wang, Yurochkin, Sun, Papailiopoulos and Khazaeni, "Federated
-  Learning with Matched Averaging" (FedMA), ICLR 2020, arXiv:2002.06440, also used by the
-  IWDS paper on CIFAR-10: 3x3 convs 32, 64 | pool | 128, 128 | pool | 256, 256 | pool,
-  then fully connected 512, 512, C. FedMA's dropout is left out (see above) and there
-  is no BatchNorm, so the model works with the vectorised engine.
-- ``resnet18``: torchvision's ResNet-18 (He, Zhang, Ren and Sun, "Deep Residual Learning
-  for Image Recognition", CVPR 2016, arXiv:1512.03385), as FedShift uses on CIFAR-10.
-  Its first convolution takes the dataset's channel count. For small inputs (28 or 32
-  pixels) it uses the CIFAR-style stem of the same paper's section 4.2: a 3x3 stride-1
-  first convolution and no max-pool, because the ImageNet stem would shrink a 32-pixel
-  image to 8 pixels before the first residual block. It contains BatchNorm, which the
-  vectorised engine cannot run: engines ask :func:`has_batch_norm`.
+Every factory ``factory(config, input_shape, num_classes)`` returns a fresh float32
+``torch.nn.Module`` giving ``(B, num_classes)`` logits, initialised from torch's global
+generator. Where each architecture comes from: docs/algorithms.md, "Models".
 """
 
 from __future__ import annotations

@@ -1,38 +1,29 @@
 """Tracking: every fedplug run logged to MLflow (and, optionally, TensorBoard or a
-plugin's tracker) through one observer.
-
-- :mod:`fedplug.tracking.observer`: :func:`open_tracker` and :class:`Tracker`, what every
-  runtime calls; the backend protocol plugins implement (:class:`TrackerBackend`).
-- :mod:`fedplug.tracking.mlflow_tracker`: the MLflow backend, URI resolution and the
-  server check.
-- :mod:`fedplug.tracking.tensorboard_tracker`: the TensorBoard backend.
-- :mod:`fedplug.tracking.naming`: the experiment and run names of ``fedplug run``.
-- :mod:`fedplug.tracking.ui`: links that open MLflow's UI on the runs.
-
-Built-in backends are registered by the hook ``fedplug_register_trackers`` below, exactly
-as a third-party plugin registers its own.
+plugin's tracker) through one observer, :func:`open_tracker` (:mod:`.observer`), which
+every runtime calls. Backends: :mod:`.mlflow_tracker` (one MLflow run per run, resumed
+after a restart) and :mod:`.tensorboard_tracker`; beside them :mod:`.mlflow_store` (where
+MLflow runs go, the server check), :mod:`.payloads` (what every backend logs),
+:mod:`.outage` (calls kept while the server is down), :mod:`.naming` (the experiment and
+run names of ``fedplug run``) and :mod:`.ui` (links that open MLflow's UI on the runs).
+The built-in backends register through the hook ``fedplug_register_trackers`` below,
+exactly as a third-party plugin registers its own.
 """
 
 from __future__ import annotations
 
 from fedplug.hookspecs import RegisterTracker, hookimpl
-from fedplug.tracking.mlflow_tracker import (
+from fedplug.tracking.mlflow_store import (
     HEALTH_TIMEOUT_SECONDS,
     LOCAL_STORE_NAME,
-    MlflowTracker,
     TrackingTarget,
     check_server,
     choose_tracking_uri,
     is_remote,
     local_artifact_location,
     local_tracking_uri,
-    params_payload,
     resolve_tracking_uri,
-    round_metrics,
-    run_tags,
-    start_run_tags,
-    summary_metrics,
 )
+from fedplug.tracking.mlflow_tracker import MlflowTracker, start_run_tags
 from fedplug.tracking.observer import (
     MLFLOW_STATE_NAME,
     TENSORBOARD_FOLDER,
@@ -46,6 +37,7 @@ from fedplug.tracking.observer import (
     open_tracker,
     standard_tags,
 )
+from fedplug.tracking.payloads import params_payload, round_metrics, run_tags, summary_metrics
 
 __all__ = [
     "HEALTH_TIMEOUT_SECONDS",

@@ -1,50 +1,7 @@
-"""The MLflow backend of :func:`fedplug.tracking.open_tracker`: one MLflow run per training run.
-
-Layout in MLflow:
-
-- one **experiment** per study (``study.name``; ``fedplug run`` logs to its own
-  ``<study.name>-fedplug-run``, :mod:`fedplug.tracking.naming`), tagged
-  ``mlflow.experimentKind = custom_model_development`` (:func:`mark_training_experiment`):
-  model training, not a GenAI app;
-- one **run** per algorithm label and seed (the caller names it, e.g. ``fedavg-seed0@<group>``
-  in the pipeline, ``<algorithm>-seed<seed>-<dataset>-<config hash>`` for ``fedplug run``);
-- **params**: the resolved config flattened to dotted keys (:func:`fedplug.config.flatten`,
-  e.g. ``train.aggregator.momentum``) plus the run's derived values under ``derived.``
-  (FedAvgM's effective learning rate, model bytes, FLOPs per sample);
-- **metrics** per round with ``step = round``: every number of
-  :meth:`~fedplug.run.results.RoundRecord.as_dict` (accuracy, loss,
-  client_accuracy_mean/std, bytes_up/down, cumulative_bytes, seconds, failures, ..., and
-  what the components report, e.g. cpd_median/mean), and at the end the run's summary (final_accuracy, best_accuracy,
-  rounds_to_target, total_bytes, total_seconds);
-- **tags**: dataset, partition and the four algorithm slots (sampler, loss_transform,
-  aggregator, grouper), plus ``fedplug.algorithm`` and ``fedplug.seed``;
-- **artifacts**: whatever the caller hands to :meth:`MlflowTracker.log_artifacts` (the
-  train stage sends the resolved config, the partition heatmap, the learning curves and the
-  final model).
-
-Where runs go (:func:`resolve_tracking_uri`): ``tracking.uri`` when set, else the
-``MLFLOW_TRACKING_URI`` environment variable, else ``sqlite:///<project>/mlflow.db``. A
-remote (``http(s)://``) server is probed before any training (:func:`check_server`): when it
-does not answer within a few seconds, :func:`choose_tracking_uri` raises
-:class:`~fedplug.errors.TrackingError`, or, with ``tracking.fallback_to_local: true``, uses
-the local store and says so.
-
-Runs are created the way ``mlflow.start_run`` creates them: with the tags MLflow's run
-context providers resolve (``mlflow.source.name``, ``mlflow.source.git.commit``,
-``mlflow.user``, ...), plus ``mlflow.parentRunId`` for a nested run. Models go through
-``mlflow.pytorch.log_model`` (:meth:`MlflowTracker.log_model`), so
-``mlflow.pytorch.load_model("runs:/<run id>/model")`` returns a working module. A local
-``sqlite:`` store keeps the artifacts of the experiments it creates next to itself
-(``<store folder>/mlruns``), wherever the process runs.
-
-Resuming: the tracker writes ``{run_id, fingerprint, tracking_uri}`` to a small state file
-in the run's output folder. A re-run with the same fingerprint (the same training config on
-the same federation) re-opens that MLflow run instead of starting a second one and logs only
-the rounds it does not hold yet (:attr:`MlflowTracker.logged_rounds`).
-:meth:`MlflowTracker.finish` deletes the state file once the run is complete, or, opened with
-``keep_finished=True`` (``fedplug run``, whose folder keeps its finished run), marks it
-``"finished": true``: the same command run again then finds that finished MLflow run and
-logs nothing (:attr:`MlflowTracker.complete`), instead of a duplicate with the whole history.
+"""The MLflow backend of :func:`fedplug.tracking.open_tracker`: one MLflow run per training
+run (params, per-round metrics with ``step = round``, the summary, tags, artifacts and the
+model), created as ``mlflow.start_run`` creates runs and resumed after a restart through a
+small state file. Layout and resuming: docs/pipeline.md, "The MLflow backend".
 """
 
 from __future__ import annotations
@@ -52,28 +9,25 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.tracking.mlflow_store import (  # choose_tracking_uri: observer imports it from here
+    choose_tracking_uri,  # noqa: F401
+    local_artifact_location,
+)
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
+from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
 
 logger = logging.getLogger("fedplug.tracking")
 
-LOCAL_STORE_NAME = "mlflow.db"
-HEALTH_TIMEOUT_SECONDS = 3.0
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
-MAX_PARAM_VALUE_LENGTH = 6000
-REMOTE_SCHEMES = ("http://", "https://")
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 """The experiment tag that records model training versus a GenAI app (``mlflow/server/js``:
 ``ExperimentKind``; the UI's "Experiment type" selector of earlier MLflow 3 releases sets and
@@ -83,195 +37,9 @@ TRAINING_EXPERIMENT_KIND = "custom_model_development"
 """Its value for model training ("Machine learning" in the UI's selector)."""
 
 
-# ----------------------------------------------------------------------------- URIs
-
-
-def local_tracking_uri(project_root: str | os.PathLike[str]) -> str:
-    """``sqlite:///<absolute project root>/mlflow.db``, the default local store."""
-    return f"sqlite:///{(Path(project_root) / LOCAL_STORE_NAME).resolve()}"
-
-
-def resolve_tracking_uri(
-    configured: str | None,
-    project_root: str | os.PathLike[str],
-    environ: Mapping[str, str] | None = None,
-) -> str:
-    """The tracking URI to use.
-
-    Args:
-        configured: ``tracking.uri`` from the params (default None: not set).
-        project_root: folder of the local store ``mlflow.db``.
-        environ: environment to read ``MLFLOW_TRACKING_URI`` from (default None:
-            ``os.environ``).
-
-    Returns:
-        ``configured`` when set, else ``MLFLOW_TRACKING_URI`` when set and not empty, else
-        :func:`local_tracking_uri`.
-    """
-    environ = os.environ if environ is None else environ
-    if configured:
-        return configured
-    from_environment = environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if from_environment:
-        return from_environment
-    return local_tracking_uri(project_root)
-
-
-def is_remote(uri: str) -> bool:
-    """True for an MLflow tracking server (``http://`` or ``https://``)."""
-    return uri.lower().startswith(REMOTE_SCHEMES)
-
-
-def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_SECONDS) -> None:
-    """Probe ``<uri>/health`` of a tracking server.
-
-    Args:
-        uri: an ``http(s)://`` tracking URI; other schemes are not probed.
-        timeout: seconds to wait for the answer (default 3).
-
-    Raises:
-        TrackingError: no answer within ``timeout`` seconds, a refused connection, or a
-            status other than 200.
-    """
-    if not is_remote(uri):
-        return
-    url = uri.rstrip("/") + "/health"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            status = response.status
-    except urllib.error.HTTPError as error:
-        status = error.code
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        reason = getattr(error, "reason", error)
-        raise TrackingError(
-            f"the MLflow tracking server {uri} does not answer ({reason}); start it, fix "
-            "tracking.uri or MLFLOW_TRACKING_URI, or set tracking.fallback_to_local: true to "
-            "log to the local store instead"
-        ) from None
-    if status != 200:
-        raise TrackingError(
-            f"the MLflow tracking server {uri} answered {url} with HTTP {status}; is it an "
-            "MLflow server? Fix tracking.uri or MLFLOW_TRACKING_URI, or set "
-            "tracking.fallback_to_local: true"
-        )
-
-
-@dataclass(frozen=True)
-class TrackingTarget:
-    """Where a run will be logged, decided before training starts."""
-
-    uri: str
-    """The tracking URI to log to."""
-    requested_uri: str
-    """The URI the config or environment asked for."""
-    fallback_reason: str | None = None
-    """Why the local store is used instead of ``requested_uri`` (None: no fallback)."""
-
-
-def choose_tracking_uri(
-    configured: str | None,
-    fallback_to_local: bool,
-    project_root: str | os.PathLike[str],
-    environ: Mapping[str, str] | None = None,
-    timeout: float = HEALTH_TIMEOUT_SECONDS,
-) -> TrackingTarget:
-    """Resolve the URI and make sure it can be used, before any training.
-
-    Args:
-        configured: ``tracking.uri`` (default None).
-        fallback_to_local: ``tracking.fallback_to_local``: on an unreachable server, use
-            the local store (True) or raise (False).
-        project_root: folder of the local store.
-        environ: environment for ``MLFLOW_TRACKING_URI`` (default ``os.environ``).
-        timeout: seconds to wait for the server's health check (default 3).
-
-    Raises:
-        TrackingError: the server is unreachable and ``fallback_to_local`` is False, or a
-            local ``sqlite:`` store's folder does not exist.
-    """
-    requested = resolve_tracking_uri(configured, project_root, environ)
-    try:
-        check_server(requested, timeout)
-    except TrackingError as error:
-        if not fallback_to_local:
-            raise
-        return TrackingTarget(
-            local_tracking_uri(project_root), requested, fallback_reason=str(error)
-        )
-    if requested.startswith("sqlite:///"):
-        folder = Path(requested.removeprefix("sqlite:///")).parent
-        if not folder.is_dir():
-            raise TrackingError(
-                f"the tracking store {requested} lies in {folder}, which does not exist; "
-                "create the folder or fix tracking.uri / MLFLOW_TRACKING_URI"
-            )
-    return TrackingTarget(requested, requested)
-
-
-# ------------------------------------------------------------------------ payloads
-
-
-def round_metrics(record: RoundRecord) -> dict[str, float]:
-    """The metrics logged for one round: every finite number of
-    :meth:`RoundRecord.as_dict` (the components' metrics, e.g. ``cpd_median``, included)
-    except the round itself, which is the step."""
-    values = record.as_dict()
-    del values["round"]
-    return {key: float(value) for key, value in values.items() if _finite_number(value)}
-
-
-def summary_metrics(result: RunResult) -> dict[str, float]:
-    """The run's final metrics (logged without a step): final and best accuracy, rounds
-    to target (only when reached), total bytes and seconds, setup rounds."""
-    summary = result.summary()
-    keys = (
-        "final_accuracy",
-        "best_accuracy",
-        "rounds_to_target",
-        "total_bytes",
-        "total_seconds",
-        "setup_rounds",
-        "effective_rounds",
-    )
-    return {key: float(summary[key]) for key in keys if _finite_number(summary.get(key))}
-
-
-def params_payload(flat: Mapping[str, Any]) -> dict[str, str]:
-    """MLflow param values as strings (lists as JSON, None as ``"None"``), cut to the
-    6000 characters MLflow stores."""
-    payload = {}
-    for key, value in flat.items():
-        text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
-        payload[key] = text[:MAX_PARAM_VALUE_LENGTH]
-    return payload
-
-
-def run_tags(config: Any, algorithm: str, seed: int) -> dict[str, str]:
-    """Tags of a run: dataset, partition, the four algorithm slots, label and seed.
-
-    ``config`` is the resolved experiment config (``config.data``, ``config.train``).
-    """
-    tags = {
-        "dataset": config.data.dataset.name,
-        "partition": config.data.partition.name,
-        "fedplug.algorithm": algorithm,
-        "fedplug.seed": str(seed),
-    }
-    for slot in ("sampler", "loss_transform", "aggregator", "grouper"):
-        tags[slot] = getattr(config.train, slot).name
-    return tags
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
-
-
-# -------------------------------------------------------------------------- tracker
 
 
 class MlflowTracker:
@@ -671,15 +439,6 @@ def mark_training_experiment(client: Any, experiment_id: str) -> None:
     experiment = client.get_experiment(experiment_id)
     if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
-
-
-def local_artifact_location(uri: str) -> str | None:
-    """``file://<store folder>/mlruns`` for a local ``sqlite:///`` store (None otherwise:
-    the server or MLflow decides), so a store's artifacts lie next to it."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    store_folder = Path(uri.removeprefix("sqlite:///")).resolve().parent
-    return (store_folder / "mlruns").as_uri()
 
 
 def start_run_tags(

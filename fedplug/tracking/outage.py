@@ -1,25 +1,7 @@
-"""A tracking server that stops answering never stops training (``tracking.on_error``).
-
-MLflow's REST client retries a failed request with exponential backoff: by default 7
-retries of up to 120 s each, so a server that dies mid-run held training for 493 s per
-call before the run stopped with a :class:`~fedplug.errors.TrackingError`. Here:
-
-- every request fedplug makes runs under :func:`bounded_http_requests`: at most
-  :data:`HTTP_MAX_RETRIES` retries with a :data:`HTTP_TIMEOUT_SECONDS` timeout each (set
-  in the environment for the call only; values the user exported win);
-- :class:`Outbox` sends each call; when the store does not answer (no connection, a
-  timeout, an HTTP 5xx), ``on_error: "stop"`` raises one line,
-  and ``"continue"`` (the default) warns once, keeps the call and every later one in order
-  in memory, and, at most every :data:`PROBE_SECONDS`, probes the server's ``/health``
-  (:data:`~fedplug.tracking.mlflow_tracker.HEALTH_TIMEOUT_SECONDS`) and sends them all when
-  it answers again. The round metrics are also in the run's checkpoint: a run that ends
-  while the server is still down keeps its MLflow resume state, and running the same
-  command again re-opens the same MLflow run and sends every round it lacks, the summary
-  and the model.
-
-A store that answers and refuses a call (an HTTP 4xx: an invalid value, a deleted run)
-still raises :class:`~fedplug.errors.TrackingError` at once, in either mode: waiting would
-not change its answer.
+"""A tracking server that stops answering never stops training (``tracking.on_error``):
+requests run with bounded retries (:func:`bounded_http_requests`), and an :class:`Outbox`
+keeps the calls a dead server did not take and sends them when it answers again. The
+design: docs/reliability.md, section 8.4, "Why a dead server costs a bounded wait".
 """
 
 from __future__ import annotations
@@ -157,7 +139,7 @@ class Outbox:
             return True
         if not now and time.monotonic() < self._next_probe:
             return False
-        from fedplug.tracking.mlflow_tracker import check_server
+        from fedplug.tracking.mlflow_store import check_server
 
         try:
             check_server(self.uri)

@@ -21,7 +21,7 @@ from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
-from fedplug.tracking.mlflow_tracker import params_payload, round_metrics, summary_metrics
+from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
 
 STEP_METRIC = "accuracy"
 """The scalar whose steps tell which rounds a folder holds."""

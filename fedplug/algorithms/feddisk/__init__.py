@@ -4,56 +4,11 @@
     Hung Nguyen, Peiyuan Wu, J. Morris Chang. IEEE Transactions on Artificial
     Intelligence (2024), arXiv:2401.02586.
 
-Client k minimises ``sum_i w_k(x_i) CE(f(w; x_i), y_i)`` with ``w_k(x) ~ p(x) / p_k(x)``,
-``p = sum_k (n_k / n) p_k`` (paper eq. 3-11), which turns the sum of the local risks into
-the risk under the global input distribution. Phase 1 estimates the weights once, before
-training; phase 2 is FedAvg with the weighted loss (:class:`FedDisk` is the loss
-transform, pair it with the ``fedavg`` aggregator).
-
-Phase 1 (paper sections 5.2-5.3, Algorithm 1) is a setup phase
-(:class:`~fedplug.setup_phase.SetupPhase`) that every runtime runs the same way: the
-built-in simulator and FedML with every client in one process, Flower over messages.
-The package holds one job per module:
-
-- :mod:`.density`: steps 1-2, the local MADEs and the global MADE trained by FedAvg,
-  the shared input scaling, the random streams and the phase's traffic;
-- :mod:`.weights`: steps 3-4, the classifier D and the normalised sample weights, and
-  FedDiskAb's oracle version;
-- :mod:`.phase`: the steps as a conversation between server and clients
-  (:class:`~.phase.FedDiskPhase`, :func:`~.phase.compute_feddisk_weights`);
-- :mod:`.cache`: the ``.npz`` cache of phase 1's result;
-- this module: the configs, the loss transforms and their registration.
-
-Which "output vector" of a MADE is v(x)? Algorithm 1 and section 5.3 feed "the output
-vector" of each MADE, described as "conditional probabilities for each element". The
-network's output is ``p(x_d = 1 | x_{<d})`` for every d (the sigmoid of its logits), and
-that is the default, ``made_features="predicted"``. The same section also says that
-multiplying these probabilities would give p(x), which holds only for the probabilities
-of the *observed* values ``p(x_d | x_{<d})``; ``made_features="observed"`` feeds those
-instead (``exp(-BCE_d)``, i.e. ``p^x (1 - p)^(1 - x)`` for grey levels). We keep
-"predicted" as the default because it is the literal network output and because, on a
-two-client, two-mode check (each client holding 90% of one mode; true weights 0.56 and 5,
-a gap of 4.4), both readings up-weighted the locally rare mode on every client and seed
-but "predicted" by more: mean gap 3.5 against 2.7 with a long-trained classifier, 0.06
-against 0.02 with a classifier stopped after its first epochs (fedplug's stopping rule
-before D was early-stopped on held-out vectors) on these 400-sample clients.
-
-Normalisation (``normalisation``). The authors' code min-max scales each client's ratios
-to [0, 2] (``"minmax"``). We default to ``"mean"``: divide by the client's mean ratio and
-clip to ``[clip_min, clip_max]``. Reasons: (a) ``E_{p_k}[p / p_k] = 1``, so mean-one
-weights are the self-normalised importance-weighting estimate of the global risk and keep
-the effective learning rate of the (mean-reduced) batch loss unchanged; (b) min-max always
-sends one sample to weight 0 and one to weight 2 however alike the ratios are, so on a
-client whose data already follow the global distribution it turns estimation noise into
-a full [0, 2] spread, while mean normalisation leaves weights near 1 there; (c) clipping
-bounds the variance a few extreme ratios would add.
-
-Caching. With ``cache_dir`` set, :meth:`FedDisk.prepare` loads phase 1's result from
-:mod:`.cache` when it is there (then :meth:`FedDisk.setup_phase` has nothing to run) and
-the phase stores it when it ends. The cache holds the raw density ratios and is keyed
-without the normalisation, so mean and min-max weights share one phase 1. Only a runtime that holds the whole federation (the
-simulator, the DVC pipeline's ``pretrain_density`` stage) can compute the cache key; on
-Flower the weights stay on the nodes and ``cache_dir`` is not used.
+Phase 1 (a setup phase) estimates each sample's weight ``w_k(x) ~ p(x) / p_k(x)``; phase 2
+is FedAvg with the weighted loss. This module holds the configs, the loss transforms and
+their registration; ``density`` (steps 1-2), ``weights`` (steps 3-4), ``phase`` (the
+exchange), ``cache``, ``made`` and ``made_training`` the rest. Design choices (MADE output,
+normalisation, caching): docs/algorithms.md, "FedDisk".
 """
 
 from __future__ import annotations

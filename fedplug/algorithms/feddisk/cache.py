@@ -1,15 +1,6 @@
-"""FedDisk's weights cache: phase 1's result stored as ``.npz``.
-
-Phase 1 is a pure function of (federation, config, seed), so its result can be computed
-once (the DVC pipeline runs it as its own stage, ``pretrain_density``) and stored
-(:func:`save_weights`, :func:`load_weights`) under :func:`cache_key`. The file holds the
-raw density ratios, not the weights: the normalisation (``normalisation``, ``clip_min``,
-``clip_max``) is applied when the file is loaded and is not part of the key, so FedDisk
-with mean and with min-max weights share one phase 1 (about 15 CPU-minutes on the FedDisk
-study's federation). A Federation
-carries no partition id, so :func:`partition_fingerprint` hashes what identifies one: the
-client count, every client's size and class counts, and a few inputs and labels of each
-client (first, middle and last sample; these catch per-client feature noise too).
+"""FedDisk's weights cache: phase 1's result (the raw density ratios) stored as ``.npz``
+under a key that identifies the federation, the config and the seed. What the key holds
+and why the normalisation is not part of it: docs/algorithms.md, "FedDisk: the cache".
 """
 
 from __future__ import annotations

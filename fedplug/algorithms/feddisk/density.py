@@ -1,39 +1,6 @@
-"""FedDisk's density models: the MADEs of phase 1, steps 1-2, and what every party
-shares about the inputs (see :mod:`fedplug.algorithms.feddisk` for the method).
-
-1. Every client fits a local MADE (:mod:`fedplug.models.made`) to its flattened inputs,
-   early-stopped on a validation split of its own training data (:func:`train_local_mades`).
-2. All clients fit one global MADE by FedAvg (weights n_k / n, a few local epochs per
-   round, :func:`global_made_round`), stopping at the first round whose federated
-   validation NLL (the n_k-weighted mean of the clients' validation NLLs,
-   :func:`federated_nll`) is higher than the round before; the model before the rise is
-   kept (:class:`GlobalMadeStopping`). ``global_rounds`` caps the rounds.
-
-Inputs. A Bernoulli MADE needs inputs in [0, 1] (the paper normalises and clips all data
-to [0, 1]). When the federation's inputs already lie there they are used as they are;
-otherwise one affine map ``(x - lo) / (hi - lo)`` with the global min and max over all
-clients (two scalars per client to share, :func:`input_range`) brings them there.
-
-Communication (:func:`made_phase_cost`). The MADE parameters travel as float32; the masks
-are not sent (every party derives them from the shared seed). A global round sends the
-model down to and up from every client: ``K x bytes`` each way. ``rounds`` counts the
-FedAvg rounds run, including the one whose result showed the rise (its upload happened).
-Downloads are ``rounds + 1`` per client: the last aggregate must also reach the clients
-so they can report its validation NLL (and, when the cap stops training, use it), so
-``bytes_down = (rounds + 1) K bytes`` and ``bytes_up = rounds K bytes``; validation NLLs
-are single scalars and not counted. Local MADEs and the classifiers never leave their
-client. "Effective communication rounds" = MADE rounds (+ 0 classifier rounds).
-
-Randomness. Phase 1 draws two seeds from its generator (:class:`PhaseOneSeeds`): one
-builds the MADE every party starts from (connectivity and initial weights), the other is
-the root of one stream per client, keyed by its client id, from which the client draws
-its validation split and the seeds of its three generators (local MADE, global rounds,
-classifier; :func:`client_density_data`). A client's draws therefore depend neither on
-the other clients nor on where it runs.
-
-The functions here are cut along the line between clients and server: the client-side
-ones take the clients they are given (one on a Flower node, all of them in one process,
-vectorised over clients) and give the same numbers either way.
+"""FedDisk's density models, phase 1 steps 1-2: each client's local MADE, the global MADE
+trained by FedAvg with its stopping rule, the shared input scaling, the random streams and
+the phase's traffic. Details: docs/algorithms.md, "FedDisk: density models".
 """
 
 from __future__ import annotations
@@ -51,8 +18,9 @@ from torch import Tensor, nn
 from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import DataError
-from fedplug.models.made import (
-    MADE,
+
+from .made import MADE
+from .made_training import (
     PaddedSets,
     stack_mades,
     stacked_mean_nll,

@@ -1,35 +1,6 @@
-"""FedDisk's phase 1 as a :class:`~fedplug.setup_phase.SetupPhase`: the server's side
-(combining input ranges, FedAvg of the MADEs, the federated validation NLL and its
-stopping rule, the cost) and the clients' side (steps 1-4 on each client's own data),
-exchanged in steps that carry only MADE parameters and scalars.
-
-============ ================================ ==================================== ======================
-step         down (server -> clients)         on the client                        up (client -> server)
-============ ================================ ==================================== ======================
-``range``    -                                flatten the inputs                   n_k, D, min, max
-``local``    FedDisk config, seeds, bounds,   split; local MADE (step 1); NLL of   M_1^k, NLL(M_0)
-             M_0                              M_0; round 1 from M_0 (step 2)
-``evaluate`` M_r (the average of round r)     keep M_r                             NLL(M_r)
-``train``    -                                round r + 1 from M_r                 M_{r+1}^k
-``weights``  which model to keep              classifier D, sample weights         n_k, D's epochs
-                                              (steps 3-4), kept in the state
-============ ================================ ==================================== ======================
-
-After ``local`` the server alternates ``evaluate`` and ``train`` until
-:class:`~.density.GlobalMadeStopping` says stop: R global rounds take 2R + 2 exchanges in
-all (``range``, ``local``, R ``evaluate``, R - 1 ``train``, ``weights``). Every M travels
-as its float32 parameters (the masks are rebuilt from the template seed), so the traffic
-is (R + 1) K B down and R K B up (:func:`~.density.made_phase_cost`).
-
-A client keeps, between steps, the phase's settings, its local MADE, the latest and the
-previous global MADE and its global-round generator state, and at the end only its sample
-weights (``weights``), which :meth:`FedDiskPhase.client_context` hands to the loss. The
-client rebuilds its share of the data (:func:`~.density.client_density_data`) from its
-own stream at every step, so its draws do not depend on where it runs.
-
-:meth:`FedDiskPhase.clients` answers a step for many clients at once, vectorised over
-them (the simulator's path, :func:`~fedplug.setup_phase.run_in_process`); a Flower node
-answers for its one client with the same code, so both give the same weights.
+"""FedDisk's phase 1 as a :class:`~fedplug.setup_phase.SetupPhase`: the server's side and
+the clients' side, exchanged in steps that carry only MADE parameters and scalars. The
+steps and what each carries: docs/algorithms.md, "FedDisk: the exchange".
 """
 
 from __future__ import annotations
@@ -46,7 +17,6 @@ from torch import Tensor
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, DataError, TrainingError
-from fedplug.models.made import MADE, train_epochs_stacked
 from fedplug.setup_phase import (
     ClientInputs,
     PhaseInputs,
@@ -77,6 +47,8 @@ from .density import (
     train_local_mades,
     unit_interval_bounds,
 )
+from .made import MADE
+from .made_training import train_epochs_stacked
 from .weights import (
     SAMPLE_WEIGHT_KEY,
     ClassifierHistory,

@@ -1,30 +1,6 @@
-"""FedDisk's sample weights: the classifier D and the weights it gives, phase 1 steps 3-4
-(see :mod:`fedplug.algorithms.feddisk` for the method), and FedDiskAb's oracle version.
-
-3. Client k feeds each local sample through both MADEs, giving two D-vectors v_g(x)
-   (pseudo-label 1) and v_l(x) (pseudo-label 0), and trains a binary classifier
-   (one hidden layer of 100 ReLU units, 2-way softmax; SGD, lr 0.01, paper 7.2.4) on the
-   2 n_k vectors (:func:`train_classifiers`). The paper stops "if the loss function is not
-   significantly reduced"; we read that as early stopping on held-out vectors: D trains
-   until ``classifier_patience`` epochs (default 5) in a row have not lowered its
-   validation loss, at most ``classifier_epochs`` (default 500), and keeps its best state.
-   (fedplug before this rule stopped once an epoch lowered the *training* loss by less than
-   1%, which with D's zero-initialised output layer ended after one or two epochs with D
-   near 1/2 everywhere: on MNIST with feature noise every weight was 1.000 +- 0.003.) It
-   is trained locally: no communication, so it adds no rounds.
-4. ``w_k(x) = D(v_l(x)) / (1 - D(v_l(x)))`` (paper eq. 16, :func:`density_ratios`) where
-   ``D(.)`` is the classifier's probability of class 1, "comes from the global model".
-   The class prior ratio is 1 since both classes hold n_k vectors. When the two MADEs
-   agree the classifier cannot tell the classes apart, D = 1/2 and every weight is 1.
-   The raw ratios are then normalised per client (:func:`normalise_weights`); phase 1's
-   result keeps both (:class:`FedDiskWeights`), and the cache stores the raw ratios.
-
-FedDiskAb (paper section 6, :func:`compute_feddisk_ab_weights`): an oracle ablation that
-trains the same classifier directly on client k's raw inputs (label 0) against n_k inputs
-drawn without replacement from the pooled data of all clients (label 1); weights as in
-step 4. It moves raw data, so it is for comparison only; its cost is reported as 0 rounds
-with ``bytes_up = sum_k n_k D 4`` (every client's data pooled) and
-``bytes_down = sum_k n_k D 4`` (each client receives n_k pooled inputs).
+"""FedDisk's sample weights, phase 1 steps 3-4: the classifier D on the two MADEs' output
+vectors, the density ratios and their normalisation, and FedDiskAb's oracle version.
+Details: docs/algorithms.md, "FedDisk: sample weights".
 """
 
 from __future__ import annotations
@@ -44,7 +20,6 @@ from torch.nn.utils import skip_init
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
-from fedplug.models.made import MADE, PaddedSets, StackedMLP, expand_slices, ragged_batches
 
 from .density import (
     BYTES_PER_PARAMETER,
@@ -53,6 +28,8 @@ from .density import (
     torch_generator,
     unit_interval_inputs,
 )
+from .made import MADE
+from .made_training import PaddedSets, StackedMLP, expand_slices, ragged_batches
 
 if TYPE_CHECKING:
     from .config import FedDiskAbConfig, FedDiskConfig, SampleWeightConfig
