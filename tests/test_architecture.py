@@ -130,3 +130,15 @@ def test_annotation_only_imports_are_not_dependencies(tmp_path):
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fedplug.experiment import x\n")
     assert problems_in("fedplug.components", path) == []
 
+
+
+def test_every_package_is_installed():
+    # pyproject.toml lists the packages (adapters/ installs as fedplug.adapters): one left
+    # out works in the editable install and is missing from a wheel.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        module for module, path in module_files().items() if path.name == "__init__.py"
+    } | {"fedplug"}
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
