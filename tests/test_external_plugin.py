@@ -180,9 +180,15 @@ def run_python(site: Path, *arguments: str, python: str = sys.executable, timeou
     """``python arguments...`` in a fresh interpreter with the plugin's folder on its path,
     plugins autoloaded, one thread, in the install's folder (FedML writes ``logs/`` into
     the working folder); its stdout (a failure shows its output)."""
-    path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    # Another interpreter (FedML's venv) must not see this one's paths: their packages
+    # (numpy 2 against FedML's numpy 1) would shadow its own.
+    inherited = [os.environ.get("PYTHONPATH")] if python == sys.executable else []
+    path = [str(site), *filter(None, inherited)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
     env.pop(AUTOLOAD_SWITCH, None)
+    if python != sys.executable:
+        env.pop("VIRTUAL_ENV", None)
+        env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
     completed = subprocess.run(
         [python, *arguments], capture_output=True, text=True, env=env, cwd=site.parent, timeout=timeout, check=False
     )

@@ -397,11 +397,11 @@ def test_a_vectorised_block_that_runs_past_its_deadline_is_retried_in_halves(
     original = VectorizedEngine._train_block
     blocks: list[list[list[int]]] = []
 
-    def train_block(self, start_vector, chains, round_index, context):
+    def train_block(self, start_vector, chains, plan, round_index, context):
         blocks.append([list(chain) for chain in chains])
         if [HANGING] in chains:
             time.sleep(10**6)
-        return original(self, start_vector, chains, round_index, context)
+        return original(self, start_vector, chains, plan, round_index, context)
 
     monkeypatch.setattr(VectorizedEngine, "_train_block", train_block)
     timeout = 0.25
@@ -426,8 +426,8 @@ def test_a_vectorised_retry_restores_the_client_states_first(registry, federatio
     raises instead (not moved twice)."""
     original = VectorizedEngine._train_block
 
-    def train_block(self, start_vector, chains, round_index, context):
-        progress = original(self, start_vector, chains, round_index, context)
+    def train_block(self, start_vector, chains, plan, round_index, context):
+        progress = original(self, start_vector, chains, plan, round_index, context)
         if [HANGING] in chains:  # e.g. its client_finish, after the others' ran
             with vectorized._client_code(HANGING, context.client_timeout):
                 time.sleep(10**6)
