@@ -17,7 +17,7 @@ the start and the end, and per case the samples/s of each engine with its ratio 
 first engine's; for the vectorised engine also its block size and memory per client (on
 CUDA ``torch.cuda.max_memory_allocated() / K`` during the round and the increment over the
 memory held before it; on CPU the engine's own estimate,
-:func:`fedplug.simulation.vectorized.estimate_bytes_per_client`, as the process-wide peak
+:func:`fedplug.simulation.vectorized_blocks.estimate_bytes_per_client`, as the process-wide peak
 RSS cannot be attributed to one engine); for the parallel engine (CPU only) its worker
 count and the median wall time per timed round of forking its workers and of stopping
 them.
@@ -51,11 +51,13 @@ from fedplug.data.federation import ClientData, Federation
 from fedplug.plugins import default_registry
 from fedplug.run.local_training import ClientAlgorithm, LocalSchedule
 from fedplug.run.model import resolve_device
-from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.round_context import RoundContext
+from fedplug.run.round_screen import ClientFailure
 from fedplug.run.vectors import model_to_vector
 from fedplug.simulation.parallel import ParallelEngine, default_workers
 from fedplug.simulation.sequential import SequentialEngine
-from fedplug.simulation.vectorized import VectorizedEngine, estimate_bytes_per_client
+from fedplug.simulation.vectorized import VectorizedEngine
+from fedplug.simulation.vectorized_blocks import estimate_bytes_per_client
 
 INPUT_SHAPE = (1, 28, 28)
 NUM_CLASSES = 10

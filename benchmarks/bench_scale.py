@@ -227,7 +227,7 @@ def _differences(marks: dict[str, float], names: tuple[str, ...]) -> dict[str, f
 
 def _round_members(simulator: Any, rounds: int) -> list[list[int]]:
     """The clients each round trained (planned again: sampling depends only on the seed and round)."""
-    from fedplug.run.federated_round import participants
+    from fedplug.run.round_plan import participants
 
     return [participants(simulator.core.plan(index)) for index in range(rounds)]
 

@@ -215,7 +215,7 @@ def run_flower(args: argparse.Namespace) -> dict[str, Any]:
 def run_floor(args: argparse.Namespace, optimizer: str = "torch") -> dict[str, Any]:
     import torch
 
-    from fedplug.simulation.simulator import sample_clients
+    from fedplug.run.round_plan import clients_per_round, sample_clients
 
     data = torch.load(args.data_file, mmap=True, weights_only=True)
     from flower_plain import task
@@ -225,7 +225,7 @@ def run_floor(args: argparse.Namespace, optimizer: str = "torch") -> dict[str, A
     generator = torch.Generator().manual_seed(args.seed)
     with benchlib.Stopwatch() as watch:
         for round_index in range(args.rounds):
-            clients = sample_clients(NUM_CLIENTS, FRACTION, args.seed, round_index)
+            clients = sample_clients(NUM_CLIENTS, clients_per_round(NUM_CLIENTS, FRACTION), args.seed, round_index)
             x = torch.cat([data["train_x"][k] for k in clients])
             y = torch.cat([data["train_y"][k] for k in clients])
             benchlib.centralised_epoch(

@@ -68,9 +68,10 @@ from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import default_registry
 from fedplug.run import local_training
-from fedplug.run.federated_round import client_needs, participants
+from fedplug.run.federated_round import client_needs
 from fedplug.run.model import build_model
 from fedplug.run.results import RunResult
+from fedplug.run.round_plan import participants
 from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.simulation import sequential
 from fedplug.simulation.simulator import Simulator

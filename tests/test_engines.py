@@ -22,10 +22,11 @@ from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.run.round_context import ClientFailure
+from fedplug.run.round_screen import ClientFailure
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.simulator import Simulator
-from fedplug.simulation.vectorized import VectorizedEngine, batch_plan, stack_contexts
+from fedplug.simulation.vectorized import VectorizedEngine
+from fedplug.simulation.vectorized_blocks import batch_plan, stack_contexts
 
 ATOL = 1e-5
 BATCH_SIZE = 7

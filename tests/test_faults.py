@@ -20,8 +20,9 @@ from fedplug.errors import ConfigError, DataError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.faults import DROPOUT_STREAM, Faults, corruption_draws, read_trace
 from fedplug.plugins import default_registry
-from fedplug.run.federated_round import Evaluation, RoundCore, planned_round, sample_clients
+from fedplug.run.federated_round import Evaluation, RoundCore
 from fedplug.run.results import RoundRecord
+from fedplug.run.round_plan import clients_per_round, plan_round, sample_clients
 
 FAULT_FIELDS = ("faults_dropout", "faults_stragglers", "faults_straggler_timeouts", "faults_corrupted")
 
@@ -125,7 +126,7 @@ def dropout_plans(seed: int, probability: float, rounds: int = 20) -> list[tuple
     registry = default_registry()
     grouper = registry.build("groupers", config.grouper)
     faults = Faults.for_run(config, 6)
-    plans = [planned_round(config, grouper, 6, index, faults) for index in range(rounds)]
+    plans = [plan_round(config, grouper, 6, index, faults) for index in range(rounds)]
     return [([client for chain in plan.chains for client in chain], dropout.dropped) for plan, dropout in plans]
 
 
@@ -139,7 +140,7 @@ def test_dropout_removes_exactly_the_sampled_clients_whose_draw_falls_below_p() 
     probability = 0.4
     expected = []
     for index in range(20):
-        sampled = sample_clients(6, 0.5, 0, index).tolist()
+        sampled = sample_clients(6, clients_per_round(6, 0.5), 0, index).tolist()
         draws = np.random.default_rng([0, index, DROPOUT_STREAM]).random(6)
         expected.append(([k for k in sampled if draws[k] >= probability], tuple(k for k in sampled if draws[k] < probability)))
     # Execute
@@ -152,7 +153,7 @@ def test_dropout_removes_exactly_the_sampled_clients_whose_draw_falls_below_p() 
 def test_probability_zero_injects_nothing() -> None:
     plans = dropout_plans(0, 0.0)
     assert all(dropped == () for _, dropped in plans)
-    assert [taking_part for taking_part, _ in plans] == [sample_clients(6, 0.5, 0, index).tolist() for index in range(20)]
+    assert [taking_part for taking_part, _ in plans] == [sample_clients(6, clients_per_round(6, 0.5), 0, index).tolist() for index in range(20)]
 
 
 def test_a_trace_is_respected_exactly_and_an_empty_round_keeps_the_model(tmp_path: Path, caplog: Any) -> None:
@@ -421,7 +422,7 @@ def test_no_round_of_the_fault_study_loses_every_update() -> None:
         config = validate_section("train", {**base["train"], "seed": seed, "faults": faults})
         run_faults = Faults.for_run(config, num_clients)
         for index in range(rounds):
-            sampled = sample_clients(num_clients, fraction, seed, index)
+            sampled = sample_clients(num_clients, clients_per_round(num_clients, fraction), seed, index)
             taking_part, _ = run_faults.drop_out(sampled, (), index)
             on_time = [client for client in taking_part if run_faults.speed_factors[client] == 1]
             assert on_time or not len(taking_part), (overrides, seed, index + 1)

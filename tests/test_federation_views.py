@@ -30,7 +30,7 @@ from fedplug.data.partitions import (
 from fedplug.faults import Faults
 from fedplug.plugins import default_registry
 from fedplug.run.evaluation import Evaluator
-from fedplug.run.federated_round import planned_round, sample_among, sample_clients
+from fedplug.run.round_plan import clients_per_round, plan_round, sample_clients
 
 
 def data_config(partition: dict[str, Any], local_test_fraction: float, num_clients: int = 12) -> Any:
@@ -342,10 +342,10 @@ def test_block_wise_synthetic_data_equals_one_large_draw(monkeypatch, block_valu
 @pytest.mark.parametrize(("num_clients", "count"), [(1, 1), (37, 5), (1000, 100), (20_000, 100), (50_000, 2000)])
 def test_sampling_from_a_count_equals_sampling_from_the_id_array(num_clients: int, count: int) -> None:
     for seed, round_index in [(0, 0), (3, 7), (11, 2)]:
-        from_array = sample_among(np.arange(num_clients), count, seed, round_index)
-        from_count = sample_among(num_clients, count, seed, round_index)
+        from_array = sample_clients(np.arange(num_clients), count, seed, round_index)
+        from_count = sample_clients(num_clients, count, seed, round_index)
         assert from_count.dtype == np.int64 and np.array_equal(from_count, from_array)
-    assert np.array_equal(sample_clients(num_clients, count / num_clients, 5, 1), sample_among(np.arange(num_clients), count, 5, 1))
+    assert clients_per_round(num_clients, count / num_clients) == count
 
 
 def test_round_plans_are_those_of_sampling_among_every_id() -> None:
@@ -360,8 +360,8 @@ def test_round_plans_are_those_of_sampling_among_every_id() -> None:
     grouper = default_registry().build("groupers", config.grouper)
     faults = Faults.for_run(config, 5000)
     for round_index in range(5):
-        plan, dropout = planned_round(config, grouper, 5000, round_index, faults)
-        explicit, explicit_dropout = planned_round(
+        plan, dropout = plan_round(config, grouper, 5000, round_index, faults)
+        explicit, explicit_dropout = plan_round(
             config, grouper, 5000, round_index, faults, candidates=np.arange(5000)
         )
         assert plan.chains == explicit.chains and plan.chains

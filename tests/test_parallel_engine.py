@@ -35,9 +35,10 @@ from fedplug.errors import ConfigError, TrainingError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.run.evaluation import Evaluator
-from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.round_context import RoundContext
+from fedplug.run.round_screen import ClientFailure
 from fedplug.run.vectors import model_to_vector, vector_to_model
-from fedplug.simulation import parallel
+from fedplug.simulation import parallel_worker
 from fedplug.simulation.parallel import ParallelEngine, default_workers
 from fedplug.simulation.simulator import Simulator
 
@@ -360,7 +361,7 @@ def test_results_travel_back_exactly():
         "view": torch.randn(100_000)[10:20],
         "nested": {"c_k": torch.randn(2, 3).t()},
     }
-    message = parallel._dumps(values)
+    message = parallel_worker.dumps(values)
     back = pickle.loads(message)
     assert len(message) < 100_000  # the view sent its 10 elements, not its 100,000
     for key in ("vector", "scalar", "counts", "mask", "half", "brain", "view"):
@@ -382,7 +383,7 @@ def test_a_raising_client_fails_as_in_the_sequential_engine(registry, federation
 
 
 def _dying_on(client: int, how: str):
-    original = parallel.train_chain
+    original = parallel_worker.train_chain
 
     def train_chain(model, start_vector, chain, plan, round_index, context):
         if client in chain or client < 0:
@@ -403,7 +404,7 @@ def _dying_on(client: int, how: str):
 )
 def test_a_dying_worker_fails_only_its_chain(registry, federation, sequential_run, monkeypatch, how, reason):
     _, sequential_log = sequential_run("fedavg")
-    monkeypatch.setattr(parallel, "train_chain", _dying_on(2, how))
+    monkeypatch.setattr(parallel_worker, "train_chain", _dying_on(2, how))
     simulator, log = simulate(registry, federation, "parallel", 2)
     for round_outcomes, expected in zip(log.rounds, sequential_log.rounds):
         assert [outcome.chain for outcome in round_outcomes] == [outcome.chain for outcome in expected]
@@ -427,7 +428,7 @@ def _parallel_simulator(registry: Registry, federation: Federation, **train: Any
 
 
 def test_a_dead_worker_counts_against_the_failure_policy(registry, federation, monkeypatch):
-    monkeypatch.setattr(parallel, "train_chain", _dying_on(0, "exit"))
+    monkeypatch.setattr(parallel_worker, "train_chain", _dying_on(0, "exit"))
     simulator, recorder = _parallel_simulator(
         registry, federation, failures={"max_failed_fraction": 0.1, "max_round_retries": 1}
     )
@@ -440,7 +441,7 @@ def test_a_dead_worker_counts_against_the_failure_policy(registry, federation, m
 
 
 def test_every_worker_dying_fails_every_chain_without_hanging(registry, federation, monkeypatch):
-    monkeypatch.setattr(parallel, "train_chain", _dying_on(-1, "exit"))
+    monkeypatch.setattr(parallel_worker, "train_chain", _dying_on(-1, "exit"))
     simulator, recorder = _parallel_simulator(registry, federation)
     # As with the sequential engine when every client fails: the round is retried, then the run stops.
     with pytest.raises(TrainingError, match=r"round 1: 6 of 6 client updates failed in each of 2 attempts"):

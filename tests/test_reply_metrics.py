@@ -42,15 +42,14 @@ from fedplug.data.build import build_federation
 from fedplug.errors import ConfigError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.run.federated_round import chain_update
 from fedplug.run.local_training import (
     ClientAlgorithm,
     LocalSchedule,
     local_rng,
     train_locally,
 )
-from fedplug.run.round_context import ClientFailure
-from fedplug.run.round_screen import unusable
+from fedplug.run.round_plan import chain_update
+from fedplug.run.round_screen import ClientFailure, unusable
 from fedplug.simulation.sequential import SequentialEngine
 from fedplug.simulation.simulator import Simulator
 from fedplug.simulation.vectorized import VectorizedEngine

@@ -8,7 +8,8 @@ import torch
 
 from fedplug.components import RoundPlan
 from fedplug.run.chains import ChainProgress, RoundChains
-from fedplug.run.federated_round import ClientFailure, chain_update, round_steps
+from fedplug.run.round_plan import chain_update, round_steps
+from fedplug.run.round_screen import ClientFailure
 
 
 def vector(value: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import collect_registry, new_plugin_manager
-from fedplug.simulation.simulator import sample_clients
+from fedplug.run.round_plan import clients_per_round, sample_clients
 
 VOLATILE = {"seconds"}
 
@@ -70,11 +70,12 @@ def test_round_records_count_bytes_and_participants(small_experiment):
 
 
 def test_client_sampling_is_a_fraction_and_depends_only_on_seed_and_round():
-    chosen = sample_clients(100, 0.1, seed=3, round_index=7)
-    assert len(chosen) == 10 and len(set(chosen.tolist())) == 10
-    assert np.array_equal(chosen, sample_clients(100, 0.1, seed=3, round_index=7))
-    assert not np.array_equal(chosen, sample_clients(100, 0.1, seed=3, round_index=8))
-    assert len(sample_clients(5, 0.01, seed=0, round_index=0)) == 1
+    count = clients_per_round(100, 0.1)
+    chosen = sample_clients(100, count, seed=3, round_index=7)
+    assert count == 10 and len(chosen) == 10 and len(set(chosen.tolist())) == 10
+    assert np.array_equal(chosen, sample_clients(100, count, seed=3, round_index=7))
+    assert not np.array_equal(chosen, sample_clients(100, count, seed=3, round_index=8))
+    assert clients_per_round(5, 0.01) == 1
 
 
 def test_fedavgm_with_zero_momentum_equals_fedavg(small_experiment):

@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from functools import cache
 from typing import Any, Literal
 
 import numpy as np
@@ -37,8 +36,8 @@ from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import TrainingError
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
-from fedplug.run.round_context import ClientFailure
-from fedplug.simulation import parallel, vectorized
+from fedplug.run.round_screen import ClientFailure
+from fedplug.simulation import parallel, vectorized_blocks
 from fedplug.simulation.simulator import Simulator
 from fedplug.simulation.vectorized import VectorizedEngine
 
@@ -429,7 +428,7 @@ def test_a_vectorised_retry_restores_the_client_states_first(registry, federatio
     def train_block(self, start_vector, chains, plan, round_index, context):
         progress = original(self, start_vector, chains, plan, round_index, context)
         if [HANGING] in chains:  # e.g. its client_finish, after the others' ran
-            with vectorized._client_code(HANGING, context.client_timeout):
+            with vectorized_blocks.client_code(HANGING, context.client_timeout):
                 time.sleep(10**6)
         return progress
 

@@ -42,13 +42,9 @@ from fedplug.registry import Registry
 from fedplug.run.chains import ChainProgress, RoundChains
 from fedplug.run.components import Components
 from fedplug.run.evaluation import evaluate_batches
-from fedplug.run.federated_round import (
-    Attempt,
-    Evaluation,
-    RoundCore,
-    round_steps,
-)
+from fedplug.run.federated_round import AggregatedRound, Evaluation, RoundCore
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.round_plan import round_steps
 from fedplug.run.vectors import model_to_vector, vector_to_model
 from fedplug.screening import count_problem, dtype_problem
 
@@ -297,7 +293,7 @@ class FedplugAggregator(ServerAggregator):
     def _finish_round(self) -> None:
         plan = self.plans[self._round]
         chains = self._round_chains()
-        attempt: Attempt = self.core.run(
+        attempt: AggregatedRound = self.core.run(
             self._round, self.vector, plan, lambda _attempt: chains.outcomes()
         )
         self.vector = attempt.vector

@@ -29,7 +29,7 @@ from fedplug.components import FederationSummary, Grouper, RoundPlan
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
 from fedplug.run.components import build_component
-from fedplug.run.federated_round import participants, plan_round, round_steps
+from fedplug.run.round_plan import participants, plan_round, round_steps
 
 
 def owner_of(client_id: int, workers: int) -> int:
@@ -110,7 +110,7 @@ class Schedule:
     @property
     def steps_per_round(self) -> list[int]:
         """FedML rounds each fedplug round takes
-        (:func:`fedplug.run.federated_round.round_steps`)."""
+        (:func:`fedplug.run.round_plan.round_steps`)."""
         return [round_steps(plan) for plan in self.plans]
 
     @property
@@ -128,13 +128,13 @@ class Schedule:
 
 def plan_rounds(train_config: Any, registry: Registry, class_counts: np.ndarray) -> Schedule:
     """Every round's plan, in round order, from the round core
-    (:func:`fedplug.run.federated_round.plan_round`): the clients and groups the simulator
+    (:func:`fedplug.run.round_plan.plan_round`): the clients and groups the simulator
     draws for the same config."""
     grouper = build_component("grouper", train_config, registry)
     grouper.prepare(FederationSummary(class_counts))
     plans = []
     for round_index in range(train_config.rounds):
-        plan = plan_round(train_config, grouper, class_counts.shape[0], round_index)
+        plan, _ = plan_round(train_config, grouper, class_counts.shape[0], round_index)
         members = participants(plan)
         if len(members) != len(set(members)):
             raise ConfigError(

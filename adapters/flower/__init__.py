@@ -6,7 +6,8 @@
 - :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
   (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; a loss
   transform's setup phase, FedDisk's, with :meth:`FedplugTrainer.setup_phase`).
-- :mod:`.own_loop`: the client side as pieces of the user's own training loop:
+- :mod:`.own_loop` (with :mod:`.round_sampler` and :mod:`.own_loop_common`): the client
+  side as pieces of the user's own training loop:
   :class:`RoundSampler` (a sampler such as IWDS for their DataLoader), :class:`FedplugLoss`
   (their criterion plus the loss transform's and the aggregator's client side),
   :func:`with_sample_ids`, :func:`answer_class_counts`.
@@ -22,8 +23,10 @@ See ``docs/flower.md``.
 from .apps import make_client_app, make_server_app, run_on_grid
 from .local_data import with_sample_ids
 from .loopback import LoopbackGrid
-from .own_loop import FedplugLoss, RoundSampler, answer_class_counts
+from .own_loop import FedplugLoss
+from .own_loop_common import answer_class_counts
 from .priors import ClassCounts, gather_class_counts
+from .round_sampler import RoundSampler
 from .strategy import FedplugStrategy, central_evaluation
 from .trainer import FedplugTrainer
 

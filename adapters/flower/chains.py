@@ -12,7 +12,7 @@ the round core's own rule (:func:`fedplug.run.round_screen.unusable`): a chain w
 member failed stops there. The stepping itself (counts, hand-over, failure, outcome) is
 :mod:`fedplug.run.chains`', the same on every runtime; this module decodes and screens
 Flower's replies into it. What the chains end with becomes one
-:class:`~fedplug.run.federated_round.Outcome` each (:meth:`RoundInProgress.outcomes`), which
+:data:`~fedplug.run.round_screen.Outcome` each (:meth:`RoundInProgress.outcomes`), which
 the round core screens, logs and aggregates as on every runtime.
 
 A stock ClientApp's reply (``arrays`` and ``metrics`` with ``num-examples``, none of
@@ -36,7 +36,7 @@ Timeouts (``train.failures.client_timeout_seconds`` = T): every train message ca
 training once T has passed (:func:`fedplug.deadline.deadline`) and replies with that
 failure. The server does not rely on it: :class:`ReplyDeadlineGrid` gives up on the
 replies still missing once none has arrived for T plus a margin (:func:`reply_wait`),
-and such a client is a :class:`~fedplug.run.federated_round.ClientFailure` ("sent no reply
+and such a client is a :class:`~fedplug.run.round_screen.ClientFailure` ("sent no reply
 within ..."); the round goes on with the others. The bound counts from the last reply,
 not from the send: under the simulation runtime fewer Ray actors than clients train one
 batch after another, and a client still waiting for an actor has not started its T.
@@ -60,7 +60,7 @@ from fedplug.components import RoundPlan
 from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
 from fedplug.run.chains import ChainProgress, RoundChains
-from fedplug.run.federated_round import Outcome
+from fedplug.run.round_screen import Outcome
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
 from .records import (

@@ -4,7 +4,8 @@ DataLoader, their optimiser, their criterion.
 A Flower PyTorch app keeps its ``@app.train()`` loop and adds, per algorithm, a few lines:
 
 - a **sampler** (IWDS, or any registered sampler) as a round-aware
-  ``torch.utils.data.Sampler`` for the DataLoader (:class:`RoundSampler`)::
+  ``torch.utils.data.Sampler`` for the DataLoader
+  (:class:`~fedplug.adapters.flower.round_sampler.RoundSampler`)::
 
       iwds = RoundSampler({"name": "iwds"}, seed=0)
       ...
@@ -31,7 +32,8 @@ A Flower PyTorch app keeps its ``@app.train()`` loop and adds, per algorithm, a 
 
   A loss transform that needs every client's class counts (FedShift) or a setup phase on
   the client's data (FedDisk) answers the server's messages for them when built with
-  ``app=app, data=<context -> training data>``.
+  ``app=app, data=<context -> training data>``
+  (:func:`~fedplug.adapters.flower.own_loop_common.answer_class_counts`).
 
 Everything an algorithm needs comes from the component interfaces
 (:class:`~fedplug.components.ClientNeeds`, ``epoch_indices``, ``per_sample_loss``,
@@ -45,8 +47,7 @@ and the loss is the same sum.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,19 +55,25 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor, nn
-from torch.utils.data import Sampler
 
-from fedplug.components import TRAIN_LOSS, ComponentConfig, LocalTraining, LossTransform
+from fedplug.components import TRAIN_LOSS, LocalTraining, LossTransform
 from fedplug.config import validate_section
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
-from fedplug.run.components import build_component
-from fedplug.run.local_training import check_reply_metrics, local_rng, mean_loss
+from fedplug.run.local_training import check_reply_metrics, mean_loss
 from fedplug.run.vectors import model_to_vector, split_like
 
-from .local_data import DEFAULT_LABEL_KEY, labels_of
+from .local_data import DEFAULT_LABEL_KEY
+from .own_loop_common import (
+    ComponentSpec,
+    DataOf,
+    LabelCache,
+    answer_class_counts,
+    component_spec,
+    message_config,
+    registry_or_default,
+)
 from .records import (
-    CONFIG_KEY,
     EXTRAS_KEY,
     METRICS_KEY,
     MODEL_KEY,
@@ -88,155 +95,6 @@ from .trainer import (
     requested_metrics,
     save_client_state,
 )
-
-logger = logging.getLogger("fedplug.adapters.flower")
-
-ComponentSpec = Mapping[str, Any] | ComponentConfig
-"""A component's config: a dict such as ``{"name": "iwds", "beta_0": 0.999}`` (validated
-strictly, a typo is an error naming its path) or a validated config."""
-DataOf = Callable[[Context], Any]
-"""The node's training data, given the ClientApp's context (e.g.
-``lambda context: load_data(context.node_config["partition-id"])``)."""
-
-
-def _registry(registry: Registry | None) -> Registry:
-    if registry is not None:
-        return registry
-    from fedplug.plugins import default_registry
-
-    return default_registry()
-
-
-def _spec(spec: ComponentSpec) -> Any:
-    return spec.model_dump() if isinstance(spec, ComponentConfig) else dict(spec)
-
-
-def _message_config(message: Message) -> ConfigRecord:
-    return message.content.config_records.get(CONFIG_KEY, ConfigRecord())
-
-
-class _LabelCache:
-    """The labels of the last data object seen (a node reloads the same dataset object,
-    or a new one each round; reading labels can mean reading every sample)."""
-
-    def __init__(self, label_key: str) -> None:
-        self.label_key = label_key
-        self._data: Any = None
-        self._labels: np.ndarray | None = None
-
-    def __call__(self, data: Any) -> np.ndarray:
-        if self._labels is None or data is not self._data:
-            self._labels = labels_of(data, self.label_key)
-            self._data = data
-        return self._labels
-
-
-# ----------------------------------------------------------------------------- sampler
-
-
-class RoundSampler(Sampler[int]):
-    """A fedplug sampler (IWDS or any registered one) as a ``torch.utils.data.Sampler``.
-
-    Each pass over the DataLoader is one local epoch: the indices fedplug's sampler
-    draws for this client in this round, from the simulator's random stream
-    (``local_rng(seed, round, client)``; epoch e takes the e-th draw), so with the same
-    batch size and a plain SGD loop the client sees exactly the batches it would see in
-    ``fedplug run``. Call :meth:`for_round` (or :meth:`set_round`) once per round,
-    before the first epoch; it restarts the stream, so a retried round draws the same
-    indices.
-
-    Args:
-        sampler: the sampler's config (default ``{"name": "iwds"}``).
-        seed: ``train.seed`` of the experiment the server runs (default 0): the key of
-            every client's stream.
-        num_classes: C, for the class counts the sampler reads (default: the server's
-            ``fedplug.num-classes`` when it sends one, else the largest label + 1).
-        label_key: the label's key in dict samples (default ``"label"``).
-        registry: the component registry (default: the installed plugins).
-    """
-
-    def __init__(
-        self,
-        sampler: ComponentSpec | None = None,
-        *,
-        seed: int = 0,
-        num_classes: int | None = None,
-        label_key: str = DEFAULT_LABEL_KEY,
-        registry: Registry | None = None,
-    ) -> None:
-        registry = _registry(registry)
-        train = validate_section(
-            "train", {"sampler": _spec(sampler or {"name": "iwds"}), "seed": seed}, registry
-        )
-        self.config = train.sampler
-        self.seed = int(train.seed)
-        self.num_classes = num_classes
-        self.component = build_component("sampler", train, registry)
-        self._labels = _LabelCache(label_key)
-        self._round: tuple[np.ndarray, np.ndarray, int, np.random.Generator] | None = None
-        self._next_epoch: np.ndarray | None = None
-
-    def for_round(self, message: Message, context: Context, data: Any) -> RoundSampler:
-        """Start the round of ``message`` (its ``server-round``) for this node's client
-        (the server's ``fedplug.client-id``, else the node's ``partition-id``) on
-        ``data`` (the training dataset the DataLoader reads, or its labels); returns
-        ``self``, for ``DataLoader(..., sampler=sampler.for_round(msg, context, data))``."""
-        config = _message_config(message)
-        num_classes = self.num_classes
-        if num_classes is None and NUM_CLASSES in config:
-            num_classes = integer(config, NUM_CLASSES)
-        return self.set_round(
-            integer(config, ROUND, 1),
-            data,
-            client_id=client_id_of(config, context),
-            num_classes=num_classes,
-        )
-
-    def set_round(
-        self, server_round: int, data: Any, *, client_id: int = 0, num_classes: int | None = None
-    ) -> RoundSampler:
-        """Start round ``server_round`` (1-based, Flower's ``server-round``) of client
-        ``client_id`` on ``data`` (a dataset, a DataLoader or the labels); returns
-        ``self``."""
-        if server_round < 1:
-            raise ConfigError(f"server_round is 1-based, got {server_round}")
-        labels = self._labels(data)
-        width = num_classes or self.num_classes or (int(labels.max()) + 1 if labels.size else 1)
-        if labels.size and (labels.min() < 0 or labels.max() >= width):
-            raise ConfigError(
-                f"labels must lie in [0, {width - 1}], found "
-                f"{int(labels.min())}..{int(labels.max())}; pass num_classes="
-            )
-        class_counts = np.bincount(labels, minlength=width).astype(np.int64)
-        round_index = server_round - 1
-        rng = local_rng(self.seed, round_index, client_id)
-        self._round = (labels, class_counts, round_index, rng)
-        self._next_epoch = None
-        return self
-
-    def _epoch(self) -> np.ndarray:
-        if self._round is None:
-            raise RuntimeError(
-                "call sampler.for_round(message, context, data) (or set_round) before iterating"
-            )
-        if self._next_epoch is None:
-            labels, class_counts, round_index, rng = self._round
-            self._next_epoch = np.asarray(
-                self.component.epoch_indices(labels, class_counts, round_index, rng), dtype=np.int64
-            )
-        return self._next_epoch
-
-    def __iter__(self) -> Iterator[int]:
-        indices = self._epoch()
-        self._next_epoch = None  # the next pass is the next epoch
-        return iter(indices.tolist())
-
-    def __len__(self) -> int:
-        """The length of the coming epoch (drawn now, and used by the next pass)."""
-        return len(self._epoch())
-
-
-# -------------------------------------------------------------------------------- loss
 
 
 class FedplugLoss:
@@ -288,12 +146,12 @@ class FedplugLoss:
         registry: Registry | None = None,
         state_namespace: str = DEFAULT_STATE_NAMESPACE,
     ) -> None:
-        registry = _registry(registry)
+        registry = registry_or_default(registry)
         train: dict[str, Any] = {}
         if loss_transform is not None:
-            train["loss_transform"] = _spec(loss_transform)
+            train["loss_transform"] = component_spec(loss_transform)
         if aggregator is not None:
-            train["aggregator"] = _spec(aggregator)
+            train["aggregator"] = component_spec(aggregator)
         self.trainer = FedplugTrainer.from_config(
             train,
             registry=registry,
@@ -311,7 +169,7 @@ class FedplugLoss:
             or bool(self._phases)
             or type(algorithm.loss_transform).client_context is not LossTransform.client_context
         )
-        self._labels = _LabelCache(label_key)
+        self._labels = LabelCache(label_key)
         self._round: _Round | None = None
         if app is not None:
             self.register(app, data)
@@ -379,7 +237,7 @@ class FedplugLoss:
                 with the same components.
         """
         content = message.content
-        config = _message_config(message)
+        config = message_config(message)
         client_id = client_id_of(config, context)
         round_index = integer(config, ROUND, 1) - 1
         device = next(model.parameters()).device
@@ -620,34 +478,3 @@ def _output_width(model: nn.Module, data: Any, trainer: FedplugTrainer) -> int:
     return trainer._num_classes(ConfigRecord(), model, local)
 
 
-# ----------------------------------------------------------------------- class counts
-
-
-def answer_class_counts(
-    app: ClientApp,
-    data: DataOf,
-    *,
-    num_classes: int | None = None,
-    label_key: str = DEFAULT_LABEL_KEY,
-    trainer: FedplugTrainer | None = None,
-) -> None:
-    """Register ``@app.query()`` answering :class:`~fedplug.adapters.flower.FedplugStrategy`'s
-    class-count query with this node's counts (:meth:`FedplugTrainer.describe`): what a
-    stock ClientApp adds, in one line, when an algorithm needs every client's class
-    counts (FedShift's prior, FedGSP's groups). The raw data never leave the node.
-
-    Args:
-        app: the ClientApp.
-        data: the node's training data given the context (:data:`DataOf`).
-        num_classes: C (default: the server's ``fedplug.num-classes``).
-        label_key: the label's key in dict samples (default ``"label"``).
-        trainer: the trainer whose ``describe`` answers (default: a plain one).
-    """
-    if trainer is None:
-        trainer = FedplugTrainer.from_config({}, num_classes=num_classes, label_key=label_key)
-    answering = trainer
-
-    def query(message: Message, context: Context) -> Message:
-        return answering.describe(data(context), message, context)
-
-    app.query()(query)

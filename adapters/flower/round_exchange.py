@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedplug.components import MODEL_SHAPE, ClientNeeds, RoundPlan
-from fedplug.run.federated_round import Attempt
+from fedplug.run.federated_round import AggregatedRound
 from fedplug.run.vectors import tensors_num_bytes
 
 from .chains import ReplyDeadlineGrid, RoundInProgress, reply_wait
@@ -166,7 +166,7 @@ class TrainExchange:
             replies = bounded.send_and_receive(messages, timeout=self.timeout)
             messages = hand_off(self.require_round().server_round, replies)
 
-    def accepted_replies(self, attempt: Attempt) -> list[Any]:
+    def accepted_replies(self, attempt: AggregatedRound) -> list[Any]:
         """The contents of the replies whose chain the round core accepted: a client it
         dropped (a NaN model, say) must not enter the averaged metrics either."""
         round_ = self.require_round()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from flwr.app import MetricRecord
 
 from fedplug.components import RoundPlan
-from fedplug.run.federated_round import Attempt, Evaluation, RoundCore
+from fedplug.run.federated_round import AggregatedRound, Evaluation, RoundCore
 from fedplug.run.results import RoundRecord
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
@@ -29,7 +29,7 @@ class FinishedRound:
 
     round_number: int
     plan: RoundPlan
-    attempt: Attempt
+    attempt: AggregatedRound
     payload_bytes: int
     started: float
     central: MetricRecord | None = None

@@ -47,8 +47,8 @@ from fedplug.cost_model import LinkAndDevice
 from fedplug.errors import ConfigError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
-from fedplug.run.federated_round import Outcome
 from fedplug.run.model import resolve_device
+from fedplug.run.round_screen import Outcome
 from fedplug.run.vectors import vector_to_model
 
 from .chains import ReplyDeadlineGrid

@@ -12,7 +12,7 @@ A runtime only decodes each member's reply into numbers and tensors; this module
 them up (:meth:`ChainProgress.advance`), stops a chain whose member failed
 (:meth:`ChainProgress.fail`), and turns what a chain ended with into the
 :data:`~fedplug.run.round_screen.Outcome` the round core screens and aggregates
-(:meth:`ChainProgress.outcome`, through :func:`~fedplug.run.federated_round.chain_update`'s
+(:meth:`ChainProgress.outcome`, through :func:`~fedplug.run.round_plan.chain_update`'s
 weight rule). Nothing here knows a runtime's message types.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
-from fedplug.run.federated_round import ClientFailure, Outcome, chain_update, round_steps
-from fedplug.run.round_screen import unusable
+from fedplug.run.round_plan import chain_update, round_steps
+from fedplug.run.round_screen import ClientFailure, Outcome, unusable
 
 
 @dataclass

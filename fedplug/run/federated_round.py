@@ -1,43 +1,11 @@
-"""One federated round, for every runtime.
+"""One federated round, for every runtime: :class:`RoundCore`.
 
 The simulator's engines, the Flower strategy and the FedML coordinator differ only in how
-they move models and messages. Everything else about a round lives here, once:
-
-1. **the plan** (:func:`plan_round`): sample ``client_fraction`` of the K clients (stream
-   ``[seed, round, 0xC11E]``; with a ``train.faults.dropout.trace``, among the clients it
-   lists as available), remove the sampled clients that ``train.faults.dropout`` drops
-   (they neither train nor reply, and are not failures) and let the grouper form the
-   chains of the rest (stream ``[seed, round, 0x6E0]``); a round that nobody is left to
-   train keeps the global model, with a warning;
-2. **the weight rule** (:func:`chain_update`): a chain's model weighs the samples its
-   members trained on, or 1 when the plan weighs groups uniformly;
-3. **faults, then screening** (:func:`screen`): ``train.faults`` turns a chain with a
-   straggler whose modelled time exceeds its deadline (``stragglers.deadline_seconds``,
-   default ``train.failures.client_timeout_seconds``) into a timeout and corrupts the
-   updates its corruption draw picks (:mod:`fedplug.faults`);
-   then (:mod:`fedplug.run.round_screen`) a failed chain, and an update with any field out of bounds
-   (:mod:`fedplug.screening`: its counts, dtypes, shapes, finiteness, declared extras,
-   metrics, time over ``train.failures.client_timeout_seconds``, the poisoning bounds of
-   ``train.screening``; then the aggregator's own :meth:`~fedplug.components.Aggregator.check_update`)
-   is dropped with a logged reason; the rest stream on, in plan order (with
-   ``train.screening.max_weight_fraction``, once the round's updates are all in);
-4. **aggregate or retry** (:meth:`RoundCore.run`): an update the aggregator raises on is
-   dropped with the error as its reason (at once when the runtime handed a list of
-   outcomes, else in the next attempt); an attempt fails when no usable update
-   reached the aggregator or more than ``max_failed_fraction`` of the chains failed; the
-   aggregator's state is restored and the round replayed up to ``max_round_retries``
-   times (a runtime that cannot replay a round stops instead, saying why); a non-finite
-   global model stops the run;
-5. **the record** (:meth:`RoundCore.record`): evaluation, traffic, failures, the
-   grouper's own metrics, the cost model's times (stragglers slowed by their factors)
-   and the injected faults (``faults_*`` counts, and ``dropped``: which clients were
-   dropped and why), as one :class:`RoundRecord`;
-6. **derived params** (:meth:`RoundCore.derived_params`): what the components' configs
-   report about themselves, plus the runtime's own entries; with the rounds and the
-   setup, they make the run's result (:meth:`RoundCore.run_result`).
-
-Nothing here names an algorithm: components describe themselves through
-:mod:`fedplug.components`.
+they move models and messages; the round around that lives here once: the plan
+(:mod:`fedplug.run.round_plan`), injected faults and screening
+(:mod:`fedplug.run.round_screen`), aggregate or retry, the round's record, and the run's
+result. docs/round.md walks through each step. Nothing here names an algorithm:
+components describe themselves through :mod:`fedplug.components`.
 """
 
 from __future__ import annotations
@@ -68,6 +36,7 @@ from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
 from fedplug.run.components import Components, merged_round_metrics
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.run.round_plan import participants, plan_round, sample_round
 from fedplug.run.round_screen import (
     ClientFailure,
     HandedUpdates,
@@ -82,10 +51,6 @@ from fedplug.screening import ScreeningConfig, ScreeningRules, over_weight_share
 
 logger = logging.getLogger("fedplug.round")
 
-SAMPLING_STREAM = 0xC11E
-"""Tag of the generator that samples a round's clients: ``[seed, round_index, tag]``."""
-GROUPER_STREAM = 0x6E0
-"""Tag of the generator handed to :meth:`fedplug.components.Grouper.plan`."""
 NO_SETUP = PhaseCost(0, 0, 0)
 """The cost of a run without a setup phase."""
 
@@ -98,134 +63,6 @@ class Evaluation:
     loss: float = float("nan")
     client_accuracy_mean: float = float("nan")
     client_accuracy_std: float = float("nan")
-
-
-# ------------------------------------------------------------------------------- plan
-
-
-def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> np.ndarray:
-    """The sorted ids of this round's clients (at least one)."""
-    count = max(1, int(round(fraction * num_clients)))
-    return sample_among(num_clients, count, seed, round_index)
-
-
-def sample_among(candidates: np.ndarray | int, count: int, seed: int, round_index: int) -> np.ndarray:
-    """``count`` of the sorted ``candidates`` (client ids; an int K stands for all of
-    0 .. K-1, without building that array), drawn with the round's sampling stream, in
-    ascending order. numpy draws a few from many without replacement in O(count)."""
-    if count == 0:
-        return np.zeros(0, dtype=np.int64)
-    rng = np.random.default_rng([seed, round_index, SAMPLING_STREAM])
-    every = isinstance(candidates, (int, np.integer))
-    picked = np.sort(rng.choice(int(candidates) if every else len(candidates), size=count, replace=False))
-    return picked.astype(np.int64, copy=False) if every else np.asarray(candidates, dtype=np.int64)[picked]
-
-
-def group(train_config: Any, grouper: Grouper, clients: np.ndarray, round_index: int) -> RoundPlan:
-    """The grouper's chains of this round's sampled ``clients``, with the grouper stream."""
-    rng = np.random.default_rng([train_config.seed, round_index, GROUPER_STREAM])
-    return grouper.plan(round_index + 1, clients, rng)
-
-
-def plan_round(
-    train_config: Any, grouper: Grouper, num_clients: int, round_index: int, faults: Faults | None = None
-) -> RoundPlan:
-    """Round ``round_index`` (0-based): the sampled clients, in the grouper's chains,
-    without those ``train.faults.dropout`` drops (``faults``: the run's, default built
-    from ``train_config``)."""
-    return planned_round(train_config, grouper, num_clients, round_index, faults)[0]
-
-
-def planned_round(
-    train_config: Any,
-    grouper: Grouper,
-    num_clients: int,
-    round_index: int,
-    faults: Faults | None = None,
-    *,
-    candidates: np.ndarray | None = None,
-    count: int | None = None,
-) -> tuple[RoundPlan, RoundDropout]:
-    """:func:`plan_round`'s plan, and who dropped out of it and why.
-
-    Sampling draws ``count`` clients (default ``client_fraction`` x K, at least one) from
-    ``candidates`` (default all K; Flower: the connected nodes' clients) less those the
-    dropout trace lists as unavailable (all of them when fewer are left); then the
-    sampled clients that drop out are removed, and the grouper forms its chains of the
-    rest. A round that nobody is left to train has no chains.
-    """
-    if faults is None:
-        faults = Faults.for_run(train_config, num_clients)
-    taking_part, dropout = sampled_round(train_config, faults, num_clients, round_index, candidates, count)
-    if len(taking_part) == 0:
-        return RoundPlan(chains=[]), dropout
-    return group(train_config, grouper, taking_part, round_index), dropout
-
-
-def sampled_round(
-    train_config: Any,
-    faults: Faults,
-    num_clients: int,
-    round_index: int,
-    candidates: np.ndarray | None = None,
-    count: int | None = None,
-) -> tuple[np.ndarray, RoundDropout]:
-    """The sorted clients that take part in round ``round_index`` (before grouping), and
-    who dropped out; see :func:`planned_round`."""
-    if count is None:
-        count = max(1, int(round(train_config.client_fraction * num_clients)))
-    if candidates is None and faults.available is None:  # all K clients, without an array of K ids
-        sampled = sample_among(num_clients, min(count, num_clients), train_config.seed, round_index)
-        return faults.drop_out(sampled, (), round_index)
-    pool = np.arange(num_clients, dtype=np.int64) if candidates is None else np.asarray(candidates, dtype=np.int64)
-    available = faults.candidates(pool, round_index)
-    sampled = sample_among(available, min(count, len(available)), train_config.seed, round_index)
-    unavailable = np.setdiff1d(pool, available) if len(available) < len(pool) else ()
-    return faults.drop_out(sampled, unavailable, round_index)
-
-
-def participants(plan: RoundPlan) -> list[int]:
-    """Every client that trains in ``plan``, chain by chain."""
-    return [client for chain in plan.chains for client in chain]
-
-
-def round_steps(plan: RoundPlan) -> int:
-    """The steps a round of ``plan`` takes on a runtime that trains one member of every
-    chain per step (FedML: one FedML round per step): its longest chain, and one for a
-    round that nobody is left to train (every sampled client dropped out,
-    ``train.faults.dropout``), which still happens and keeps the global model."""
-    return max((len(chain) for chain in plan.chains), default=1)
-
-
-# ----------------------------------------------------------------------- weight rule
-
-
-def chain_update(
-    chain: Iterable[int],
-    vector: Tensor,
-    *,
-    samples: int,
-    steps: int,
-    extras: dict[str, Tensor],
-    plan: RoundPlan,
-    seconds: float,
-    metrics: dict[str, float] | None = None,
-) -> ClientUpdate:
-    """The update a chain sends the aggregator: its last member's model, weighted by the
-    samples the chain trained on (or 1 when ``plan.weighting`` is ``"uniform"``), with its
-    last member's reply ``metrics`` (those the components ask for; default none)."""
-    members = list(chain)
-    return ClientUpdate(
-        client_id=members[-1],
-        vector=vector,
-        weight=float(samples) if plan.weighting == "samples" else 1.0,
-        num_steps=steps,
-        extras=extras,
-        chain=members,
-        seconds=seconds,
-        metrics=dict(metrics) if metrics else {},
-        num_examples=samples,
-    )
 
 
 # ------------------------------------------------------------------------- the round
@@ -242,8 +79,9 @@ class ClientStates(Protocol):
 
 
 @dataclass
-class Attempt:
-    """The accepted outcome of a round: the new global model and what screening saw."""
+class AggregatedRound:
+    """What :meth:`RoundCore.run` accepted for a round: the new global model, what
+    screening saw, and the attempts it took."""
 
     vector: Tensor
     tally: Tally
@@ -357,9 +195,9 @@ class RoundCore:
 
     def plan(self, round_index: int, *, candidates: np.ndarray | None = None, count: int | None = None) -> RoundPlan:
         """The plan of round ``round_index`` (0-based); a replayed round trains the same.
-        ``candidates`` and ``count``: see :func:`planned_round` (default: ``count`` =
-        ``client_fraction`` x K of all K clients)."""
-        plan, dropout = planned_round(
+        ``candidates`` and ``count``: see :func:`~fedplug.run.round_plan.sample_round`
+        (default: ``count`` = ``client_fraction`` x K of all K clients)."""
+        plan, dropout = plan_round(
             self.config, self.grouper, self.num_clients, round_index, self.faults, candidates=candidates, count=count
         )
         self._dropouts[round_index] = dropout
@@ -370,7 +208,7 @@ class RoundCore:
         :meth:`plan` found (or, for a round planned elsewhere with the default sampling,
         drawn again)."""
         if round_index not in self._dropouts:
-            self._dropouts[round_index] = sampled_round(self.config, self.faults, self.num_clients, round_index)[1]
+            self._dropouts[round_index] = sample_round(self.config, self.faults, self.num_clients, round_index)[1]
         return self._dropouts[round_index]
 
     def chain_seconds(self, chain: Iterable[int]) -> float:
@@ -389,7 +227,7 @@ class RoundCore:
         plan: RoundPlan,
         train: TrainAttempt,
         client_states: ClientStates | None = None,
-    ) -> Attempt:
+    ) -> AggregatedRound:
         """Train and aggregate round ``round_index`` under ``train.failures``.
 
         Raises:
@@ -402,7 +240,7 @@ class RoundCore:
                 "round %d: no client is left to train (every sampled client dropped out, "
                 "train.faults.dropout); the global model stays as it was", round_index + 1,
             )
-            return Attempt(global_vector, Tally(), 1)
+            return AggregatedRound(global_vector, Tally(), 1)
         attempts = policy.max_round_retries + 1 if self.can_replay else 1
         members = participants(plan)
         excluded: dict[tuple[int, ...], str] = {}
@@ -420,7 +258,7 @@ class RoundCore:
                     outcomes.close()
             if new_vector is not None and tally.failures / max(len(plan.chains), 1) <= policy.max_failed_fraction:
                 self._check_finite(new_vector, round_index)
-                return Attempt(new_vector, tally, attempt + 1)
+                return AggregatedRound(new_vector, tally, attempt + 1)
             self.aggregator.load_state_dict(saved_server)
             if client_states is not None:
                 client_states.restore(members, saved_clients)
@@ -604,7 +442,7 @@ class RoundCore:
         self,
         round_index: int,
         plan: RoundPlan,
-        attempt: Attempt,
+        attempt: AggregatedRound,
         evaluation: Evaluation,
         *,
         payload_bytes: int,

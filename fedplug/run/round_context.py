@@ -11,11 +11,12 @@ from torch import Tensor
 
 from fedplug.components import ClientUpdate, Context, RoundPlan
 from fedplug.data.federation import Federation
-from fedplug.run.federated_round import ClientFailure, chain_update
 from fedplug.run.local_training import ClientAlgorithm, LocalSchedule
+from fedplug.run.round_plan import chain_update
+from fedplug.run.round_screen import ClientFailure
 from fedplug.run.vectors import move_tensors
 
-__all__ = ["ClientFailure", "Engine", "RoundContext"]
+__all__ = ["Engine", "RoundContext"]
 
 
 class Engine(Protocol):
@@ -70,22 +71,12 @@ class RoundContext:
     def client_state(self, client_id: int) -> dict[str, Tensor]:
         return self.client_states.setdefault(client_id, {})
 
-    def make_update(
-        self,
-        chain: list[int],
-        vector: Tensor,
-        samples: int,
-        steps: int,
-        extras: dict[str, Tensor],
-        plan: RoundPlan,
-        seconds: float,
-        metrics: dict[str, float] | None = None,
-    ) -> ClientUpdate:
-        """A chain's update under the round's weight rule
-        (:func:`fedplug.run.federated_round.chain_update`), with its last member's ``metrics``."""
-        return chain_update(
-            chain, vector, samples=samples, steps=steps, extras=extras, plan=plan, seconds=seconds, metrics=metrics
-        )
+    def make_update(self, chain: list[int], vector: Tensor, *fields: Any) -> ClientUpdate:
+        """A chain's update under the round's weight rule:
+        :func:`~fedplug.run.round_plan.chain_update` of ``chain``, ``vector`` and its other
+        ``fields`` (samples, steps, extras, plan, seconds, metrics). The engines build
+        every update through here, so a test can alter what all of them send."""
+        return chain_update(chain, vector, *fields)
 
     def save(self, clients: list[int]) -> dict[int, dict[str, Tensor]]:
         """Copies of ``clients``' states, for a replayed round."""

@@ -1,82 +1,13 @@
 """The parallel engine: the chains of a round trained in W forked CPU processes.
 
-On a CPU the sequential engine trains one client after another on one torch thread, and
-more intra-op threads do not help small models (an ``mlp`` step at batch 10 is a few
-tiny matrix products). Like Flower's simulation, which runs one client actor per CPU,
-this engine trains W chains at once, one per worker process with one torch thread each,
-and gives the same results as :class:`fedplug.simulation.sequential.SequentialEngine`,
-bit for bit:
-
-- **The same arithmetic.** A worker trains a chain with
-  :func:`fedplug.simulation.sequential.train_chain`, the sequential engine's own loop, on
-  the same start vector, and a client's randomness depends only on (seed, round, client)
-  (:func:`fedplug.run.local_training.local_rng`), not on which process trains it.
-- **The same order.** Results are yielded in plan order, whatever order they finish in,
-  so the aggregator's running sums add the same numbers in the same order.
-- **The same state.** A chain's updated client states (SCAFFOLD's c_k, changed in place
-  by the aggregator's client side) travel back with its update and are written into
-  ``context.client_states`` just before the update is yielded, so the next round, a
-  retried round and the checkpoint see what the sequential engine would leave. Loss
-  contexts a worker computes travel back too and are cached, as the sequential engine
-  caches them, so later rounds do not compute them again.
-
-How (what we chose). The first round forks W workers
-(``multiprocessing.get_context("fork")``): a forked worker sees the current global
-vector, payload, client states and components' state as they are, with nothing to
-send, and the federation's tensors are shared copy-on-write. The forked copy of the
-engine's model is the worker's model. Later rounds of the same run reuse the workers
-(forking and tearing down a copy of a large process every round cost more CPU than a
-small model's training): the main process sends each the new round's state, pickled
-once, which is what a worker forked then would see (start vector, plan, the components
-with their state, payload, the round's clients' states, and the cached loss contexts it
-lacks); when that state cannot be pickled (a component holding a lock or a lambda), the
-round forks its workers again. The main process hands out chain indices, keeping
-each worker :data:`QUEUED_CHAINS_PER_WORKER` ahead (one training, one waiting), so a
-worker never idles while the main process aggregates, and uneven chains balance
-themselves: whichever worker is free takes the next chain. Results come back through one
-pipe per worker, tensors pickled as numpy arrays (a copy of only their own elements).
-Results that arrive ahead of plan order wait in the main process until their turn; with
-similar chains that is a few models, at worst one per chain of the round.
-
-Failures. An exception while training a chain is a :class:`ClientFailure` with the
-sequential engine's reason. A worker that dies (killed, segfault, ``os._exit``) fails
-only the chain it was training, with a reason giving its exit code; the chains queued
-behind it go to the other workers, and if none is left, every chain not yet trained
-fails.
-
-Timeouts (``train.failures.client_timeout_seconds``, per chain as in the sequential
-engine). A worker enforces the limit itself: :func:`train_chain` runs the chain under a
-``SIGALRM`` deadline (:mod:`fedplug.deadline`; a forked worker runs in its own main
-thread), so a hanging client is interrupted and its chain comes back as the sequential
-engine's ``ClientTimeout`` failure. The main process is the backstop for a chain the
-alarm cannot stop (client code that blocks or replaces ``SIGALRM``, or swallows the
-exception): it knows when each worker started its current chain (when the chain was
-handed to an idle worker, or when the worker's previous result arrived, never earlier
-than the truth), and a worker whose chain has run :func:`kill_after` seconds (the limit
-plus a margin of :data:`~fedplug.deadline.KILL_MARGIN_SECONDS`, or 10% of the limit when that is more) is
-killed (``SIGKILL``). That chain fails with a reason naming the limit; the chains queued
-behind it go back to the queue, and a replacement worker is forked (from the main
-process as it is then: the same start vector and payload, and the states of the clients
-not yet trained are untouched) when chains are left to train, so the round goes on at
-full width. After a complete round the live workers stand by: they compute the
-evaluation's batches (:meth:`ParallelEngine.spread_evaluation`, combined in batch order,
-and only when the main process evaluates with one torch thread, as they do, so every
-number is the one the main process would compute), then train the next round; one that
-died meanwhile is replaced by a fork. :meth:`ParallelEngine.close` (the end of the run)
-dismisses them: their pipes close, they exit and are joined. When the consumer stops
-early (closes the generator) or an error interrupts the round, the workers are
-terminated and joined at once. A worker ignores Ctrl-C, which the main process handles.
-
-Limits: CPU only (the model must be on the CPU), and a platform with the ``fork`` start
-method (Linux, macOS; not Windows). Without ``client_timeout_seconds`` nothing bounds a
-chain: one that never finishes (an infinite loop) blocks the round, as it does in the
-sequential engine.
+:class:`ParallelEngine` is the pool side: it forks the workers
+(:mod:`fedplug.simulation.parallel_worker`), hands out chains, yields their outcomes in
+plan order, and kills a worker whose chain runs past the time limit. It gives the
+sequential engine's results bit for bit; docs/engines.md says how.
 """
 
 from __future__ import annotations
 
-import ctypes
-import io
 import multiprocessing
 import os
 import pickle
@@ -93,31 +24,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedplug.components import ClientUpdate, Context, RoundPlan
+from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import KILL_MARGIN_SECONDS, grace_period
 from fedplug.errors import ConfigError
 from fedplug.run.evaluation import Batch, BatchResult, Evaluator
-from fedplug.run.round_context import ClientFailure, RoundContext
-from fedplug.run.vectors import model_to_vector, vector_to_model
-from fedplug.simulation.sequential import train_chain
+from fedplug.run.round_context import RoundContext
+from fedplug.run.round_screen import ClientFailure
+from fedplug.run.vectors import model_to_vector
+from fedplug.simulation.parallel_worker import (
+    BatchDone,
+    ChainResult,
+    EvaluateBatch,
+    LoadModel,
+    NextRound,
+    RoundState,
+    dumps,
+    serve,
+)
 
 QUEUED_CHAINS_PER_WORKER = 2
 """Chains handed to a worker ahead of its results: one it trains, one waiting."""
 
 STOP_SECONDS = 5.0
 """How long a worker may take to exit once told to before it is killed."""
-
-KEEP_FREED_BYTES = 1 << 30
-"""A worker's C allocator keeps freed blocks up to this size for reuse (see
-:func:`_keep_freed_memory`)."""
-
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float16, torch.float32, torch.float64,
-        torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
-    }
-)
-
 
 def kill_after(timeout: float) -> float:
     """Seconds a worker's chain may run before the main process kills the worker:
@@ -131,180 +60,6 @@ def default_workers() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-# ------------------------------------------------------------------------ messages
-
-
-class _TensorPickler(pickle.Pickler):
-    """Pickles plain CPU tensors as numpy arrays: about 3x faster than torch's own
-    pickling (which writes a zip archive per tensor), and a view carries only its own
-    elements, not its whole storage."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is Tensor
-            and obj.layout is torch.strided
-            and obj.device.type == "cpu"
-            and obj.dtype in _NUMPY_DTYPES
-            and not obj.requires_grad  # torch's own pickling keeps the flag
-        ):
-            return torch.from_numpy, (obj.detach().numpy(),)
-        return NotImplemented
-
-
-def _dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
-@dataclass
-class _ChainResult:
-    """What a worker sends back for one chain."""
-
-    index: int
-    """The chain's position in ``plan.chains``."""
-    outcome: ClientUpdate | ClientFailure
-    client_states: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    """The chain's clients' states after training (those that have one)."""
-    loss_contexts: dict[int, Context] = field(default_factory=dict)
-    """Loss contexts the worker computed (not cached when it was forked)."""
-
-
-@dataclass
-class _RoundState:
-    """What a standing-by worker needs to train the next round as a worker forked for it
-    would: everything of the main process that training reads and that may have changed."""
-
-    start_vector: Tensor
-    plan: RoundPlan
-    round_index: int
-    algorithm: Any
-    """``context.algorithm`` (sampler, loss transform, aggregator, with their state)."""
-    payload: dict[str, Tensor]
-    client_states: dict[int, dict[str, Tensor] | None]
-    """The round's clients' states (``None``: the client has none)."""
-    fields: dict[str, Any]
-    """The round context's other settings (seed, schedule, reply metrics, timeout)."""
-
-
-@dataclass
-class _NextRound:
-    state: bytes
-    """A pickled :class:`_RoundState`, the same for every worker."""
-    loss_contexts: dict[int, Context]
-    """Cached loss contexts of the round's clients that this worker lacks."""
-
-
-@dataclass
-class _LoadModel:
-    """To a worker standing by after its round: evaluate this global model next."""
-
-    vector: Tensor
-
-
-@dataclass
-class _EvaluateBatch:
-    index: int
-    """The batch's position in the evaluation's list."""
-    batch: Batch
-
-
-@dataclass
-class _BatchDone:
-    """What a worker sends back for one evaluation batch (``None``: it raised; the main
-    process computes that batch itself, and raises the same error there)."""
-
-    index: int
-    result: BatchResult | None
-
-
-# ------------------------------------------------------------------------ worker side
-
-
-def _keep_freed_memory() -> None:
-    """Let this process's C allocator (glibc) reuse freed blocks of up to
-    :data:`KEEP_FREED_BYTES` instead of returning them to the system.
-
-    By default a block over 32 MiB (an evaluation batch's activations: 1000 images
-    through ``cnn_mnist``'s first convolution take 100 MiB) is mapped fresh for every
-    batch and unmapped after it, so each batch page-faults its memory in again: about half
-    of a CNN evaluation's CPU time, spent in the kernel. The numbers computed do not
-    change (torch aligns every tensor to 64 bytes either way); the worker's memory stays
-    at its peak until it exits. Nothing happens on a C library without ``mallopt``.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS)
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    mallopt(m_mmap_threshold, KEEP_FREED_BYTES)
-    mallopt(m_trim_threshold, KEEP_FREED_BYTES)
-
-
-def _serve(
-    connection: Connection,
-    foreign: list[Connection],
-    model: nn.Module,
-    start_vector: Tensor,
-    plan: RoundPlan,
-    round_index: int,
-    context: RoundContext,
-    evaluator: Evaluator | None,
-) -> None:
-    """A worker: train the chains whose indices arrive on ``connection``, then (standing by
-    after the round) evaluate the batches that arrive, until the connection closes."""
-    for other in foreign:  # other pipes' main-process ends, inherited through fork
-        other.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops the workers
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held across fork (_fork)
-    torch.set_num_threads(1)
-    _keep_freed_memory()
-    cached = set(context.loss_contexts)
-    while True:
-        try:
-            message = connection.recv()
-        except EOFError:  # dismissed
-            return
-        if isinstance(message, _NextRound):  # a standing-by worker is reused
-            state: _RoundState = pickle.loads(message.state)
-            start_vector, plan, round_index = state.start_vector, state.plan, state.round_index
-            context.algorithm, context.payload = state.algorithm, state.payload
-            for name, value in state.fields.items():
-                setattr(context, name, value)
-            for client, client_state in state.client_states.items():
-                if client_state is None:
-                    context.client_states.pop(client, None)
-                else:
-                    context.client_states[client] = client_state
-            context.loss_contexts.update(message.loss_contexts)
-            cached.update(message.loss_contexts)
-            continue
-        if isinstance(message, _LoadModel):  # the round is over: evaluation follows
-            vector_to_model(message.vector, model)
-            model.eval()
-            continue
-        if isinstance(message, _EvaluateBatch):
-            assert evaluator is not None
-            try:
-                result = evaluator.predict(model, message.batch)
-            except Exception:  # noqa: BLE001 - the main process computes it again and raises
-                result = None
-            connection.send_bytes(_dumps(_BatchDone(message.index, result)))
-            continue
-        index = message
-        chain = plan.chains[index]
-        outcome = train_chain(model, start_vector, chain, plan, round_index, context)
-        states = {k: context.client_states[k] for k in chain if k in context.client_states}
-        computed = {k: context.loss_contexts[k] for k in chain if k in context.loss_contexts and k not in cached}
-        cached.update(computed)
-        try:
-            message = _dumps(_ChainResult(index, outcome, states, computed))
-        except Exception as error:  # noqa: BLE001 - an extra that cannot be pickled fails its chain only
-            failure = ClientFailure(chain, f"{type(error).__name__}: cannot send the result back: {error}")
-            message = _dumps(_ChainResult(index, failure))
-        connection.send_bytes(message)
 
 
 # ------------------------------------------------------------------------ main side
@@ -334,7 +89,7 @@ def _exit_description(exit_code: int | None) -> str:
 
 
 class ParallelEngine:
-    """Trains a round's chains in ``workers`` forked CPU processes (see the module).
+    """Trains a round's chains in ``workers`` forked CPU processes (docs/engines.md).
 
     Args:
         model: the simulator's model (on the CPU); each worker trains its forked copy.
@@ -449,7 +204,7 @@ class ParallelEngine:
                     if k in context.loss_contexts and k not in worker.loss_contexts
                 }
                 try:
-                    worker.connection.send_bytes(_dumps(_NextRound(message, missing)))
+                    worker.connection.send_bytes(dumps(NextRound(message, missing)))
                 except OSError:  # it died: dismissed below, replaced by a fork
                     pass
                 else:
@@ -464,10 +219,10 @@ class ParallelEngine:
 
     @staticmethod
     def _round_state(start_vector: Tensor, plan: RoundPlan, round_index: int, context: RoundContext) -> bytes | None:
-        """The pickled :class:`_RoundState` of a round, or ``None`` when some of it cannot
+        """The pickled :class:`RoundState` of a round, or ``None`` when some of it cannot
         be pickled (a component holding a lambda, a lock, an open file)."""
         clients = [k for chain in plan.chains for k in chain]
-        state = _RoundState(
+        state = RoundState(
             start_vector,
             plan,
             round_index,
@@ -482,7 +237,7 @@ class ParallelEngine:
             },
         )
         try:
-            return _dumps(state)
+            return dumps(state)
         except Exception:  # noqa: BLE001 - whatever pickling raises, forking needs no pickling
             return None
 
@@ -511,7 +266,7 @@ class ParallelEngine:
         results: list[BatchResult | None] = [None] * len(batches)
         finished = False
         try:
-            load = _dumps(_LoadModel(model_to_vector(model)))
+            load = dumps(LoadModel(model_to_vector(model)))
             for worker in standby:
                 try:
                     worker.connection.send_bytes(load)
@@ -519,14 +274,14 @@ class ParallelEngine:
                     pass
             pending = deque(range(len(batches)))
             while pending or any(worker.alive and worker.assigned for worker in standby):
-                _hand_out(standby, pending, lambda index: _EvaluateBatch(index, batches[index]))
+                _hand_out(standby, pending, lambda index: EvaluateBatch(index, batches[index]))
                 live = {worker.connection: worker for worker in standby if worker.alive}
                 if not live:
                     break
                 for connection in wait(list(live)):
                     worker = live[connection]  # type: ignore[index]
                     try:
-                        done: _BatchDone = pickle.loads(connection.recv_bytes())
+                        done: BatchDone = pickle.loads(connection.recv_bytes())
                     except (EOFError, OSError):  # it died: its batches go to the others
                         worker.alive = False
                         pending.extendleft(reversed(worker.assigned))
@@ -558,7 +313,7 @@ class ParallelEngine:
         foreign = [worker.connection for worker in earlier] + [here]
         loss_contexts = set(context.loss_contexts)
         process = multiprocessing.get_context("fork").Process(
-            target=_serve,
+            target=serve,
             args=(there, foreign, self.model, start_vector, plan, round_index, context, self.evaluator),
             name=f"fedplug-parallel-{len(earlier)}",
             daemon=True,
@@ -566,7 +321,7 @@ class ParallelEngine:
         # Ctrl-C during fork() would be handled in an at-fork callback in this process
         # (logging's lock release), where Python prints the KeyboardInterrupt as "Exception
         # ignored" and drops it: the run went on. Hold SIGINT until fork() has returned; the
-        # worker inherits the mask and ignores SIGINT before it unblocks it (_serve).
+        # worker inherits the mask and ignores SIGINT before it unblocks it (serve).
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             process.start()
@@ -584,7 +339,7 @@ class ParallelEngine:
         replacement: Callable[[], _Worker],
     ) -> Iterator[ClientUpdate | ClientFailure]:
         pending = deque(range(len(plan.chains)))
-        arrived: dict[int, _ChainResult] = {}
+        arrived: dict[int, ChainResult] = {}
         timeout = context.client_timeout
         _hand_out(workers, pending)
         for index in range(len(plan.chains)):
@@ -602,7 +357,7 @@ class ParallelEngine:
         self,
         workers: list[_Worker],
         pending: deque[int],
-        arrived: dict[int, _ChainResult],
+        arrived: dict[int, ChainResult],
         plan: RoundPlan,
         timeout: float | None = None,
     ) -> None:
@@ -615,7 +370,7 @@ class ParallelEngine:
             ) + ")"
             while pending:
                 index = pending.popleft()
-                arrived[index] = _ChainResult(index, ClientFailure(plan.chains[index], reason))
+                arrived[index] = ChainResult(index, ClientFailure(plan.chains[index], reason))
             return
         wait_seconds = None
         if timeout is not None:
@@ -625,7 +380,7 @@ class ParallelEngine:
         for connection in wait(list(live), wait_seconds):
             worker = live[connection]  # type: ignore[index]
             try:
-                result: _ChainResult = pickle.loads(connection.recv_bytes())
+                result: ChainResult = pickle.loads(connection.recv_bytes())
             except (EOFError, OSError):
                 _bury(worker, pending, arrived, plan)
                 continue
@@ -656,7 +411,7 @@ def _hand_out(
 
 
 def _stop_overdue(
-    workers: list[_Worker], pending: deque[int], arrived: dict[int, _ChainResult], plan: RoundPlan, timeout: float
+    workers: list[_Worker], pending: deque[int], arrived: dict[int, ChainResult], plan: RoundPlan, timeout: float
 ) -> bool:
     """Kill every worker whose chain has run :func:`kill_after` ``timeout`` seconds (its
     own deadline did not stop it); fail that chain and queue the worker's others again.
@@ -679,7 +434,7 @@ def _stop_overdue(
             f"ClientTimeout: {who} ran past train.failures.client_timeout_seconds={timeout:g}; its deadline "
             f"did not stop it within {kill_after(timeout) - timeout:g}s more, so its worker process was killed"
         )
-        arrived[index] = _ChainResult(index, ClientFailure(list(chain), reason))
+        arrived[index] = ChainResult(index, ClientFailure(list(chain), reason))
         queued = sorted([*pending, *worker.assigned])
         pending.clear()
         pending.extend(queued)
@@ -689,14 +444,14 @@ def _stop_overdue(
     return killed
 
 
-def _bury(worker: _Worker, pending: deque[int], arrived: dict[int, _ChainResult], plan: RoundPlan) -> None:
+def _bury(worker: _Worker, pending: deque[int], arrived: dict[int, ChainResult], plan: RoundPlan) -> None:
     """A worker's pipe closed: it died. Fail the chain it was training; queue the rest again."""
     worker.alive = False
     _wait_for_exit(worker.process)
     if worker.assigned:
         index = worker.assigned.popleft()
         reason = f"the worker process training it died with {_exit_description(worker.process.exitcode)}"
-        arrived[index] = _ChainResult(index, ClientFailure(plan.chains[index], reason))
+        arrived[index] = ChainResult(index, ClientFailure(plan.chains[index], reason))
     queued = sorted([*pending, *worker.assigned])
     pending.clear()
     pending.extend(queued)

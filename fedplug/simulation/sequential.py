@@ -20,7 +20,8 @@ from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.deadline import ClientTimeout, deadline
 from fedplug.run.chains import ChainProgress
 from fedplug.run.local_training import local_rng, train_locally
-from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.round_context import RoundContext
+from fedplug.run.round_screen import ClientFailure
 
 
 def train_chain(

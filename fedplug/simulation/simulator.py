@@ -40,7 +40,7 @@ from fedplug.registry import Registry
 from fedplug.run.checkpoint import save_checkpoint
 from fedplug.run.components import Components
 from fedplug.run.evaluation import Evaluator
-from fedplug.run.federated_round import RoundCore, sample_clients
+from fedplug.run.federated_round import RoundCore
 from fedplug.run.local_training import ClientAlgorithm, LocalSchedule, check_reply_metrics
 from fedplug.run.model import build_model, resolve_device
 from fedplug.run.results import RoundRecord, RunResult
@@ -54,7 +54,7 @@ from fedplug.run.vectors import (
 from fedplug.setup_phase import setup_in_process
 from fedplug.simulation.sequential import SequentialEngine
 
-__all__ = ["Simulator", "sample_clients"]
+__all__ = ["Simulator"]
 
 logger = logging.getLogger("fedplug.simulation")
 

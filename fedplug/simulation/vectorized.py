@@ -1,81 +1,12 @@
 """The vectorised engine: many clients train in lockstep as one batched computation.
 
-Every client of a block holds its own copy of the model: each parameter is one tensor with
-a leading "client" dimension. One training step of all of them is a single call of
-``torch.func.vmap(torch.func.grad(loss))`` over that dimension, with
-``torch.func.functional_call`` running the shared module on each client's parameters. On
-a GPU this turns hundreds of tiny per-client kernels into a few large ones.
-
-It computes what :class:`fedplug.simulation.sequential.SequentialEngine` computes (same
-samples, same order, same SGD arithmetic), up to floating-point rounding:
-
-- **Data order.** Client k's epochs come from ``sampler.epoch_indices`` called epoch by
-  epoch with ``local_rng(seed, round, k)``, exactly as :func:`train_locally` calls it;
-  each epoch is cut into batches of ``batch_size``, the last one possibly short.
-- **Unequal clients.** Batches are padded to a common width with index 0 and a 0/1 mask;
-  a batch's loss is ``sum(mask * per_sample_loss) / sum(mask) + penalties``, which is
-  the sequential engine's mean over the real samples. Clients are sorted by their number
-  of steps, so at step s the clients that still train are a prefix of the block and the
-  step runs on that prefix only: a client that has run out of batches stops updating and
-  costs nothing.
-- **SGD** is torch.optim.SGD written out: ``d = g + weight_decay * w``; with momentum the
-  buffer starts as the first ``d`` and then ``buf = momentum * buf + d`` (no dampening,
-  no Nesterov); ``w = w - lr * buf``. Each client starts with a fresh buffer, as it gets a
-  fresh optimiser in :func:`train_locally`. Adam is refused by the config.
-- **Algorithm contexts.** The loss transform's and the aggregator's per-client contexts
-  (dicts of tensors) are stacked along the client dimension; tensors whose first
-  dimension differs between clients (per-sample weights of length n_k) are zero-padded to
-  the longest. Penalties receive one client's parameters, its anchor (the vector it
-  started from) and its context, inside ``vmap``.
-- **Chains** (FedGSP) are vectorised across chains and looped along positions: position
-  p of every chain trains in lockstep, each starting from the final vector of position
-  p - 1 of its own chain.
-
-One batch gather per step: each block keeps its clients' training data concatenated on
-the training device, plus a ``[clients, steps, width]`` matrix of indices into it.
-
-Models of ``Flatten``, ``Linear`` and ``ReLU`` layers under plain cross-entropy with no
-penalty skip ``vmap``: :mod:`fedplug.simulation.linear_stack` writes their step out as
-batched matrix products and applies plain SGD in place.
-
-Memory (what we chose). Chains are processed in blocks of at most
-``max_clients_per_block`` (default 1024 on a GPU, 8 on a CPU) clients, further capped so that the block's
-estimated footprint fits in ``memory_fraction`` (default 0.5) of the memory available
-when the first round starts (free CUDA memory, or the host's available memory). The
-estimate per client is a few copies of the model's state (parameters, gradients,
-momentum, anchor, context) plus activations measured by one forward pass of a single
-sample times the batch width. Chains are sorted by their total number of samples before
-blocking, so a block holds clients of similar size and little padding. If a block still
-runs out of memory, the clients' states are restored, the block size halves (for the rest
-of the run) and the block is retried; any other error turns the block's chains into
-:class:`ClientFailure` values, so one bad block does not stop the round.
-
-Timeouts (``train.failures.client_timeout_seconds`` = T, per chain as in the sequential
-engine; see :mod:`fedplug.deadline`). Two deadlines, both ``SIGALRM`` in the calling
-thread:
-
-- **Per client.** Every call into a client's own code (the sampler's epoch orders, the
-  loss transform's and the aggregator's client contexts, ``client_finish``) runs under
-  a deadline of T: one call of a client cannot take longer than its whole chain may. If
-  it fires, that client is known: its chain fails with the sequential engine's reason
-  (``"ClientTimeout: client K ran past ..."``), the block's client states are restored
-  (as after an out-of-memory) and the block's other chains are trained again without it.
-  This is how a client that hangs is found: within T, whatever the block's size.
-- **Per block.** The batched steps run every chain of the block at once (a hang there is
-  not one client's), so the whole block of n chains runs under a deadline of n x T, the
-  most its chains may take together (each chain is charged its share of the block's
-  time). If that fires, the states are restored and the block is retried in halves,
-  each under its own deadline, until a chain that runs past T alone is dropped; the
-  other chains keep their updates. The block size is not lowered for later rounds (a
-  timeout is not a lack of memory).
-
-A retried block trains its chains from the same start vectors and restored states, so
-the chains kept have the updates they would have had without the dropped one.
-
-Limits: the model must not contain BatchNorm (the simulator checks) nor draw random
-numbers in its forward pass (dropout): vmap is run with ``randomness="error"``. A
-parameter that the loss does not use gets a zero gradient here (so weight decay still
-moves it), while torch.optim.SGD would skip it; the built-in models use every parameter.
+Every client of a block holds its own copy of the model (each parameter gets a leading
+"client" dimension), and one training step of all of them is one
+``torch.func.vmap(torch.func.grad(loss))`` call. It computes what
+:class:`fedplug.simulation.sequential.SequentialEngine` computes, up to floating-point
+rounding; how (data order, padding, SGD, chains, memory, timeouts, limits) is in
+docs/engines.md. The pieces a block is built from are in
+:mod:`fedplug.simulation.vectorized_blocks`.
 """
 
 from __future__ import annotations
@@ -84,7 +15,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,9 +28,20 @@ from fedplug.deadline import ClientTimeout, deadline
 from fedplug.errors import ConfigError
 from fedplug.run.chains import ChainProgress, start_chains
 from fedplug.run.local_training import local_rng, mean_loss
-from fedplug.run.round_context import ClientFailure, RoundContext
+from fedplug.run.round_context import RoundContext
+from fedplug.run.round_screen import ClientFailure
 from fedplug.simulation.linear_stack import LinearStackStep, linear_stack
 from fedplug.simulation.sequential import timeout_reason
+from fedplug.simulation.vectorized_blocks import (
+    ClientHung,
+    available_bytes,
+    batch_plan,
+    client_code,
+    estimate_bytes_per_client,
+    is_out_of_memory,
+    slice_clients,
+    stack_contexts,
+)
 
 DEFAULT_MAX_CLIENTS_PER_BLOCK = 1024
 """Most clients trained in lockstep at once on a GPU (the memory budget may allow fewer):
@@ -113,237 +54,6 @@ streams from memory at every step and is slower than one client after another)."
 
 DEFAULT_MEMORY_FRACTION = 0.5
 """Share of the available memory a block may use (the rest is left for everything else)."""
-
-FALLBACK_HOST_MEMORY = 4 * 2**30
-"""Host memory assumed available when the operating system does not say (bytes)."""
-
-STATE_COPIES = 4
-"""Copies of the model state every client holds during a group: its parameters, their
-gradients, the weight-decayed gradient, and the stacked start / final vectors."""
-
-ACTIVATION_COPIES = 3
-"""Activation memory per sample relative to the forward outputs: saved for backward,
-their gradients, and temporaries."""
-
-
-# ------------------------------------------------------------------------ batch plans
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """Every step of a group of clients, padded to common sizes.
-
-    ``local_ids[n, s, j]`` is the j-th sample (an index into client n's own training set)
-    of client n's s-th batch, 0 where ``mask[n, s, j]`` is 0 (padding); ``steps[n]`` is
-    the number of batches of client n.
-    """
-
-    local_ids: np.ndarray
-    mask: np.ndarray
-    steps: np.ndarray
-
-
-def epoch_batches(order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cut one epoch's ``order`` into batches of ``batch_size`` (the last may be short),
-    as ``torch.split`` does: returns ``(ids, mask)`` of shape ``[ceil(L / B), B]``."""
-    order = np.asarray(order, dtype=np.int64).reshape(-1)
-    num_batches = math.ceil(order.size / batch_size)
-    ids = np.zeros(num_batches * batch_size, dtype=np.int64)
-    mask = np.zeros(num_batches * batch_size, dtype=np.float32)
-    ids[: order.size] = order
-    mask[: order.size] = 1.0
-    return ids.reshape(num_batches, batch_size), mask.reshape(num_batches, batch_size)
-
-
-def batch_plan(orders: Sequence[Sequence[np.ndarray]], batch_size: int) -> BatchPlan:
-    """Stack the batches of several clients; ``orders[n]`` holds client n's epoch orders.
-
-    The width is ``batch_size``, or the longest epoch when every epoch is shorter (no
-    column is all padding).
-    """
-    per_client = [[epoch_batches(order, batch_size) for order in epochs] for epochs in orders]
-    steps = np.array(
-        [sum(ids.shape[0] for ids, _ in batches) for batches in per_client], dtype=np.int64
-    )
-    longest = max((np.asarray(order).size for epochs in orders for order in epochs), default=0)
-    width = max(1, min(batch_size, longest))
-    num_steps = int(steps.max(initial=0))
-    local_ids = np.zeros((len(orders), num_steps, width), dtype=np.int64)
-    mask = np.zeros((len(orders), num_steps, width), dtype=np.float32)
-    for n, batches in enumerate(per_client):
-        if steps[n] == 0:
-            continue
-        local_ids[n, : steps[n]] = np.concatenate([ids for ids, _ in batches])[:, :width]
-        mask[n, : steps[n]] = np.concatenate([masks for _, masks in batches])[:, :width]
-    return BatchPlan(local_ids, mask, steps)
-
-
-# ------------------------------------------------------------------------ contexts
-
-
-def stack_contexts(contexts: Sequence[Context], path: str = "context") -> Context:
-    """Stack per-client contexts along a new leading client dimension.
-
-    Every context must have the same keys; values are tensors or nested dicts of them.
-    Tensors of equal shape are stacked; tensors whose first dimension differs (per-sample
-    weights of length n_k) are zero-padded to the longest first. ``path`` names the
-    context in error messages.
-
-    Raises:
-        TypeError: keys differ, a value is not a tensor or dict, or shapes differ in
-            more than the first dimension.
-    """
-    if not contexts:
-        return {}
-    keys = list(contexts[0])
-    for other in contexts[1:]:
-        if list(other) != keys:
-            raise TypeError(f"{path}: clients returned different keys ({keys} vs {list(other)})")
-    stacked: Context = {}
-    for key in keys:
-        values = [context[key] for context in contexts]
-        where = f"{path}[{key!r}]"
-        if all(isinstance(value, dict) for value in values):
-            stacked[key] = stack_contexts(values, where)
-        elif all(isinstance(value, Tensor) for value in values):
-            stacked[key] = _stack_padded(values, where)
-        else:
-            kinds = sorted({type(value).__name__ for value in values})
-            raise TypeError(
-                f"{where} holds {', '.join(kinds)}; the vectorised engine stacks contexts "
-                "across clients, so every value must be a tensor (or a dict of tensors)"
-            )
-    return stacked
-
-
-def _stack_padded(values: list[Tensor], where: str) -> Tensor:
-    shapes = {tuple(value.shape) for value in values}
-    if len(shapes) == 1:
-        return torch.stack(values)
-    if (
-        any(value.dim() == 0 for value in values)
-        or len({tuple(value.shape[1:]) for value in values}) > 1
-    ):
-        raise TypeError(
-            f"{where} has shapes {sorted(shapes)} across clients; only the first dimension "
-            "may differ (it is zero-padded to the longest)"
-        )
-    longest = max(int(value.shape[0]) for value in values)
-    padded = values[0].new_zeros((len(values), longest, *values[0].shape[1:]))
-    for n, value in enumerate(values):
-        padded[n, : value.shape[0]] = value
-    return padded
-
-
-def _slice_tree(tree: Any, count: int) -> Any:
-    """The first ``count`` clients of a stacked context (dicts of tensors)."""
-    if isinstance(tree, dict):
-        return {key: _slice_tree(value, count) for key, value in tree.items()}
-    return tree[:count]
-
-
-# ------------------------------------------------------------------------ memory
-
-
-def host_available_bytes() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``, or :data:`FALLBACK_HOST_MEMORY`."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return FALLBACK_HOST_MEMORY
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory on ``device`` (CUDA: ``torch.cuda.mem_get_info``; else the host's)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return host_available_bytes()
-
-
-@torch.no_grad()
-def activation_bytes_per_sample(
-    model: nn.Module, input_shape: tuple[int, ...], device: torch.device
-) -> int:
-    """Bytes of every module's forward output for one sample (a proxy for activations)."""
-    total = 0
-
-    def count(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        nonlocal total
-        if isinstance(output, Tensor):
-            total += output.numel() * output.element_size()
-
-    handles = [
-        module.register_forward_hook(count) for module in model.modules() if module is not model
-    ]
-    try:
-        model(torch.zeros((1, *input_shape), device=device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return total
-
-
-def estimate_bytes_per_client(
-    model: nn.Module,
-    input_shape: tuple[int, ...],
-    batch_width: int,
-    device: torch.device,
-    *,
-    momentum: bool,
-    penalty: bool,
-) -> int:
-    """Rough peak memory of one client in a block (see the module docstring)."""
-    state_bytes = sum(parameter.numel() * 4 for parameter in model.parameters())
-    copies = STATE_COPIES + int(momentum) + 2 * int(penalty)  # penalty: anchor and a context vector
-    activations = (
-        ACTIVATION_COPIES * batch_width * activation_bytes_per_sample(model, input_shape, device)
-    )
-    inputs = batch_width * 4 * math.prod(input_shape)
-    return copies * state_bytes + activations + inputs
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return True
-    message = str(error)
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in message or "can't allocate memory" in message
-    )
-
-
-# ------------------------------------------------------------------------ timeouts
-
-
-class _ClientHung(Exception):
-    """One client's own code ran past the chain's limit (the per-client deadline)."""
-
-    def __init__(self, client_id: int, timeout: ClientTimeout) -> None:
-        super().__init__(str(timeout))
-        self.client_id = client_id
-        self.timeout = timeout
-
-
-@contextmanager
-def _client_code(client_id: int, seconds: float | None) -> Iterator[None]:
-    """Run a call into client ``client_id``'s code under the per-client deadline; its
-    firing becomes :class:`_ClientHung` (the block's own deadline passes through)."""
-    if seconds is None:
-        yield
-        return
-    what = f"client {client_id}"
-    try:
-        with deadline(seconds, what):
-            yield
-    except ClientTimeout as error:
-        if error.what != what:  # the block's deadline, which had less time left
-            raise
-        raise _ClientHung(client_id, error) from None
-
 
 # ------------------------------------------------------------------------ the engine
 
@@ -444,7 +154,7 @@ class VectorizedEngine:
                     f"a vectorised block of {len(block)} chains",
                 ):
                     progress = self._train_block(start_vector, chains, plan, round_index, context)
-            except _ClientHung as hung:  # that client's chain fails; the others train again
+            except ClientHung as hung:  # that client's chain fails; the others train again
                 context.restore(members, saved_states)
                 culprit = next(n for n, chain in enumerate(chains) if hung.client_id in chain)
                 rest = block[:culprit] + block[culprit + 1 :]
@@ -464,7 +174,7 @@ class VectorizedEngine:
                 yield ClientFailure(list(chains[0]), timeout_reason(client_id, chains[0], error))
                 continue
             except Exception as error:  # noqa: BLE001 (a failing block must not stop the round)
-                if _is_out_of_memory(error) and len(block) > 1:
+                if is_out_of_memory(error) and len(block) > 1:
                     context.restore(members, saved_states)
                     half = (len(block) + 1) // 2
                     self.block_size = min(self.block_size or half, half)
@@ -540,7 +250,7 @@ class VectorizedEngine:
                 training = LocalTraining(
                     num_steps=num_steps, learning_rate=optimizer.lr, momentum=optimizer.momentum
                 )
-                with _client_code(client_id, context.client_timeout):
+                with client_code(client_id, context.client_timeout):
                     extras = context.algorithm.aggregator.client_finish(
                         member.start,
                         end_vector,
@@ -579,7 +289,7 @@ class VectorizedEngine:
         for member, client in zip(members, clients):
             rng = local_rng(context.seed, round_index, member.client_id)
             labels = client.train_y.cpu().numpy()
-            with _client_code(member.client_id, timeout):
+            with client_code(member.client_id, timeout):
                 orders.append(
                     [
                         algorithm.sampler.epoch_indices(labels, client.class_counts, round_index, rng)
@@ -622,7 +332,7 @@ class VectorizedEngine:
         member_loss_contexts, member_aggregator_contexts = [], []
         for n in rank:
             client_id = members[n].client_id
-            with _client_code(client_id, timeout):
+            with client_code(client_id, timeout):
                 member_loss_contexts.append(context.loss_context(client_id))
                 member_aggregator_contexts.append(
                     algorithm.aggregator.client_context(context.payload, context.client_state(client_id))
@@ -652,11 +362,11 @@ class VectorizedEngine:
             count = int(np.count_nonzero(steps > step))
             if count != active:
                 active = count
-                params_now = _slice_tree(params, active)
-                buffers_now = _slice_tree(buffers, active)
-                anchor_now = _slice_tree(anchor, active)
-                loss_now = _slice_tree(loss_contexts, active)
-                aggregator_now = _slice_tree(aggregator_contexts, active)
+                params_now = slice_clients(params, active)
+                buffers_now = slice_clients(buffers, active)
+                anchor_now = slice_clients(anchor, active)
+                loss_now = slice_clients(loss_contexts, active)
+                aggregator_now = slice_clients(aggregator_contexts, active)
                 weights = list(params_now.values())
                 buffers_list = (
                     [buffer[:active] for buffer in momentum_buffers]
