@@ -10,7 +10,9 @@ and draws of those reports (:attr:`ComponentConfig.analysis`).
 :class:`fedplug.run.components.Components` builds a run's four and asks them all. The round itself lives in
 :mod:`fedplug.run.federated_round`; the simulator, Flower and FedML move models and messages
 and read nothing else about an algorithm, so a third-party plugin runs wherever a
-built-in does.
+built-in does. An aggregator, built-in or not, averages with :class:`WeightedMean` or
+:func:`average_models` and refuses what the built-ins refuse with
+:func:`check_update_weight` and :func:`no_updates_error`.
 
 Conventions shared by all components:
 
@@ -26,6 +28,7 @@ Conventions shared by all components:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Mapping, Protocol, get_args
@@ -38,6 +41,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from fedplug.analysis import Analysis
+from fedplug.errors import TrainingError
 
 if TYPE_CHECKING:
     from fedplug.setup_phase import SetupPhase
@@ -447,6 +451,9 @@ class ClientUpdate:
 class Aggregator(ComponentHooks, ABC):
     """Server-side combination of client models, plus the client-side work it needs.
 
+    A registered aggregator class is built as ``cls(config, num_clients)``: its validated
+    config and K, the number of clients in the federation (kept as :attr:`num_clients`).
+
     Server side: :meth:`initialize`, :meth:`server_payload`, :meth:`aggregate`.
     Client side (runs where the client runs; ``client_state`` persists across rounds for
     that client): :meth:`client_context`, :meth:`client_penalty`, :meth:`client_finish`.
@@ -537,6 +544,59 @@ class WeightedMean:
         if self.total is None or self.empty:
             raise ValueError("no client update reached the aggregator this round")
         return (self.total / self.weight).to(dtype)
+
+
+@dataclass(frozen=True)
+class ModelAverage:
+    """The weighted mean of one round's client models."""
+
+    mean: Tensor
+    """sum_k p_k w_k in float64, on the device of the client vectors."""
+    total_weight: float
+    """sum_k weight_k."""
+    count: int
+    """How many updates were averaged."""
+
+
+def check_update_weight(update: ClientUpdate) -> None:
+    """Reject a weight that would corrupt a weighted mean (negative, NaN or infinite)."""
+    if not (math.isfinite(update.weight) and update.weight >= 0):
+        raise ValueError(
+            f"client {update.client_id} sent aggregation weight {update.weight!r}; "
+            "weights must be finite and non-negative"
+        )
+
+
+def no_updates_error(aggregator_name: str) -> TrainingError:
+    """The error every aggregator raises when a round produced nothing to aggregate."""
+    return TrainingError(
+        f"no client update reached the {aggregator_name!r} aggregator this round (every "
+        "sampled client failed or held no training samples); check the partition and the "
+        "fraction of clients sampled per round"
+    )
+
+
+def average_models(updates: Iterable[ClientUpdate], aggregator_name: str) -> ModelAverage:
+    """Consume ``updates`` once and return their weighted mean, in float64.
+
+    Args:
+        updates: the round's client replies, read as a stream.
+        aggregator_name: named in the error raised when ``updates`` is empty.
+
+    Raises:
+        TrainingError: no update arrived, or all of them had weight 0.
+    """
+    accumulator = WeightedMean()
+    for update in updates:
+        check_update_weight(update)
+        accumulator.add(update.vector, update.weight)
+    if accumulator.empty:
+        raise no_updates_error(aggregator_name)
+    return ModelAverage(
+        mean=accumulator.mean(torch.float64),
+        total_weight=accumulator.weight,
+        count=accumulator.count,
+    )
 
 
 # ---------------------------------------------------------------------------- groupers

@@ -404,30 +404,15 @@ def plot_run_curves(
     figure, (accuracy_axes, loss_axes) = plt.subplots(
         1, 2, figsize=(10, 4), constrained_layout=True
     )
-    accuracy_axes.plot(
-        rounds,
-        [record.get("accuracy") for record in history],
-        marker="o",
-        markersize=3,
-        label="global test set",
-    )
-    accuracy_axes.plot(
-        rounds,
-        [record.get("client_accuracy_mean") for record in history],
-        marker="s",
-        markersize=3,
+    _plot_round_metric(accuracy_axes, rounds, history, "accuracy", marker="o", label="global test set")
+    _plot_round_metric(
+        accuracy_axes, rounds, history, "client_accuracy_mean", marker="s",
         label="mean over clients' local test sets",
     )
     accuracy_axes.set_xlabel("communication round")
     accuracy_axes.set_ylabel("accuracy")
     accuracy_axes.legend(loc="lower right", fontsize="small")
-    loss_axes.plot(
-        rounds,
-        [record.get("loss") for record in history],
-        marker="o",
-        markersize=3,
-        color="tab:red",
-    )
+    _plot_round_metric(loss_axes, rounds, history, "loss", marker="o", color="tab:red")
     loss_axes.set_xlabel("communication round")
     loss_axes.set_ylabel("global test loss")
     for axes in (accuracy_axes, loss_axes):
@@ -436,6 +421,14 @@ def plot_run_curves(
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def _plot_round_metric(
+    axes: Any, rounds: list[int], history: Sequence[dict[str, Any]], key: str, **style: Any
+) -> None:
+    """Draw ``key`` of each round's record against its round, in small markers (a gap where
+    a record lacks it); ``style``: the marker, label or colour."""
+    axes.plot(rounds, [record.get(key) for record in history], markersize=3, **style)
 
 
 def plot_partition_heatmap(

@@ -254,7 +254,7 @@ def train_claimed(
             flush=True,
         )
 
-    try:
+    with tracker:  # finished, or marked failed on any error
         result, simulator = run_experiment(
             config, out, registry=registry, observers=[report], federation=federation
         )
@@ -278,10 +278,6 @@ def train_claimed(
         for name in ("config.yaml", "metrics.json", "run_info.json", TIMINGS_NAME):
             tracker.log_artifacts({"": out / name})
         tracker.log_model(simulator.model, federation.test_x[:5])
-    except BaseException:
-        tracker.fail()
-        raise
-    tracker.finish()
     owned.remove(CHECKPOINT_NAME)
     summary = result.summary()
     print(

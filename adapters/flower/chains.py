@@ -134,11 +134,7 @@ class ReplyDeadlineGrid(Grid):
         return self.grid.run
 
     def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
         ttl: float | None = None,
     ) -> Message:
         return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)

@@ -16,8 +16,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedplug.algorithms.fedavg import average_models
-from fedplug.components import Aggregator, ClientUpdate, ComponentConfig
+from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, average_models
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 
@@ -48,12 +47,8 @@ class FedAvgMConfig(ComponentConfig):
 
 
 class FedAvgM(Aggregator):
-    """Server side of FedAvgM; the client side is plain local training.
-
-    Args:
-        config: the validated :class:`FedAvgMConfig`.
-        num_clients: K, the number of clients in the federation.
-    """
+    """Server side of FedAvgM, built from a :class:`FedAvgMConfig`; the client side is
+    plain local training."""
 
     def __init__(self, config: FedAvgMConfig, num_clients: int) -> None:
         super().__init__(num_clients)
@@ -83,9 +78,11 @@ class FedAvgM(Aggregator):
         return next_vector.float()
 
     def state_dict(self) -> dict[str, Any]:
+        """The momentum buffer v (None before :meth:`initialize`)."""
         return {"velocity": self.velocity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore v from :meth:`state_dict`'s output."""
         self.velocity = state["velocity"]
 
 

@@ -16,15 +16,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from fedplug.algorithms.fedavg import check_update_weight, no_updates_error
 from fedplug.components import (
-    ClientNeeds,
     Aggregator,
+    ClientNeeds,
     ClientUpdate,
     ComponentConfig,
     LocalTraining,
     ReplyExtra,
     WeightedMean,
+    check_update_weight,
+    no_updates_error,
 )
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
@@ -66,12 +67,8 @@ class FedNovaConfig(ComponentConfig):
 
 
 class FedNova(Aggregator):
-    """Client side reports a_k; server side averages normalised updates.
-
-    Args:
-        config: the validated :class:`FedNovaConfig` (it has no parameters).
-        num_clients: K, the number of clients in the federation.
-    """
+    """Client side reports a_k; server side averages normalised updates (its config has no
+    parameters)."""
 
     def __init__(self, config: FedNovaConfig, num_clients: int) -> None:
         super().__init__(num_clients)
@@ -105,12 +102,8 @@ class FedNova(Aggregator):
         )
 
     def client_finish(
-        self,
-        start_vector: Tensor,
-        end_vector: Tensor,
-        training: LocalTraining,
-        payload: dict[str, Tensor],
-        client_state: dict[str, Tensor],
+        self, start_vector: Tensor, end_vector: Tensor, training: LocalTraining,
+        payload: dict[str, Tensor], client_state: dict[str, Tensor],
     ) -> dict[str, Tensor]:
         """``{"a": a_k}`` as a 0-d float32 tensor."""
         factor = normalizing_factor(training.num_steps, training.momentum)

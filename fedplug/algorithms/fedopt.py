@@ -19,61 +19,48 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedplug.algorithms.fedavg import average_models
-from fedplug.components import Aggregator, ClientUpdate, ComponentConfig
+from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, average_models
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 
-class FedAdagradConfig(ComponentConfig):
-    """FedAdagrad (Reddi et al. 2021): Adagrad on the server's pseudo-gradient."""
+class AdaptiveConfig(ComponentConfig):
+    """The parameters FedAdagrad, FedAdam and FedYogi share (the paper's Algorithm 2)."""
 
-    name: Literal["fedadagrad"] = "fedadagrad"
-    server_lr: float = Field(default=0.1, gt=0.0, le=10.0)
-    """Server learning rate eta_s (default 0.1)."""
+    server_lr: float = Field(default=0.01, gt=0.0, le=10.0)
+    """Server learning rate eta_s (default 0.01; FedAdagrad's 0.1)."""
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     """Decay of the first moment m (default 0.9; 0.0 uses the round's change alone)."""
     tau: float = Field(default=1e-3, gt=0.0, le=1.0)
     """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
 
 
-class FedAdamConfig(ComponentConfig):
+class FedAdagradConfig(AdaptiveConfig):
+    """FedAdagrad (Reddi et al. 2021): Adagrad on the server's pseudo-gradient."""
+
+    name: Literal["fedadagrad"] = "fedadagrad"
+    server_lr: float = Field(default=0.1, gt=0.0, le=10.0)
+    """Server learning rate eta_s (default 0.1)."""
+
+
+class FedAdamConfig(AdaptiveConfig):
     """FedAdam (Reddi et al. 2021): Adam on the server's pseudo-gradient."""
 
     name: Literal["fedadam"] = "fedadam"
-    server_lr: float = Field(default=0.01, gt=0.0, le=10.0)
-    """Server learning rate eta_s (default 0.01)."""
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    """Decay of the first moment m (default 0.9)."""
     beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
     """Decay of the second moment v (default 0.99)."""
-    tau: float = Field(default=1e-3, gt=0.0, le=1.0)
-    """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
 
 
-class FedYogiConfig(ComponentConfig):
+class FedYogiConfig(AdaptiveConfig):
     """FedYogi (Reddi et al. 2021): Yogi on the server's pseudo-gradient."""
 
     name: Literal["fedyogi"] = "fedyogi"
-    server_lr: float = Field(default=0.01, gt=0.0, le=10.0)
-    """Server learning rate eta_s (default 0.01)."""
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    """Decay of the first moment m (default 0.9)."""
     beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
     """Rate (1 - beta2) at which v moves towards delta^2 (default 0.99)."""
-    tau: float = Field(default=1e-3, gt=0.0, le=1.0)
-    """Adaptivity floor added to sqrt(v) (default 1e-3); v also starts at tau^2."""
-
-
-AdaptiveConfig = FedAdagradConfig | FedAdamConfig | FedYogiConfig
 
 
 class AdaptiveServerOptimizer(Aggregator):
-    """Shared server step of FedAdagrad, FedAdam and FedYogi; subclasses give the v update.
-
-    Args:
-        config: the validated config of the variant.
-        num_clients: K, the number of clients in the federation.
-    """
+    """Shared server step of FedAdagrad, FedAdam and FedYogi, built from the variant's
+    config; subclasses give the v update."""
 
     def __init__(self, config: AdaptiveConfig, num_clients: int) -> None:
         super().__init__(num_clients)

@@ -73,9 +73,11 @@ def reweighting_weights(class_counts_k: np.ndarray, prior: np.ndarray) -> np.nda
 
 
 class _GlobalPriorTransform(LossTransform):
-    """A loss transform that needs the global label prior, computed in :meth:`prepare`."""
+    """A loss transform that needs the global label prior, computed in :meth:`prepare`;
+    built from its validated config (FedShift's and Reweighting's have no parameters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: ComponentConfig) -> None:
+        self.config = config
         self.prior: np.ndarray | None = None
 
     def client_needs(self) -> ClientNeeds:
@@ -110,15 +112,9 @@ class FedShiftConfig(ComponentConfig):
 
 
 class FedShift(_GlobalPriorTransform):
-    """Cross-entropy of the shifted logits ``f(w; x) + s_k``.
+    """Cross-entropy of the shifted logits ``f(w; x) + s_k``."""
 
-    Args:
-        config: the validated :class:`FedShiftConfig` (it has no parameters).
-    """
-
-    def __init__(self, config: FedShiftConfig) -> None:
-        super().__init__()
-        self.config = config
+    config: FedShiftConfig
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         """``{"shift": s_k}``, a float32 tensor of shape [C]."""
@@ -137,15 +133,9 @@ class ReweightingConfig(ComponentConfig):
 
 
 class Reweighting(_GlobalPriorTransform):
-    """Per-sample ``r_k(y) * CE(f(w; x), y)`` with ``r_k = P / P_k`` (no renormalisation).
+    """Per-sample ``r_k(y) * CE(f(w; x), y)`` with ``r_k = P / P_k`` (no renormalisation)."""
 
-    Args:
-        config: the validated :class:`ReweightingConfig` (it has no parameters).
-    """
-
-    def __init__(self, config: ReweightingConfig) -> None:
-        super().__init__()
-        self.config = config
+    config: ReweightingConfig
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         """``{"class_weight": r_k}``, a float32 tensor of shape [C]."""

@@ -280,12 +280,8 @@ def model_digest(vector: Tensor) -> list[int]:
 
 
 class FlowerStrategyAggregator(Aggregator):
-    """Aggregates each round with the Flower strategy its config names.
-
-    Args:
-        config: the validated :class:`FlowerStrategyConfig`.
-        num_clients: K, the number of clients in the federation.
-    """
+    """Aggregates each round with the Flower strategy its :class:`FlowerStrategyConfig`
+    names."""
 
     def __init__(self, config: FlowerStrategyConfig, num_clients: int) -> None:
         super().__init__(num_clients)

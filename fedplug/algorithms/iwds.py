@@ -100,11 +100,7 @@ class IWDSSampler(Sampler):
         return beta_at(round_index, self.config.beta_0, self.config.beta_m, self.config.rho)
 
     def epoch_indices(
-        self,
-        labels: np.ndarray,
-        class_counts: np.ndarray,
-        round_index: int,
-        rng: np.random.Generator,
+        self, labels: np.ndarray, class_counts: np.ndarray, round_index: int, rng: np.random.Generator
     ) -> np.ndarray:
         """``len(labels)`` indices drawn with replacement by p(k, .)."""
         num_samples = len(labels)

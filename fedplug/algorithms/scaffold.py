@@ -18,7 +18,6 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedplug.algorithms.fedavg import no_updates_error
 from fedplug.components import (
     MODEL_SHAPE,
     Aggregator,
@@ -29,6 +28,7 @@ from fedplug.components import (
     LocalTraining,
     ReplyExtra,
     WeightedMean,
+    no_updates_error,
 )
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 from fedplug.run.vectors import split_like
@@ -129,12 +129,8 @@ class Scaffold(Aggregator):
         return total
 
     def client_finish(
-        self,
-        start_vector: Tensor,
-        end_vector: Tensor,
-        training: LocalTraining,
-        payload: dict[str, Tensor],
-        client_state: dict[str, Tensor],
+        self, start_vector: Tensor, end_vector: Tensor, training: LocalTraining,
+        payload: dict[str, Tensor], client_state: dict[str, Tensor],
     ) -> dict[str, Tensor]:
         """Option II: ``c_k+ = c_k - c + (x - y) / (tau eta)``; returns ``{"delta_c": c_k+ - c_k}``.
 

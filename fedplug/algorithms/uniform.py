@@ -44,11 +44,7 @@ class UniformSampler(Sampler):
         return ClientNeeds()
 
     def epoch_indices(
-        self,
-        labels: np.ndarray,
-        class_counts: np.ndarray,
-        round_index: int,
-        rng: np.random.Generator,
+        self, labels: np.ndarray, class_counts: np.ndarray, round_index: int, rng: np.random.Generator
     ) -> np.ndarray:
         """Every index in ``range(len(labels))`` exactly once, in the order ``rng`` draws."""
         return rng.permutation(len(labels))

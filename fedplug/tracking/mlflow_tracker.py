@@ -17,10 +17,7 @@ from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
-from fedplug.tracking.mlflow_store import (  # choose_tracking_uri: observer imports it from here
-    choose_tracking_uri,  # noqa: F401
-    local_artifact_location,
-)
+from fedplug.tracking.mlflow_store import local_artifact_location
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
 
@@ -104,7 +101,7 @@ class MlflowTracker:
         re-opened :attr:`complete`: nothing is logged to it again).
 
         Args:
-            uri: tracking URI (from :func:`choose_tracking_uri`).
+            uri: tracking URI (from :func:`fedplug.tracking.mlflow_store.choose_tracking_uri`).
             experiment_name: the study's name.
             run_name: e.g. ``fedavg-seed0``.
             tags: set on a new run (default none).

@@ -1,22 +1,10 @@
 """One tracking observer for every runtime: :func:`open_tracker`.
 
-Every runtime (``fedplug run``, the study runner, the DVC train stage, Flower's server
-side, FedML) opens its run with :func:`open_tracker` and gets a :class:`Tracker`: it
-logs the params, per-round metrics (``step = round``), tags, the result and the model to
-every backend named in ``tracking.backends``. ``mlflow`` and ``tensorboard`` are built in;
-a plugin adds another through the hook ``fedplug_register_trackers(register)``, calling
-``register(name, factory)`` where ``factory(context: TrackerContext)`` returns a
-:class:`TrackerBackend`.
-
-What :func:`open_tracker` logs at once:
-
-- params: the resolved config flattened to dotted keys (``train.aggregator.momentum``);
-  :meth:`Tracker.log_result` adds the run's derived values under ``derived.``;
-- tags (:func:`standard_tags`): ``fedplug.version``, ``fedplug.git_commit``, ``dataset``,
-  ``partition``, ``model`` and the four algorithm slots (``sampler``, ``loss_transform``,
-  ``aggregator``, ``grouper``), and inside ``dvc exp run`` the experiment's name
-  (``dvc.exp_name``, from ``DVC_EXP_NAME``) and baseline commit (``dvc.baseline_rev``, from
-  ``DVC_EXP_BASELINE_REV``), then the caller's ``tags``.
+Every runtime opens its run with :func:`open_tracker` and gets a :class:`Tracker`, which
+logs params, per-round metrics, tags (:func:`standard_tags`), the result and the model to
+every backend in ``tracking.backends`` (built in: ``mlflow``, ``tensorboard``; a plugin
+adds one through ``fedplug_register_trackers``). What each holds: docs/pipeline.md,
+"The MLflow backend".
 """
 
 from __future__ import annotations
@@ -369,7 +357,8 @@ def open_mlflow(context: TrackerContext) -> TrackerBackend:
             "tracking.backends names mlflow, which is not installed; install it "
             "(pip install 'fedplug[pipeline]'), or pass --no-track / set tracking.enabled: false"
         ) from None
-    from fedplug.tracking.mlflow_tracker import MlflowTracker, choose_tracking_uri
+    from fedplug.tracking.mlflow_store import choose_tracking_uri
+    from fedplug.tracking.mlflow_tracker import MlflowTracker
 
     uri = context.uri
     fallback_from = None

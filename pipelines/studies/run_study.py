@@ -429,17 +429,13 @@ def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: 
     )
     if tracker.resumed and parent is not None:
         tracker.set_tags({"mlflow.parentRunId": parent.run_id})
-    try:
+    with tracker:  # finished, or marked failed on any error
         result, simulator = run_experiment(run.config, folder, registry=registry, observers=[tracker.log_round],
                                            federation=federation)
         tracker.log_result(result)
         for name in ("config.yaml", "metrics.json", "run_info.json"):
             tracker.log_artifacts({"": folder / name})
         tracker.log_model(simulator.model, federation.test_x[:5])
-    except BaseException:
-        tracker.fail()
-        raise
-    tracker.finish()
     (folder / CHECKPOINT_NAME).unlink(missing_ok=True)  # a name the runner owns: resume state, now done
     return result.summary()
 

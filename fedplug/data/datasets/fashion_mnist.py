@@ -9,12 +9,10 @@ from typing import Literal
 from fedplug.components import ComponentConfig
 from fedplug.data.datasets.dataset import Dataset
 from fedplug.data.datasets.files import (
-    _find_idx_files,
     _idx_dataset,
     _read_idx_set,
-    _torchvision_download,
+    find_or_download_idx_files,
     idx_files_wanted,
-    missing_files_error,
 )
 
 
@@ -41,15 +39,10 @@ def fashion_mnist_folder(root: Path) -> Path:
 
 def _fashion_mnist_files(config: FashionMnistConfig, root: Path) -> dict[str, Path]:
     folder = fashion_mnist_folder(root)
-    files = _find_idx_files(folder)
-    reason = None
-    if files is None and config.download:
-        reason = _torchvision_download("FashionMNIST", Path(root), folder)
-        files = _find_idx_files(folder)
-    if files is None:
-        put = idx_files_wanted(folder, FASHION_MNIST_SOURCE)
-        raise missing_files_error("Fashion-MNIST", put, reason, config.download)
-    return files
+    put = idx_files_wanted(folder, FASHION_MNIST_SOURCE)
+    return find_or_download_idx_files(
+        folder, Path(root), "FashionMNIST", config.download, "Fashion-MNIST", put
+    )
 
 
 def load_fashion_mnist(config: FashionMnistConfig, root: Path) -> Dataset:

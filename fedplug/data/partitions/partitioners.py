@@ -102,13 +102,18 @@ class NaturalConfig(ComponentConfig):
     name: Literal["natural"] = "natural"
 
 
+def _partition_by_counts(
+    labels: np.ndarray, num_classes: int, counts: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> Partition:
+    """The partition that gives client k ``counts[k, c]`` random samples of each class c."""
+    assignment = assignment_from_counts(labels, counts, rng)
+    del counts  # K x C: not kept while the indices are grouped
+    return _partition(labels, num_classes, assignment, num_clients, rng)
+
+
 def iid(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: IidConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: IidConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """IID split: K random parts of sizes n // K or n // K + 1. ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
@@ -117,12 +122,8 @@ def iid(
 
 
 def dirichlet_class(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: DirichletClassConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: DirichletClassConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """LDA split (:func:`dirichlet_class_counts`, with the balance rule when
     ``config.balance``); client sizes vary. ``users`` is ignored."""
@@ -137,38 +138,29 @@ def dirichlet_class(
         rng,
         balance=config.balance,
     )
-    assignment = assignment_from_counts(labels, counts, rng)
-    return _partition(labels, num_classes, assignment, num_clients, rng)
+    return _partition_by_counts(labels, num_classes, counts, num_clients, rng)
 
 
 def dirichlet_client(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: DirichletClientConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: DirichletClientConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """Hsu et al.'s split (:func:`dirichlet_client_counts`). Client sizes are n // K; when
     K does not divide n the first n mod K clients get one sample more, so that every
     sample is placed. ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
     class_sizes = np.bincount(labels, minlength=num_classes)
-    counts = dirichlet_client_counts(
-        class_sizes, equal_sizes(labels.size, num_clients), config.alpha, rng
+    sizes = equal_sizes(labels.size, num_clients)
+    # The K x C counts go straight in, so that no name here keeps them while the indices
+    # are grouped.
+    return _partition_by_counts(
+        labels, num_classes, dirichlet_client_counts(class_sizes, sizes, config.alpha, rng), num_clients, rng
     )
-    assignment = assignment_from_counts(labels, counts, rng)
-    del counts  # K x C: not kept while the indices are grouped
-    return _partition(labels, num_classes, assignment, num_clients, rng)
 
 
 def shards(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: ShardsConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: ShardsConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """Pathological split (:func:`shards_assignment`). ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
@@ -177,29 +169,20 @@ def shards(
 
 
 def llt(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: LltConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: LltConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """Label long-tail split (:func:`llt_shares`, including its K > C quirk): each class's
     shuffled indices are cut at the cumulative shares. ``users`` is ignored."""
     labels = _check_request(labels, num_classes, num_clients)
     shares = llt_shares(num_clients, num_classes, config.alpha_l)
     counts = counts_from_shares(shares, np.bincount(labels, minlength=num_classes))
-    assignment = assignment_from_counts(labels, counts, rng)
-    return _partition(labels, num_classes, assignment, num_clients, rng)
+    return _partition_by_counts(labels, num_classes, counts, num_clients, rng)
 
 
 def feature_noise(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: FeatureNoiseConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: FeatureNoiseConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """IID split plus a per-client noise std ramping up to sigma
     (:func:`feature_noise_std` with ``config.convention``, a reconstruction); whoever loads
@@ -211,12 +194,8 @@ def feature_noise(
 
 
 def natural(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    config: NaturalConfig,
-    rng: np.random.Generator,
-    users: np.ndarray | None = None,
+    labels: np.ndarray, num_classes: int, num_clients: int, config: NaturalConfig,
+    rng: np.random.Generator, users: np.ndarray | None = None,
 ) -> Partition:
     """One client per writer (:func:`natural_assignment`); ``users[i]`` is the writer of
     sample i. ``rng`` only orders the indices within each client."""

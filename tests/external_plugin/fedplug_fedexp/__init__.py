@@ -39,9 +39,16 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedplug.algorithms.fedavg import check_update_weight, no_updates_error
 from fedplug.analysis import Analysis, BoxFigure, RoundMetricColumn
-from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, RoundPlan, WeightedMean
+from fedplug.components import (
+    Aggregator,
+    ClientUpdate,
+    ComponentConfig,
+    RoundPlan,
+    WeightedMean,
+    check_update_weight,
+    no_updates_error,
+)
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
 SERVER_STEP = "server_step"
