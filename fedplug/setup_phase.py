@@ -16,13 +16,22 @@ runtime can carry a step as a message:
 
 Whatever the runtime, the same client code meets the same data with the same random
 streams, so the phase ends with the same result.
+
+What a run reports of the phase (its ``setup_report``) is built from what the clients can
+send: the phase marks its last step ``final``, every client adds its
+:meth:`SetupPhase.client_report` (a few summary numbers of its own state, never raw data)
+to its reply to that step, and the phase's server side assembles the report from those
+replies. Every runtime carries the client reports the same way (in process: the reply
+object; Flower: a record of the last reply), so the report is the same on every runtime,
+and so are its bytes (:func:`report_cost`), which the phase adds to its cost.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -35,6 +44,12 @@ NO_COST = PhaseCost(0, 0, 0)
 Value = int | float | str | bool
 """A plain value a step or a reply carries."""
 
+ReportValue = int | float | str | bool | list[int] | list[float]
+"""A value of a client's report: a plain value or a list of numbers (a histogram's counts)."""
+
+REPORT_NUMBER_BYTES = 8
+"""The bytes one number (or bool) of a client report counts for (an int64 or float64)."""
+
 
 @dataclass(frozen=True)
 class SetupStep:
@@ -43,6 +58,9 @@ class SetupStep:
     name: str
     tensors: dict[str, Tensor] = field(default_factory=dict)
     values: dict[str, Value] = field(default_factory=dict)
+    final: bool = False
+    """The phase's last step: every client adds its :meth:`SetupPhase.client_report` to
+    its reply (the runtime does, after :meth:`SetupPhase.client`)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,9 @@ class SetupReply:
 
     tensors: dict[str, Tensor] = field(default_factory=dict)
     values: dict[str, Value] = field(default_factory=dict)
+    report: dict[str, ReportValue] = field(default_factory=dict)
+    """The client's :meth:`SetupPhase.client_report`, in the reply to a ``final`` step
+    (empty in any other)."""
 
 
 class ClientInputs(Protocol):
@@ -97,16 +118,73 @@ class SetupPhase(ABC):
         """After the last step, on a client that kept its own ``state`` (a Flower node):
         the loss transform's context for that client."""
 
+    def client_report(self, state: dict[str, Any]) -> dict[str, ReportValue]:
+        """After the ``final`` step, on the client: what the run's setup report needs of
+        this client's ``state``, small (summary numbers, never raw data or weights). The
+        runtime sends it in the reply to the final step (:attr:`SetupReply.report`), where
+        the server side assembles the report from every client's. Default: nothing."""
+        return {}
+
     def check_data(self, state: dict[str, Any], num_samples: int) -> None:
         """On a client that kept its own ``state``, before each round's training: raise
         :class:`fedplug.errors.DataError` when what the phase left no longer fits the
         client's training data of ``num_samples`` samples (default: no check)."""
 
 
+def report_num_bytes(report: Mapping[str, ReportValue]) -> int:
+    """The bytes a client report counts for, the same on every runtime: each number or
+    bool :data:`REPORT_NUMBER_BYTES`, each string its UTF-8 length (the keys are not
+    counted, as a tensor's name is not)."""
+    total = 0
+    for value in report.values():
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            total += len(item.encode()) if isinstance(item, str) else REPORT_NUMBER_BYTES
+    return total
+
+
+def report_cost(replies: Mapping[int, SetupReply]) -> PhaseCost:
+    """The traffic of the client reports in ``replies`` (the replies to a ``final``
+    step): their bytes up (:func:`report_num_bytes`), no round of its own (they ride on
+    the last step's replies); what a phase adds to its cost."""
+    return PhaseCost(0, sum(report_num_bytes(reply.report) for reply in replies.values()), 0)
+
+
+def with_client_report(phase: SetupPhase, step: SetupStep, reply: SetupReply, state: dict[str, Any]) -> SetupReply:
+    """``reply`` with the client's :meth:`SetupPhase.client_report` of ``state`` when
+    ``step`` is the phase's final one (what every runtime does on the client)."""
+    if not step.final:
+        return reply
+    return replace(reply, report=checked_report(phase.client_report(state)))
+
+
+def checked_report(report: Mapping[str, ReportValue]) -> dict[str, ReportValue]:
+    """``report`` when every value is a string, a bool, a finite number or a list of
+    finite numbers of one type (all ints or all floats): what every runtime can carry.
+
+    Raises:
+        ValueError: the first entry that is not (the text names it).
+    """
+    for key, value in report.items():
+        if isinstance(value, (str, bool)):
+            continue
+        items = value if isinstance(value, list) else [value]
+        numbers = all(
+            isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item)
+            for item in items
+        )
+        if not numbers or len({type(item) for item in items}) > 1:
+            raise ValueError(
+                f"client report entry {key!r} = {value!r} is not a string, a bool, a finite "
+                "number or a list of finite numbers of one type"
+            )
+    return dict(report)
+
+
 def run_in_process(phase: SetupPhase, clients: list[ClientInputs]) -> PhaseCost:
     """Run ``phase`` with every client in this process (the simulator's and FedML's
     path): each step goes to every client at once (:meth:`SetupPhase.clients`), in id
-    order."""
+    order; the replies to the ``final`` step carry each client's report."""
     clients = sorted(clients, key=lambda client: client.client_id)
     ids = [client.client_id for client in clients]
     states: dict[int, dict[str, Any]] = {client_id: {} for client_id in ids}
@@ -115,6 +193,10 @@ def run_in_process(phase: SetupPhase, clients: list[ClientInputs]) -> PhaseCost:
         step = next(conversation)
         while True:
             answers = phase.clients(step, clients, [states[client_id] for client_id in ids])
+            answers = [
+                with_client_report(phase, step, answer, states[client_id])
+                for answer, client_id in zip(answers, ids, strict=True)
+            ]
             step = conversation.send(dict(zip(ids, answers, strict=True)))
     except StopIteration as stop:
         cost = stop.value

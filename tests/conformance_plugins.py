@@ -53,7 +53,7 @@ from fedplug.hookspecs import RegisterAggregator, RegisterGrouper, RegisterLossT
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.run.vectors import tensors_num_bytes
-from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep
+from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, report_cost
 
 AGGREGATOR = "conformance_momentum"
 LOSS_TRANSFORM = "conformance_mean_weighted"
@@ -190,7 +190,7 @@ class MeanPhase(SetupPhase):
 
     name = "conformance_mean"
 
-    def __init__(self, loss: "MeanWeighted") -> None:
+    def __init__(self, loss: MeanWeighted) -> None:
         self.loss = loss
         self.cost: PhaseCost | None = None
 
@@ -201,11 +201,12 @@ class MeanPhase(SetupPhase):
         # In client-id order, in float64, so that every runtime adds up the same.
         total = sum(replies[client].tensors["sum"].double() for client in sorted(replies))
         count = sum(int(replies[client].values["count"]) for client in sorted(replies))
-        weigh = SetupStep("weigh", tensors={"mean": (total / count).float()})
+        weigh = SetupStep("weigh", tensors={"mean": (total / count).float()}, final=True)
         replies = yield weigh
+        self.loss.client_reports = {client: dict(replies[client].report) for client in sorted(replies)}
         bytes_up += sum(tensors_num_bytes(reply.tensors) for reply in replies.values())
         bytes_down = num_clients * tensors_num_bytes(weigh.tensors)
-        self.cost = PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down)
+        self.cost = PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down) + report_cost(replies)
         return self.cost
 
     def client(self, step: SetupStep, data: ClientInputs, state: dict[str, Any]) -> SetupReply:
@@ -232,6 +233,14 @@ class MeanPhase(SetupPhase):
     def client_context(self, state: dict[str, Any]) -> Context:
         return {SAMPLE_WEIGHT_KEY: state[SAMPLE_WEIGHT_KEY]}
 
+    def client_report(self, state: dict[str, Any]) -> dict[str, Any]:
+        return weights_report(state[SAMPLE_WEIGHT_KEY])
+
+
+def weights_report(weights: Tensor) -> dict[str, Any]:
+    """One client's report: the sum of its weights (float64) and their count."""
+    return {"weight_sum": float(weights.double().sum()), "count": int(weights.numel())}
+
 
 class MeanWeighted(LossTransform):
     """``w_k[sample_ids] * CE``, the weights from :class:`MeanPhase`."""
@@ -239,6 +248,7 @@ class MeanWeighted(LossTransform):
     def __init__(self, config: MeanWeightedConfig) -> None:
         self.config = config
         self.weights: dict[int, Tensor] | None = None
+        self.client_reports: dict[int, dict[str, Any]] | None = None
         self.save_to: Path | None = None
         self.loaded_from_file = False
 
@@ -272,12 +282,17 @@ class MeanWeighted(LossTransform):
         return weights.gather(0, sample_ids) * F.cross_entropy(logits, targets, reduction="none")
 
     def setup_report(self) -> dict[str, Any]:
-        """How many clients the phase weighted and their samples' mean weight (empty
-        where the weights stay on the clients, and before the phase)."""
-        if not self.weights:
+        """How many clients the phase weighted and their samples' mean weight, from the
+        clients' reports (or, loaded from a file, the same reports of the weights at hand);
+        empty before the phase."""
+        reports = self.client_reports
+        if reports is None and self.weights:
+            reports = {client: weights_report(weights) for client, weights in self.weights.items()}
+        if not reports:
             return {}
-        pooled = torch.cat([self.weights[client] for client in sorted(self.weights)])
-        return {"weighted_clients": len(self.weights), "mean_weight": float(pooled.double().mean())}
+        total = sum(reports[client]["weight_sum"] for client in sorted(reports))
+        count = sum(reports[client]["count"] for client in sorted(reports))
+        return {"weighted_clients": len(reports), "mean_weight": total / count}
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.weights is None else {"weights": dict(self.weights)}

@@ -156,13 +156,10 @@ def plugins_everywhere(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def assert_same_records(flower: RunResult, simulated: RunResult) -> None:
     """The same result summary but the wall times (:func:`conformance_checks.assert_same_summary`),
-    and a measured setup time on both (the components' preparation and phases), however short.
-
-    One known difference: a setup phase runs on Flower's nodes, whose results (the phase's
-    client states) stay there, so the server has no ``setup_report`` to give (the
-    simulator reports what its in-process phase computed); both are equal without a phase."""
-    phase_on_nodes = flower.setup_rounds > 0 and flower.setup_report == {}
-    assert_same_summary(flower.summary(), simulated.summary(), frozenset({"setup_report"} if phase_on_nodes else ()))
+    the setup report included (a setup phase's report is built from its clients' reports,
+    which reach Flower's server in the phase's last replies), and a measured setup time on
+    both (the components' preparation and phases), however short."""
+    assert_same_summary(flower.summary(), simulated.summary(), frozenset())
     assert flower.setup_seconds > 0 and simulated.setup_seconds > 0
 
 
@@ -192,9 +189,9 @@ def assert_same_checkpoint(
     :func:`assert_same_record`), and a setup wall time each. What Flower keeps on its
     nodes is in neither its checkpoint nor its result: the per-client states (the
     simulator holds them exactly when a component declares ``client_state``), and the
-    result of the loss transform's setup phase, if it declares one (its state and setup
-    report, ``reports`` is Flower's and the simulator's, stay empty on the server);
-    without a phase both hold the same."""
+    result of the loss transform's setup phase, if it declares one (its state stays empty
+    on Flower's server); both give the same setup report (``reports``, Flower's and the
+    simulator's), a phase's assembled from its clients' reports."""
     flower = torch.load(flower_out / "checkpoint.pt", weights_only=True)
     simulated = torch.load(simulator_out / "checkpoint.pt", weights_only=True)
     assert flower.keys() == simulated.keys()
@@ -213,12 +210,12 @@ def assert_same_checkpoint(
     )
     assert flower["client_states"] == {}
     assert bool(simulated["client_states"]) == needs.client_state
+    assert reports[0] == reports[1]
     if loss_transform.setup_phase() is None:
         assert_same_state(flower["loss_transform"], simulated["loss_transform"], "loss_transform")
-        assert reports[0] == reports[1]
     else:
         assert flower["loss_transform"] == {} and simulated["loss_transform"] != {}
-        assert reports[0] == {}
+        assert reports[0] != {}
 
 
 def run_both(registry: Any, data: dict[str, Any], out: Path | None = None) -> tuple[Any, Any]:
@@ -285,8 +282,9 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
     # Execute
     (flower, _), (simulated, _) = run_both(plugins_everywhere, data)
     # Assert: the grouper's and the aggregator's metrics, the config's derived value and the
-    # phase's traffic (4 clients x 12 float32 sums up, the 12-float mean down to each) reach
-    # both records; the aggregator's damping (1 + a mean update norm) agrees between them.
+    # phase's traffic (4 clients x 12 float32 sums up, the 12-float mean down to each, and
+    # each client's report of two numbers, 8 bytes each, up) reach both records; the
+    # aggregator's damping (1 + a mean update norm) agrees between them.
     dampings = []
     for result in (flower, simulated):
         metrics = [dict(record.metrics) for record in result.history]
@@ -294,9 +292,11 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
         assert metrics == [{"chain_count": 2.0, "largest_chain": 2.0}] * ROUNDS
         assert all(damping > 1.0 for damping in dampings[-1])
         assert result.derived_params["conformance_effective_lr"] == pytest.approx(0.5 / (1 - 0.5))
-        assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4)
-    # The phase's weights, and so its report, stay on Flower's nodes.
-    assert simulated.setup_report["weighted_clients"] == NUM_CLIENTS and flower.setup_report == {}
+        assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4 + NUM_CLIENTS * 2 * 8)
+    # The phase's weights stay on Flower's nodes; its report, built from the clients'
+    # reports, is the simulator's.
+    assert simulated.setup_report["weighted_clients"] == NUM_CLIENTS
+    assert flower.setup_report == simulated.setup_report
     assert dampings[0] == pytest.approx(dampings[1], rel=1e-5)
 
 

@@ -40,7 +40,13 @@ from fedplug.algorithms.feddisk import (
 )
 from fedplug.algorithms.feddisk.made import MADE
 from fedplug.algorithms.feddisk.made_training import PaddedSets
-from fedplug.algorithms.feddisk.weights import ClassifierHistory, classifier_split
+from fedplug.algorithms.feddisk.weights import (
+    ClassifierHistory,
+    classifier_split,
+    client_weight_summary,
+    histogram_top,
+    merge_weight_summaries,
+)
 from fedplug.components import PhaseCost
 from fedplug.config import validate_experiment
 from fedplug.data.federation import ClientData, Federation
@@ -322,7 +328,7 @@ def test_the_removed_tolerance_key_says_what_replaced_it() -> None:
 
 
 def test_weight_summary_by_hand() -> None:
-    summary = weight_summary([np.array([0.5, 1.0, 1.5], np.float32), np.array([2.0], np.float32)])
+    summary = weight_summary([np.array([0.5, 1.0, 1.5], np.float32), np.array([2.0], np.float32)], 2.0)
 
     assert summary["sample_weight.min"] == [0.5, 2.0]
     assert summary["sample_weight.median"] == [1.0, 2.0]
@@ -341,6 +347,27 @@ def test_weight_summary_by_hand() -> None:
     assert len(histogram["edges"]) == 41 and histogram["edges"][-1] == 2.0
     assert sum(histogram["counts"]) == 4
     assert [i for i, count in enumerate(histogram["counts"]) if count] == [10, 20, 30, 39]
+
+
+def test_the_clients_reports_merge_into_the_pooled_report() -> None:
+    # Prepare: three clients' weights under the "mean" normalisation's bound clip_max = 5,
+    # one client without samples.
+    weights = [np.array([0.0, 0.125, 4.9], np.float32), np.zeros(0, np.float32), np.array([5.0, 2.5], np.float32)]
+    top = histogram_top(FedDiskConfig())
+    # Execute: each client summarises its own weights; the server adds them up.
+    reports = [client_weight_summary(w, top) for w in weights]
+    merged = merge_weight_summaries(reports, top)
+    # Assert: the bins are fixed by the config (40 of width 5/40 = 0.125), so the pooled
+    # counts are the clients' counts added up: 0 -> bin 0, 0.125 -> 1, 2.5 -> 20, 4.9 and
+    # 5.0 -> 39; the client without samples has null statistics and no counts.
+    assert top == 5.0 and histogram_top(FedDiskConfig(normalisation="minmax")) == 2.0
+    histogram = merged["sample_weight.histogram"]
+    assert histogram["edges"][:3] == [0.0, 0.125, 0.25] and histogram["edges"][-1] == 5.0
+    assert {i: c for i, c in enumerate(histogram["counts"]) if c} == {0: 1, 1: 1, 20: 1, 39: 2}
+    assert reports[1]["histogram_counts"] == [0] * 40
+    assert merged["sample_weight.max"] == [4.9, None, 5.0]
+    assert merged["sample_weight.median"] == [0.125, None, 3.75]
+    assert merged == weight_summary(weights, top)
 
 
 def test_the_run_reports_each_clients_weight_spread(tmp_path: Path) -> None:
@@ -507,7 +534,10 @@ def test_feddisk_cost_counts_made_rounds_and_bytes(
 
     # MADE(16, [5]): W 5 x 16 + b 5 + V 16 x 5 + c 16 = 181 float32 parameters = 724 bytes.
     assert parameter_bytes(MADE(DIM, (5,))) == 724
-    assert cost == PhaseCost(rounds=1, bytes_up=2 * 724, bytes_down=2 * 2 * 724)
+    # Each client's report of its weights, 9 statistics and 40 counts, 8 bytes each, rides up
+    # on the last reply.
+    report_bytes = (9 + 40) * 8
+    assert cost == PhaseCost(rounds=1, bytes_up=2 * 724 + 2 * report_bytes, bytes_down=2 * 2 * 724)
 
 
 def test_feddisk_ab_cost_counts_the_pooled_raw_data(

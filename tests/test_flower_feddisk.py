@@ -19,12 +19,6 @@ from fedplug.adapters.flower import (
     make_client_app,
     run_on_grid,
 )
-from fedplug.adapters.flower.setup_phase import (
-    STEP,
-    TENSORS_KEY,
-    VALUES_KEY,
-    load_phase_state,
-)
 from fedplug.adapters.flower.loopback import FIRST_NODE_ID, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
     EXPERIMENT_ID,
@@ -35,6 +29,13 @@ from fedplug.adapters.flower.nodes import (
     handle_train,
 )
 from fedplug.adapters.flower.records import CONFIG_KEY, MODEL_KEY, model_record
+from fedplug.adapters.flower.setup_phase import (
+    REPORT_KEY,
+    STEP,
+    TENSORS_KEY,
+    VALUES_KEY,
+    load_phase_state,
+)
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, TensorDataset
@@ -161,6 +162,11 @@ def test_two_rounds_equal_the_simulator(runs: tuple[FlowerRun, Any, Any]) -> Non
         simulated.setup_rounds,
         simulated.setup_bytes,
     )
+    # The setup report, assembled from the clients' reports on both runtimes, is the same
+    # and counts every client's samples.
+    assert flower.result.setup_report == simulated.setup_report
+    counts = flower.result.setup_report["sample_weight.histogram"]["counts"]
+    assert sum(counts) == sum(len(weights) for weights in simulator.algorithm.loss_transform.weights)
     torch.testing.assert_close(
         flower.strategy.final_vector, simulator.final_vector, rtol=0, atol=1e-6
     )
@@ -236,14 +242,18 @@ def test_phase_one_messages_carry_only_made_parameters_and_scalars(
     assert [str(message.content[CONFIG_KEY][STEP]) for message in sent] == [
         step for step in steps for _ in range(NUM_CLIENTS)
     ]
-    # The traffic reported is the MADE parameters that travelled, nothing else.
+    # The traffic reported is the MADE parameters that travelled and, up, each client's
+    # report of its weights in its last reply (9 statistics and 40 counts, 8 bytes each).
     cost = flower.strategy.setup_cost
     assert sum(array_bytes(m.content.array_records.get(TENSORS_KEY)) for m in sent) == (
         cost.bytes_down
     )
-    assert sum(array_bytes(r.content.array_records.get(TENSORS_KEY)) for r in flower.replies) == (
-        cost.bytes_up
-    )
+    reports = [r.content.config_records[REPORT_KEY] for r in flower.replies if REPORT_KEY in r.content.config_records]
+    assert len(reports) == NUM_CLIENTS
+    assert all(len(report["histogram_counts"]) == 40 and len(report) == 10 for report in reports)
+    assert sum(array_bytes(r.content.array_records.get(TENSORS_KEY)) for r in flower.replies) + (
+        NUM_CLIENTS * (9 + 40) * 8
+    ) == cost.bytes_up
     made_names = {"layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
     for reply in flower.replies:
         assert set(reply.content.array_records) <= {TENSORS_KEY}

@@ -43,7 +43,7 @@ from fedplug.run.model import build_model
 from fedplug.run.results import RoundRecord
 from fedplug.run.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 from fedplug.screening import ScreeningConfig, count_problem, number_problem
-from fedplug.setup_phase import prepare_in_process
+from fedplug.setup_phase import setup_in_process
 
 from .protocol import Schedule, Task, TaskResult, WorkerInstructions, owner_of, reply
 
@@ -111,7 +111,9 @@ class Coordinator:
             runtime="FedML",
         )
         started = time.perf_counter()
-        setup_cost = prepare_in_process(self.components, federation)
+        setup_cost = self.components.prepare(federation)
+        self.components.distributed_setup_phases("FedML")  # refuses what workers could not use
+        setup_cost = setup_cost + setup_in_process(self.components, federation)
         setup_seconds = time.perf_counter() - started
         self.aggregator.initialize(self.global_vector)
         self.result = self.core.run_result(

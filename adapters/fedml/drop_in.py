@@ -163,9 +163,10 @@ class FedplugAggregator(ServerAggregator):
         phases = self.components.setup_phases()
         if phases:
             raise ConfigError(
-                f"FedplugAggregator runs next to your own FedML ClientTrainer, which cannot run the setup "
-                f"phase of the {', '.join(slot for slot, _ in phases)}; run it with fedplug's ClientTrainer "
-                "instead: python -m fedplug.adapters.fedml run CONFIG"
+                f"FedplugAggregator runs next to your own FedML ClientTrainer, which cannot answer the "
+                f"steps of the setup phase of the {', '.join(slot for slot, _ in phases)} (FedML's drop-in "
+                "messages carry a model and a sample count only); run the experiment with the FedML "
+                "coordinator runtime, which runs setup phases: python -m fedplug.adapters.fedml run CONFIG"
             )
         self.vector = model_to_vector(model).detach().clone()
         self.aggregator.initialize(self.vector)

@@ -88,11 +88,14 @@ def prepare_components(
     when it has none).
 
     Raises:
+        ConfigError: the sampler or the aggregator declares a setup phase
+            (:meth:`~fedplug.run.components.Components.distributed_setup_phases`).
         TrainingError: a node failed in the setup phase; when a node lacks the phase's
             handler, the message names what the ClientApp must add (``requirement``).
     """
     cost = components.prepare(FederationSummary(counts))
-    for _, phase in components.setup_phases():  # after prepare, which may have loaded a result
+    # after prepare, which may have loaded a result
+    for _, phase in components.distributed_setup_phases("Flower"):
         try:
             extra = run_setup_phase(
                 grid, directory.node_of, phase, message_config=message_config, timeout=timeout

@@ -10,11 +10,14 @@ the ready ``client_app`` does for every phase an installed component declares):
 ============================ ============= ===============================================
 key                          record        content
 ============================ ============= ===============================================
-``"config"``                 ConfigRecord  the experiment's entries, ``fedplug.client-id``
-                                           and ``fedplug.setup-step`` (the step's name)
+``"config"``                 ConfigRecord  the experiment's entries, ``fedplug.client-id``,
+                                           ``fedplug.setup-step`` (the step's name) and
+                                           ``fedplug.setup-final`` (the last step's: True)
 ``"fedplug.setup-values"``   ConfigRecord  the step's values (down) / the reply's (up)
 ``"fedplug.setup-tensors"``  ArrayRecord   the step's tensors (down) / the reply's (up);
                                            absent when there are none
+``"fedplug.setup-report"``   ConfigRecord  up, in the reply to the final step only: the
+                                           client's :meth:`~fedplug.setup_phase.SetupPhase.client_report`
 ============================ ============= ===============================================
 
 Between steps a node keeps its client's state under ``<namespace>.setup.<phase name>``
@@ -47,7 +50,16 @@ from torch import Tensor
 from fedplug.components import SLOT_KINDS, PhaseCost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.registry import Registry
-from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, Value
+from fedplug.setup_phase import (
+    ClientInputs,
+    ReportValue,
+    SetupPhase,
+    SetupReply,
+    SetupStep,
+    Value,
+    checked_report,
+    with_client_report,
+)
 
 from .decoding import MalformedReply, decode_array, to_tensor
 from .records import CLIENT_ID, CONFIG_KEY, record_to_tensors, tensors_to_record
@@ -56,8 +68,11 @@ logger = logging.getLogger("fedplug.adapters.flower")
 
 STEP = "fedplug.setup-step"
 """The ``config`` entry naming the step."""
+FINAL = "fedplug.setup-final"
+"""The ``config`` entry that marks the phase's last step (present and True only there)."""
 VALUES_KEY = "fedplug.setup-values"
 TENSORS_KEY = "fedplug.setup-tensors"
+REPORT_KEY = "fedplug.setup-report"
 MAX_SETUP_ELEMENTS = 10**8
 """The most elements one tensor of a node's setup reply may hold (400 MB of float32; a
 phase's messages carry small models such as FedDisk's MADEs)."""
@@ -84,7 +99,7 @@ def run_setup_phase(
     Args:
         grid: the ServerApp's grid.
         node_of: client id -> node id, for every client.
-        phase: the loss transform's setup phase.
+        phase: a component's setup phase.
         message_config: entries for every message's ``config`` record (the experiment).
         timeout: bound of each exchange, seconds (None: no bound).
 
@@ -132,7 +147,12 @@ def _exchange(
         content = RecordDict(
             {
                 CONFIG_KEY: ConfigRecord(
-                    {**message_config, CLIENT_ID: client, STEP: step.name}
+                    {
+                        **message_config,
+                        CLIENT_ID: client,
+                        STEP: step.name,
+                        **({FINAL: True} if step.final else {}),
+                    }
                 ),
                 VALUES_KEY: ConfigRecord(dict(step.values)),
             }
@@ -178,7 +198,8 @@ def _exchange(
 def decode_setup_reply(content: RecordDict) -> SetupReply:
     """A node's answer to a step, decoded defensively (:mod:`.decoding`): every tensor a
     ``numpy.ndarray`` of a real dtype, at most :data:`MAX_SETUP_ELEMENTS` elements and
-    finite; every value an int, float, str or bool, numbers finite.
+    finite; every value an int, float, str or bool, numbers finite; the client report
+    (when there is one) as :func:`fedplug.setup_phase.checked_report` allows.
 
     Raises:
         ValueError: the first field that breaks these rules (the text says which).
@@ -199,7 +220,16 @@ def decode_setup_reply(content: RecordDict) -> SetupReply:
                 f"sent value {key!r} as {type(value).__name__}, not an int, float, str or bool"
             )
         values[key] = value
-    return SetupReply(tensors=tensors, values=values)
+    report_record = content.config_records.get(REPORT_KEY)
+    report: dict[str, ReportValue] = {}
+    if report_record is not None:
+        try:
+            report = checked_report(
+                {key: list(value) if isinstance(value, (list, tuple)) else value for key, value in report_record.items()}
+            )
+        except ValueError as error:
+            raise MalformedReply(f"sent a malformed client report: {error}") from None
+    return SetupReply(tensors=tensors, values=values, report=report)
 
 
 # --------------------------------------------------------------------------- node
@@ -230,13 +260,16 @@ def answer_setup_step(
         name=str(config.get(STEP, "")),
         tensors=record_to_tensors(content.array_records.get(TENSORS_KEY), device),
         values=dict(content.config_records.get(VALUES_KEY, ConfigRecord())),
+        final=bool(config.get(FINAL, False)),
     )
     state = load_phase_state(context, namespace, phase.name, device)
-    reply = phase.client(step, data, state)
+    reply = with_client_report(phase, step, phase.client(step, data, state), state)
     save_phase_state(context, namespace, phase.name, state)
     records = RecordDict({VALUES_KEY: ConfigRecord(dict(reply.values))})
     if reply.tensors:
         records[TENSORS_KEY] = tensors_to_record(reply.tensors)
+    if step.final:
+        records[REPORT_KEY] = ConfigRecord(dict(reply.report))
     return Message(records, reply_to=message)
 
 

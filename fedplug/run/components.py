@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 __all__ = ["SLOTS", "Components", "build_component", "merged_round_metrics"]
 
+CLIENT_SIDE_SLOTS_WITHOUT_PHASE_STATE = ("sampler", "aggregator")
+"""The slots that also train on the clients but whose client side a distributed runtime
+cannot hand a setup phase's client state (:meth:`Components.distributed_setup_phases`);
+the grouper has no client side, the loss transform gets its phase's ``client_context``."""
+
 
 def build_component(slot: str, train_config: Any, registry: Registry, num_clients: int = 1) -> Any:
     """The component of ``slot`` (one of :data:`~fedplug.components.SLOTS`) that
@@ -124,6 +129,32 @@ class Components:
             phase = component.setup_phase()
             if phase is not None:
                 phases.append((slot, phase))
+        return phases
+
+    def distributed_setup_phases(self, runtime: str) -> list[tuple[str, SetupPhase]]:
+        """:meth:`setup_phases`, for a runtime whose clients train in other processes
+        (``runtime``: Flower, FedML): there the clients' training meets only the loss
+        transform's phase state (its ``client_context``), and the server meets the other
+        slots' results through their phase's server side. A sampler's or aggregator's
+        phase, whose component also trains on the clients, would leave that client side
+        without what the phase kept (the simulator shares one object between both sides),
+        so it is refused here.
+
+        Raises:
+            ConfigError: the sampler or the aggregator declares a setup phase (the message
+                names the slot, the component, the phase and the runtime).
+        """
+        phases = self.setup_phases()
+        for slot, phase in phases:
+            if slot in CLIENT_SIDE_SLOTS_WITHOUT_PHASE_STATE:
+                component = getattr(self, slot)
+                name = getattr(getattr(component, "config", None), "name", type(component).__name__)
+                raise ConfigError(
+                    f"the {slot} {name!r} declares the setup phase {phase.name!r}, but on {runtime} "
+                    f"only the loss transform's phase state reaches the clients' training, so the "
+                    f"{slot}'s client side would train without what its phase kept; run it with the "
+                    "simulator (`fedplug run`), or declare the phase on the loss transform"
+                )
         return phases
 
     def setup_report(self) -> dict[str, Any]:

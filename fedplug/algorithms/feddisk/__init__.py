@@ -38,97 +38,60 @@ from .cache import (
 )
 from .config import FedDiskAbConfig, FedDiskConfig, SampleWeightConfig
 from .density import (
-    BYTES_PER_PARAMETER,
-    ClientDensityData,
-    GlobalMadeStopping,
-    PhaseOneSeeds,
-    average_state_dicts,
-    client_density_data,
-    client_validation_nlls,
-    federated_nll,
     federated_validation_nll,
-    flat_inputs,
-    global_made_round,
-    input_range,
-    load_made_parameters,
-    made_features,
-    made_parameters,
     made_phase_cost,
-    made_template,
     parameter_bytes,
-    to_unit_interval,
     train_global_made,
-    train_local_mades,
-    unit_interval_bounds,
     unit_interval_inputs,
-    validation_split,
 )
 from .phase import FedDiskPhase, compute_feddisk_weights
 from .weights import (
     SAMPLE_WEIGHT_KEY,
     FedDiskWeights,
-    client_density_ratios,
-    client_ratios,
+    client_weight_summary,
     compute_feddisk_ab_weights,
     density_ratios,
+    histogram_top,
     make_classifier,
+    merge_weight_summaries,
     normalise_weights,
-    normalised_weights,
     sample_weight_context,
     train_classifiers,
     weight_summary,
 )
 
+# The public names; the helpers of each step stay in their module (.density, .weights,
+# .phase, .cache).
 __all__ = [
-    "BYTES_PER_PARAMETER",
     "SAMPLE_WEIGHT_KEY",
     "WEIGHTS_VERSION",
-    "ClientDensityData",
     "FedDisk",
     "FedDiskAb",
     "FedDiskAbConfig",
     "FedDiskConfig",
     "FedDiskPhase",
     "FedDiskWeights",
-    "GlobalMadeStopping",
-    "PhaseOneSeeds",
     "SampleWeightConfig",
     "SampleWeightedLoss",
-    "average_state_dicts",
     "cache_key",
     "cache_path",
-    "client_density_data",
-    "client_density_ratios",
-    "client_ratios",
-    "client_validation_nlls",
+    "client_weight_summary",
     "compute_feddisk_ab_weights",
     "compute_feddisk_weights",
     "density_ratios",
-    "federated_nll",
     "federated_validation_nll",
-    "flat_inputs",
-    "global_made_round",
-    "input_range",
-    "load_made_parameters",
+    "histogram_top",
     "load_weights",
-    "made_features",
-    "made_parameters",
     "made_phase_cost",
-    "made_template",
     "make_classifier",
+    "merge_weight_summaries",
     "normalise_weights",
-    "normalised_weights",
     "parameter_bytes",
     "partition_fingerprint",
-    "sample_weight_context",
     "save_weights",
-    "to_unit_interval",
     "train_classifiers",
     "train_global_made",
-    "train_local_mades",
-    "unit_interval_bounds",
     "unit_interval_inputs",
-    "validation_split",
     "weight_summary",
 ]
 
@@ -148,6 +111,9 @@ class SampleWeightedLoss(LossTransform):
         self.config = config
         self.weights: list[Tensor] | None = None
         self.cost: PhaseCost | None = None
+        self.client_reports: list[dict[str, Any]] | None = None
+        """Every client's :func:`~.weights.client_weight_summary`, in client order, as the
+        setup phase's last replies carried them (None: the phase did not run here)."""
 
     def _keep(self, result: FedDiskWeights, device: torch.device | str) -> PhaseCost:
         self.weights = [
@@ -174,12 +140,17 @@ class SampleWeightedLoss(LossTransform):
         return result, path
 
     def setup_report(self) -> dict[str, Any]:
-        """Per-client quantiles of the sample weights and their pooled histogram
-        (:func:`~.weights.weight_summary`), once the weights are known (computed, loaded
-        from the cache, or restored from a checkpoint); empty before."""
+        """Per-client quantiles of the sample weights and their pooled histogram: merged
+        from the clients' reports when the setup phase ran (on any runtime,
+        :func:`~.weights.merge_weight_summaries`), else from the weights at hand (loaded
+        from the cache, or restored from a checkpoint; :func:`~.weights.weight_summary`,
+        the same numbers); empty before either."""
+        top = histogram_top(self.config)
+        if self.client_reports is not None:
+            return merge_weight_summaries(self.client_reports, top)
         if self.weights is None:
             return {}
-        return weight_summary([w.detach().cpu().numpy() for w in self.weights])
+        return weight_summary([w.detach().cpu().numpy() for w in self.weights], top)
 
     def client_context(self, client_id: int, class_counts: np.ndarray) -> Context:
         """``{"sample_weight": w_k}``, a float32 tensor of shape [n_k]."""
@@ -241,6 +212,7 @@ class FedDisk(SampleWeightedLoss):
             DataError: a cached file is corrupt or was computed for other client sizes.
         """
         self.weights, self.cost, self._save_to = None, None, None
+        self.client_reports = None
         if self.config.cache_dir is None:
             return None
         if not isinstance(federation, Federation):
@@ -261,7 +233,10 @@ class FedDisk(SampleWeightedLoss):
         its result or the phase already ran."""
         if self.weights is not None:
             return None
-        return FedDiskPhase(self.config, on_finish=self._finish_phase)
+        return FedDiskPhase(self.config, on_finish=self._finish_phase, on_reports=self._keep_reports)
+
+    def _keep_reports(self, client_reports: list[dict[str, Any]]) -> None:
+        self.client_reports = client_reports
 
     def _finish_phase(self, result: FedDiskWeights, weights: list[Tensor]) -> None:
         self.weights = [w.to(torch.float32) for w in weights]

@@ -24,6 +24,7 @@ from fedplug.setup_phase import (
     SetupReply,
     SetupStep,
     Value,
+    report_cost,
     run_in_process,
 )
 
@@ -54,6 +55,8 @@ from .weights import (
     ClassifierHistory,
     FedDiskWeights,
     client_density_ratios,
+    client_weight_summary,
+    histogram_top,
     log_classifier_training,
     normalise_weights,
     sample_weight_context,
@@ -90,11 +93,15 @@ GENERATOR = "global-generator"
 SAMPLE_WEIGHTS = "sample-weights"
 DENSITY_RATIOS = "density-ratios"
 """The raw ratios the weights were normalised from (float64; the cache stores them)."""
+HISTOGRAM_TOP = "histogram-top"
+"""The upper edge of the weight histogram the client reports over (:func:`~.weights.histogram_top`
+of the server's config)."""
 
 ClientStep = Callable[
     [SetupStep, Sequence[ClientInputs], Sequence[dict[str, Any]]], list[SetupReply]
 ]
 FinishCallback = Callable[[FedDiskWeights, list[Tensor]], None]
+ReportsCallback = Callable[[list[dict[str, Any]]], None]
 
 
 class FedDiskPhase(SetupPhase):
@@ -106,6 +113,8 @@ class FedDiskPhase(SetupPhase):
             ``numpy.random.default_rng(config.seed)``).
         on_finish: called by :meth:`finish` with the result and every client's weights
             (tensors on the clients' device, in client order).
+        on_reports: called by the server's side, on every runtime, with every client's
+            :meth:`client_report` (in client order) from the replies to the last step.
     """
 
     name = "feddisk"
@@ -116,10 +125,12 @@ class FedDiskPhase(SetupPhase):
         *,
         rng: np.random.Generator | None = None,
         on_finish: FinishCallback | None = None,
+        on_reports: ReportsCallback | None = None,
     ) -> None:
         self.config = config
         self.rng = rng
         self.on_finish = on_finish
+        self.on_reports = on_reports
         self.cost: PhaseCost | None = None
         self.result: FedDiskWeights | None = None
         self._steps: dict[str, ClientStep] = {
@@ -172,7 +183,9 @@ class FedDiskPhase(SetupPhase):
                 break
             updates = _made_updates((yield SetupStep(TRAIN)), TRAIN, template)
 
-        done = yield SetupStep(WEIGHTS, values={KEEP: PREVIOUS if stopping.rose else LATEST})
+        done = yield SetupStep(
+            WEIGHTS, values={KEEP: PREVIOUS if stopping.rose else LATEST}, final=True
+        )
         for client, size in zip(sorted(done), sizes):
             count = int(_value(done, client, WEIGHTS, NUM_SAMPLES))
             if count != size:
@@ -181,7 +194,10 @@ class FedDiskPhase(SetupPhase):
             [int(_value(done, client, WEIGHTS, CLASSIFIER_EPOCHS)) for client in sorted(done)],
             [int(_value(done, client, WEIGHTS, CLASSIFIER_BEST_EPOCH)) for client in sorted(done)],
         )
+        if self.on_reports is not None:
+            self.on_reports([dict(done[client].report) for client in sorted(done)])
         self.cost = made_phase_cost(stopping.rounds, len(sizes), parameter_bytes(template))
+        self.cost = self.cost + report_cost(done)
         logger.info(
             "FedDisk phase 1: %d global MADE rounds (federated validation NLL %s), %d bytes up, "
             "%d down",
@@ -301,6 +317,7 @@ class FedDiskPhase(SetupPhase):
             )
             state[SAMPLE_WEIGHTS] = torch.as_tensor(weights, device=share.inputs.device)
             state[DENSITY_RATIOS] = torch.as_tensor(client_ratios, dtype=torch.float64)
+            state[HISTOGRAM_TOP] = histogram_top(config)
             values: dict[str, Value] = {
                 NUM_SAMPLES: int(weights.shape[0]),
                 CLASSIFIER_EPOCHS: history.epochs,
@@ -381,6 +398,13 @@ class FedDiskPhase(SetupPhase):
         )
         if self.on_finish is not None:
             self.on_finish(self.result, weights)
+
+    def client_report(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This client's share of the setup report: its weights' statistics and their
+        counts over the histogram's fixed bins (:func:`~.weights.client_weight_summary`);
+        about 400 bytes, never the weights themselves."""
+        weights = self.client_context(state)[SAMPLE_WEIGHT_KEY]
+        return client_weight_summary(weights.detach().cpu().numpy(), float(state[HISTOGRAM_TOP]))
 
     def check_data(self, state: dict[str, Any], num_samples: int) -> None:
         """The weights must cover the node's training data (it may have changed since)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -371,46 +371,78 @@ WEIGHT_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 HISTOGRAM_BINS = 40
 """Bins of the pooled histogram :func:`weight_summary` reports."""
 
+WEIGHT_STATS = ("min", "q05", "q25", "median", "q75", "q95", "max", "mean", "std")
+"""The per-client statistics of the weights, in the order :func:`client_weight_summary`
+computes them (the quantiles are :data:`WEIGHT_QUANTILES`)."""
 
-def weight_summary(weights: Sequence[np.ndarray]) -> dict[str, object]:
-    """What a report needs to show the spread of the sample weights, as JSON-ready values
-    (:meth:`~fedplug.algorithms.feddisk.SampleWeightedLoss.setup_report`; the simulator
-    writes them to metrics.json under ``setup_report``).
+HISTOGRAM_COUNTS = "histogram_counts"
+"""The key of a client's histogram counts in :func:`client_weight_summary`."""
 
-    - ``sample_weight.min``, ``.q05``, ``.q25``, ``.median``, ``.q75``, ``.q95``, ``.max``,
-      ``.mean``, ``.std``: one list entry per client (client order), rounded to 6
-      significant digits; a client without samples gets null;
-    - ``sample_weight.histogram``: the weights of all clients pooled, ``{"edges": [41
-      floats from 0 up to the largest weight], "counts": [40 ints]}``.
-    """
-    names = [f"q{round(q * 100):02d}" if q != 0.5 else "median" for q in WEIGHT_QUANTILES]
-    columns: dict[str, list[float | None]] = {
-        name: [] for name in ["min", *names, "max", "mean", "std"]
-    }
-    for client_weights in weights:
-        values = np.asarray(client_weights, dtype=np.float64)
-        if values.size == 0:
-            for column in columns.values():
-                column.append(None)
-            continue
+PREFIX = "sample_weight."
+"""The prefix of every entry of the setup report."""
+
+
+def histogram_top(config: SampleWeightConfig) -> float:
+    """The upper edge of the weight histogram, which every weight ``config`` gives lies
+    under: ``clip_max`` for the ``"mean"`` normalisation, 2 for ``"minmax"``. Fixed by the
+    config, so that each client can count its own weights over the same bins and the
+    pooled histogram is their sum."""
+    return float(config.clip_max) if config.normalisation == "mean" else 2.0
+
+
+def histogram_edges(top: float) -> np.ndarray:
+    """The :data:`HISTOGRAM_BINS` + 1 edges of the weight histogram, from 0 to ``top``."""
+    return np.linspace(0.0, top if top > 0 else 1.0, HISTOGRAM_BINS + 1)
+
+
+def client_weight_summary(weights: np.ndarray, top: float) -> dict[str, float | list[int]]:
+    """One client's share of :func:`weight_summary`, computed where its weights are (what
+    a client sends in the setup phase's last reply): its :data:`WEIGHT_STATS`, each
+    rounded to 6 significant digits (absent when it has no samples), and
+    ``histogram_counts``, the counts of its weights over :func:`histogram_edges` of
+    ``top`` (a weight above ``top`` counts in the last bin)."""
+    values = np.asarray(weights, dtype=np.float64)
+    edges = histogram_edges(top)
+    counts, _ = np.histogram(np.minimum(values, edges[-1]), bins=edges)
+    summary: dict[str, float | list[int]] = {HISTOGRAM_COUNTS: [int(count) for count in counts]}
+    if values.size:
         stats = [values.min(), *np.quantile(values, WEIGHT_QUANTILES), values.max()]
         stats += [values.mean(), values.std()]
-        for column, value in zip(columns.values(), stats):
-            column.append(float(f"{value:.6g}"))
-    pooled = (
-        np.concatenate([np.asarray(w, dtype=np.float64) for w in weights])
-        if weights
-        else np.zeros(0)
-    )
-    top = float(pooled.max()) if pooled.size else 1.0
-    edges = np.linspace(0.0, top if top > 0 else 1.0, HISTOGRAM_BINS + 1)
-    counts, _ = np.histogram(pooled, bins=edges)
-    summary: dict[str, object] = {f"sample_weight.{key}": value for key, value in columns.items()}
-    summary["sample_weight.histogram"] = {
-        "edges": [float(f"{edge:.6g}") for edge in edges],
+        summary.update({name: float(f"{value:.6g}") for name, value in zip(WEIGHT_STATS, stats)})
+    return summary
+
+
+def merge_weight_summaries(
+    client_summaries: Sequence[Mapping[str, object]], top: float
+) -> dict[str, object]:
+    """The setup report from every client's :func:`client_weight_summary` (in client
+    order), as JSON-ready values:
+
+    - ``sample_weight.min``, ``.q05``, ``.q25``, ``.median``, ``.q75``, ``.q95``, ``.max``,
+      ``.mean``, ``.std``: one list entry per client, null for a client without samples;
+    - ``sample_weight.histogram``: ``{"edges": [41 floats from 0 to top], "counts": [40
+      ints]}``, the clients' counts added up (the weights of all clients pooled).
+    """
+    report: dict[str, object] = {
+        PREFIX + name: [summary.get(name) for summary in client_summaries] for name in WEIGHT_STATS
+    }
+    counts = np.zeros(HISTOGRAM_BINS, dtype=np.int64)
+    for summary in client_summaries:
+        counts += np.asarray(summary[HISTOGRAM_COUNTS], dtype=np.int64)
+    report[PREFIX + "histogram"] = {
+        "edges": [float(f"{edge:.6g}") for edge in histogram_edges(top)],
         "counts": [int(count) for count in counts],
     }
-    return summary
+    return report
+
+
+def weight_summary(weights: Sequence[np.ndarray], top: float) -> dict[str, object]:
+    """What a report needs to show the spread of the sample weights
+    (:meth:`~fedplug.algorithms.feddisk.SampleWeightedLoss.setup_report`; the simulator
+    writes them to metrics.json under ``setup_report``): :func:`merge_weight_summaries` of
+    every client's :func:`client_weight_summary`, the same whether the weights are in
+    this process or each on its own client."""
+    return merge_weight_summaries([client_weight_summary(w, top) for w in weights], top)
 
 
 # ------------------------------------------------------------------- FedDiskAb
