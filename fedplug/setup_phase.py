@@ -22,8 +22,9 @@ send: the phase marks its last step ``final``, every client adds its
 :meth:`SetupPhase.client_report` (a few summary numbers of its own state, never raw data)
 to its reply to that step, and the phase's server side assembles the report from those
 replies. Every runtime carries the client reports the same way (in process: the reply
-object; Flower: a record of the last reply), so the report is the same on every runtime,
-and so are its bytes (:func:`report_cost`), which the phase adds to its cost.
+object; Flower: a record of the last reply), so the report is the same on every runtime.
+Like the scalar metrics of a round's replies, a report's few numbers are not counted as
+traffic: a phase's bytes are the tensors it sends.
 """
 
 from __future__ import annotations
@@ -46,9 +47,6 @@ Value = int | float | str | bool
 
 ReportValue = int | float | str | bool | list[int] | list[float]
 """A value of a client's report: a plain value or a list of numbers (a histogram's counts)."""
-
-REPORT_NUMBER_BYTES = 8
-"""The bytes one number (or bool) of a client report counts for (an int64 or float64)."""
 
 
 @dataclass(frozen=True)
@@ -129,25 +127,6 @@ class SetupPhase(ABC):
         """On a client that kept its own ``state``, before each round's training: raise
         :class:`fedplug.errors.DataError` when what the phase left no longer fits the
         client's training data of ``num_samples`` samples (default: no check)."""
-
-
-def report_num_bytes(report: Mapping[str, ReportValue]) -> int:
-    """The bytes a client report counts for, the same on every runtime: each number or
-    bool :data:`REPORT_NUMBER_BYTES`, each string its UTF-8 length (the keys are not
-    counted, as a tensor's name is not)."""
-    total = 0
-    for value in report.values():
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            total += len(item.encode()) if isinstance(item, str) else REPORT_NUMBER_BYTES
-    return total
-
-
-def report_cost(replies: Mapping[int, SetupReply]) -> PhaseCost:
-    """The traffic of the client reports in ``replies`` (the replies to a ``final``
-    step): their bytes up (:func:`report_num_bytes`), no round of its own (they ride on
-    the last step's replies); what a phase adds to its cost."""
-    return PhaseCost(0, sum(report_num_bytes(reply.report) for reply in replies.values()), 0)
 
 
 def with_client_report(phase: SetupPhase, step: SetupStep, reply: SetupReply, state: dict[str, Any]) -> SetupReply:

@@ -53,7 +53,7 @@ from fedplug.hookspecs import RegisterAggregator, RegisterGrouper, RegisterLossT
 from fedplug.plugins import collect_registry, new_plugin_manager
 from fedplug.registry import Registry
 from fedplug.run.vectors import tensors_num_bytes
-from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep, report_cost
+from fedplug.setup_phase import ClientInputs, SetupPhase, SetupReply, SetupStep
 
 AGGREGATOR = "conformance_momentum"
 LOSS_TRANSFORM = "conformance_mean_weighted"
@@ -206,7 +206,7 @@ class MeanPhase(SetupPhase):
         self.loss.client_reports = {client: dict(replies[client].report) for client in sorted(replies)}
         bytes_up += sum(tensors_num_bytes(reply.tensors) for reply in replies.values())
         bytes_down = num_clients * tensors_num_bytes(weigh.tensors)
-        self.cost = PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down) + report_cost(replies)
+        self.cost = PhaseCost(rounds=2, bytes_up=bytes_up, bytes_down=bytes_down)
         return self.cost
 
     def client(self, step: SetupStep, data: ClientInputs, state: dict[str, Any]) -> SetupReply:

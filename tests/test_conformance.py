@@ -282,8 +282,8 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
     # Execute
     (flower, _), (simulated, _) = run_both(plugins_everywhere, data)
     # Assert: the grouper's and the aggregator's metrics, the config's derived value and the
-    # phase's traffic (4 clients x 12 float32 sums up, the 12-float mean down to each, and
-    # each client's report of two numbers, 8 bytes each, up) reach both records; the
+    # phase's traffic (4 clients x 12 float32 sums up, the 12-float mean down to each)
+    # reach both records; the
     # aggregator's damping (1 + a mean update norm) agrees between them.
     dampings = []
     for result in (flower, simulated):
@@ -292,7 +292,7 @@ def test_the_test_only_plugins_report_what_they_declare(plugins_everywhere: Any)
         assert metrics == [{"chain_count": 2.0, "largest_chain": 2.0}] * ROUNDS
         assert all(damping > 1.0 for damping in dampings[-1])
         assert result.derived_params["conformance_effective_lr"] == pytest.approx(0.5 / (1 - 0.5))
-        assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4 + NUM_CLIENTS * 2 * 8)
+        assert (result.setup_rounds, result.setup_bytes) == (2, 2 * NUM_CLIENTS * 12 * 4)
     # The phase's weights stay on Flower's nodes; its report, built from the clients'
     # reports, is the simulator's.
     assert simulated.setup_report["weighted_clients"] == NUM_CLIENTS

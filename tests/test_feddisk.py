@@ -534,10 +534,8 @@ def test_feddisk_cost_counts_made_rounds_and_bytes(
 
     # MADE(16, [5]): W 5 x 16 + b 5 + V 16 x 5 + c 16 = 181 float32 parameters = 724 bytes.
     assert parameter_bytes(MADE(DIM, (5,))) == 724
-    # Each client's report of its weights, 9 statistics and 40 counts, 8 bytes each, rides up
-    # on the last reply.
-    report_bytes = (9 + 40) * 8
-    assert cost == PhaseCost(rounds=1, bytes_up=2 * 724 + 2 * report_bytes, bytes_down=2 * 2 * 724)
+    # The clients' reports of their weights ride on the last reply and are not traffic.
+    assert cost == PhaseCost(rounds=1, bytes_up=2 * 724, bytes_down=2 * 2 * 724)
 
 
 def test_feddisk_ab_cost_counts_the_pooled_raw_data(

@@ -28,12 +28,12 @@ from .weights import FedDiskWeights
 if TYPE_CHECKING:
     from .config import SampleWeightConfig
 
-WEIGHTS_VERSION = 4
+WEIGHTS_VERSION = 3
 """Part of :func:`cache_key`; raised whenever the same config and seed would give other
 weights, so that weights cached by an older fedplug are recomputed rather than reused
 (2: every client draws from its own stream,
 :class:`~fedplug.algorithms.feddisk.density.PhaseOneSeeds`; 3: the file holds the raw
-ratios, normalised on loading; 4: the cost counts the clients' setup reports)."""
+ratios, normalised on loading)."""
 
 NORMALISATION_FIELDS = frozenset({"normalisation", "clip_min", "clip_max"})
 """Config fields applied to the cached ratios on loading: not part of :func:`cache_key`."""

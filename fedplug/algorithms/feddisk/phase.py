@@ -24,7 +24,6 @@ from fedplug.setup_phase import (
     SetupReply,
     SetupStep,
     Value,
-    report_cost,
     run_in_process,
 )
 
@@ -197,7 +196,6 @@ class FedDiskPhase(SetupPhase):
         if self.on_reports is not None:
             self.on_reports([dict(done[client].report) for client in sorted(done)])
         self.cost = made_phase_cost(stopping.rounds, len(sizes), parameter_bytes(template))
-        self.cost = self.cost + report_cost(done)
         logger.info(
             "FedDisk phase 1: %d global MADE rounds (federated validation NLL %s), %d bytes up, "
             "%d down",
