@@ -31,8 +31,8 @@ LAYERS: dict[str, int] = {
         ["errors", "config_errors", "memory", "deadline", "cost_model", "output_folder", "project", "flower_internals"], 1
     ),
     **dict.fromkeys(
-        ["", "components", "analysis", "registry", "plugins", "hookspecs", "config", "screening", "faults",
-         "setup_phase", "data", "models", "run_folder"],
+        ["", "components", "component_config", "aggregation", "analysis", "registry", "plugins", "hookspecs",
+         "config", "screening", "faults", "setup_phase", "data", "models", "run_folder"],
         2,
     ),
     "run": 3,
