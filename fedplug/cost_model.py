@@ -2,31 +2,9 @@
 
 Paper: Shenglai Zeng, Zonghang Li, Hongfang Yu, Yihong He, Zenglin Xu, Dusit Niyato and
 Han Yu, "Heterogeneous Federated Learning via Grouped Sequential-to-Parallel Training"
-(FedGSP), DASFAA 2022, arXiv:2201.12976, section 4.1, eq. 15-17.
-
-The paper's per-round terms, for a plan of chains (groups) that train in parallel while
-the members of a chain train one after another:
-
-- Computation (eq. 15): local training takes FLOPs-per-sample x samples / device FLOP/s
-  along a chain; chains run in parallel, so the round waits for the slowest chain. The
-  paper writes the chain's samples as ``n e K / f(r)`` (average client size n); here
-  each client's actual sample count is summed. Aggregating m models costs
-  ``(m - 1) x P`` FLOPs on the server (one addition per parameter per extra model; the
-  paper's 6.3M FLOPs for its 6.3M-parameter model).
-- Communication (eq. 16-17): every participating client downloads the model once and
-  uploads it once. A hand-off along a chain goes through the group manager (the paper's
-  relay, co-located with the server), so it is one upload plus one download. Transfers
-  share the server's link one after another, as the paper's eq. 16 assumes:
-  ``seconds = 8 bytes_down / downlink + 8 bytes_up / uplink``.
-
-Stragglers (``train.faults.stragglers``, :mod:`fedplug.faults`) train slower than the
-device by their speed factor: a client's time is multiplied by it, and the round counts a
-chain with a straggler for at most the deadline after which the server stops waiting.
-
-Defaults are the paper's: a Qualcomm Snapdragon 835 with an Adreno 540 GPU
-(567 GFLOP/s) and 567 Mbit/s links each way (AWS EC2 r4.large). A plan of chains of
-length one (the default grouper) gives plain FedAvg's cost in the same model, so the
-two can be compared.
+(FedGSP), DASFAA 2022, arXiv:2201.12976, section 4.1, eq. 15-17. Defaults are the
+paper's; stragglers (:mod:`fedplug.faults`) slow a client by their speed factor.
+Design: docs/round.md, 'Design notes: cost model'.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Deadlines that interrupt a client's work (``train.failures.client_timeout_seconds``).
 
-A client that hangs must not hang the run: every runtime trains a client inside
-:func:`deadline`, which raises :class:`ClientTimeout` *in the client's code* once the
-time is up, so the runtime can drop that client and go on with the round.
-
-How it interrupts:
-
-- **In the main thread** (the simulator, a parallel engine's worker process, a Flower
-  Ray actor, a FedML rank): a ``SIGALRM`` timer (``signal.setitimer``). Its handler
-  raises in the main thread, which also interrupts blocking calls such as
-  ``time.sleep`` or a socket read.
-- **In any other thread**: a watchdog thread raises :class:`ClientTimeout` in the
-  client's thread with ``PyThreadState_SetAsyncExc``. This interrupts Python code only,
-  at its next bytecode: a single blocking C call (one long ``time.sleep``) finishes
-  first. The runtime's own bound (a message timeout, a worker process that is killed)
-  covers that case.
-
-Deadlines nest: an inner deadline never extends an outer one (when the outer one has
-less time left, the inner one arms nothing and the outer one fires, with its own
-message), and the outer timer is re-armed with its remaining time when the inner one
-ends. A timer that fires just as the body ends never raises after the ``with`` block:
-the handler is disarmed before the timer's previous owner is put back.
-
-Limits: :class:`ClientTimeout` is an ``Exception``, so client code that catches every
-exception and keeps going (``except Exception: pass`` in a loop) swallows it; the
-parallel engine's main process kills such a worker (its backstop), the other engines
-cannot. A handler of ``SIGALRM`` installed by the client's own code replaces ours. A
-deadline further away than :data:`LONGEST_TIMER_SECONDS` (years) is armed for that long:
-the platform's timers cannot hold more, and no run lasts that long.
+Every runtime trains a client inside :func:`deadline`, which raises
+:class:`ClientTimeout` *in the client's code* once the time is up (a ``SIGALRM`` timer in
+the main thread, an asynchronous exception in any other), so the runtime can drop that
+client and go on with the round. Deadlines nest without extending each other.
+Design and limits: docs/reliability.md, 'Design notes: deadline'.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """Faults on demand: client dropout, stragglers and corrupted updates, injected per round.
 
 ``train.faults`` makes a run meet the faults a real federation meets, on purpose and
-reproducibly, so that a study can measure what they cost (a robustness study, a
-dropout x straggler grid). Every runtime injects the same faults, because the round core
-(:class:`fedplug.run.federated_round.RoundCore`) does it, not the runtime:
-
-- **dropout** (:class:`DropoutConfig`), applied when the round is planned, before the
-  grouper forms its chains: a dropped client neither trains nor replies. ``probability``
-  drops each sampled client independently; ``trace`` names a CSV file listing the
-  clients available in each round, and the round samples among those only.
-- **stragglers** (:class:`StragglerConfig`): per-client speed factors (>= 1), either a
-  random ``fraction`` of the clients (drawn once per run) slowed by ``factor``, or explicit
-  ``factors``. Straggling is *simulated through the cost model*
-  (:mod:`fedplug.cost_model`); nothing sleeps. A straggler's modelled training time is
-  multiplied by its factor (a chain's time is the sum of its members'), which shows in
-  the round's ``compute_seconds_model``; and when ``deadline_seconds`` (default
-  ``train.failures.client_timeout_seconds``) is set, a chain with a straggler whose
-  modelled time exceeds it is dropped as a timeout ("straggler: modelled N s over
-  ...=T"), the same way on every runtime. Timed-out chains count as failures.
-- **corruption** (:class:`CorruptionConfig`), applied to a chain's update before the
-  round screens it: ``nan`` (every parameter NaN) and ``shape`` (one parameter short) are
-  dropped by the screen with its usual reason; ``scale`` multiplies the update's change
-  to the global model by ``factor`` and passes the screen (that is the point: an update
-  that looks fine and is not) unless it is over a bound of ``train.screening``: the
-  default ``max_norm_ratio`` drops absurd scales (1e30), ``max_update_norm`` smaller ones.
-
-Every decision comes from its own random stream, ``numpy.random.default_rng([seed,
-round_index, tag])`` (the stragglers, fixed for the run: ``[seed, tag]``), drawn for all
-K clients and indexed by client id. It depends neither on the attempt nor on who else
-was sampled, so a retried, resumed or replayed round injects exactly the same faults.
-No global random state is touched.
+reproducibly. The round core injects them (:class:`Faults`), so every runtime injects
+the same faults, each decision from its own random stream of the seed and round.
+Design: docs/reliability.md, section 4 and 'Design notes: faults'.
 """
 
 from __future__ import annotations

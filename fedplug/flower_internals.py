@@ -2,19 +2,9 @@
 (:class:`fedplug.adapters.flower.loopback.LoopbackGrid`) and for building messages outside
 a Flower run (the ``flower`` aggregator). It imports nothing from fedplug, so both use it.
 
-Everything else in fedplug uses Flower's public API (``flwr.app``, ``flwr.serverapp``,
-``flwr.clientapp``, ``flwr.simulation``). An in-process grid cannot avoid two private
-pieces, because the public ``Grid`` and ``Message`` name them:
-
-- ``Run``: the type of ``Grid.run``. ``flwr.common.typing.Run`` up to Flower 1.34,
-  ``flwr.supercore.run.Run`` from 1.35.
-- ``TaskIdentity``: the process identity the ``Message`` constructor reads from Flower
-  1.38 on (``flwr.supercore.task_identity``); before, messages were built without one.
-
-:data:`INTERNALS` says where each lives for the installed version;
-:func:`missing_internals` lists what cannot be found, and ``tests/test_flower_api.py``
-fails naming it, so a Flower upgrade that moves one breaks one test with one line
-instead of every Flower test with an ``ImportError``.
+:data:`INTERNALS` says where each lives for the installed version; a Flower upgrade that
+moves one fails ``tests/test_flower_api.py`` naming it.
+Design: docs/flower.md, 'Design notes: flower_internals'.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """``fedplug check-plugin NAME``: the conformance checks fedplug's own components pass, run
 on an installed third-party plugin.
 
-For each component the plugin registers (found by the entry point's or the distribution's
-name), one line per check, ``PASS``, ``FAIL`` (with what to fix) or ``SKIP`` (with why):
-
-- ``docs``: the config class has a docstring (``fedplug list``'s summary line) and every
-  parameter a docstring on the line under it (its ``fedplug list`` text);
-- ``config``: the defaults (plus ``--set`` values) validate in the component's slot of a
-  small experiment, a misspelt key is refused, and the config survives a JSON round trip
-  (as ``config.yaml``, checkpoints and MLflow params store it);
-- ``simulator``: a 2-round run on a small synthetic task finishes with finite accuracy and
-  loss, no failed client update;
-- ``deterministic``: a second run with the same seed gives identical records and model;
-- ``resume``: a run stopped after round 1 and resumed from its checkpoint ends identical to
-  the uninterrupted run (so the component's ``state_dict`` carries its state);
-- ``engines``: the ``vectorized`` and ``parallel`` engines give the sequential engine's
-  records within 1e-5 (skipped where the config refuses the engine);
-- ``flower``: Flower's grid (in process) gives the simulator's records within 1e-5 (skipped
-  without ``fedplug[flower]`` or for a component that pools raw data).
-
-Datasets are checked on their own data (``--set data.root=...``), every other kind on the
-synthetic task; trackers are listed, not run. The exit status is 0 when no check failed.
+For each component the plugin registers, one line per check (``docs``, ``config``,
+``simulator``, ``deterministic``, ``resume``, ``engines``, ``flower``): ``PASS``, ``FAIL``
+(with what to fix) or ``SKIP`` (with why); the exit status is 0 when no check failed.
+Guide: README.md, 'Check it' (what each check runs).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The project a run belongs to: its root folder, its local MLflow store, and parent runs.
 
-A fedplug project is the folder of ``dvc.yaml`` / ``params.yaml``. Its default MLflow store
-is ``<root>/mlflow.db`` with the artifacts beside it in ``<root>/mlruns/``, wherever the
-process runs:
-
-- :func:`project_root`: DVC sets ``DVC_ROOT`` for every stage it runs, and in
-  ``dvc exp run --temp`` / ``--queue`` executors (which run the stages in a temporary copy
-  under ``.dvc/tmp/exps/``) it points at the *original* repository, so those runs land in
-  the project's store, not in the copy that DVC deletes afterwards.
-- :func:`ensure_experiment`: MLflow resolves a missing artifact location against the
-  *current directory* (``./mlruns``) and stores it as an absolute path; a local store's
-  experiments are created with ``<folder of mlflow.db>/mlruns`` instead.
-- :func:`relocate_local_store`: MLflow keeps those absolute paths, so a copied project's
-  ``mlflow.db`` still names the original's ``mlruns/``: new runs would write their
-  artifacts into the original and the copy's UI would miss them. The paths that name
-  another folder's ``mlruns/<x>`` are rewritten to this store's folder.
-- :func:`find_or_create_parent_run`: a parent run per study or DVC experiment, found by its
-  tag ``fedplug.parent`` (the DVC train stages are separate processes, so the parent must
-  be found, not remembered), created once.
+:func:`project_root` (``DVC_ROOT`` first, so ``dvc exp run --temp`` runs land in the
+original project), :func:`ensure_experiment` (artifacts beside ``mlflow.db``),
+:func:`relocate_local_store` (a copied project's store names its own ``mlruns/``) and
+:func:`find_or_create_parent_run` (a parent run per study or DVC experiment).
+Guide: docs/pipeline.md, 'Where runs go: the project's store' and 'A project you can copy'.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Screening: whether one client's reply may reach the aggregator, field by field.
 
-Every runtime (the simulator's engines, the Flower strategy, the FedML coordinator and
-drop-in aggregator) hands the round core a :class:`~fedplug.components.ClientUpdate`;
-the core asks :func:`update_problem` about it before the aggregator sees it, so a reply
-that would crash an aggregator or poison the global model is dropped with a logged reason
-on every runtime alike, and the round goes on. The checks, in order (the cheap ones that
-read only metadata first, so that a 200 MB extra is refused before a byte of it is read):
-
-- the chain: a non-empty list of client ids in ``[0, K)``, ending at ``client_id``;
-- the counts: ``num_examples`` a non-negative integer no larger than
-  ``train.screening.max_num_examples``, the aggregation weight a finite number in
-  ``[0, max_num_examples]``, ``num_steps`` an integer in ``[0, max_num_steps]``; with
-  ``check_num_examples`` and the class counts the server holds, a chain may not claim
-  more samples than its members' class counts sum to;
-- ``seconds`` finite and non-negative, and within ``train.failures.client_timeout_seconds``;
-- the model: a dense ``torch.Tensor`` of a real floating-point dtype and the global
-  model's shape, every entry finite;
-- the extras: every one the components need present; each a dense tensor of a real
-  float or integer dtype (no complex, no bool), of the shape its component declared
-  (:attr:`~fedplug.components.ClientNeeds.reply_extra_shapes`; an undeclared one at most
-  the model's size), finite, within its declared range;
-- the metrics: real finite numbers, and every one the components ask for present;
-- the poisoning bounds of ``train.screening`` (:class:`ScreeningConfig`): the update's
-  norm ``||w_k - w||`` against ``max_update_norm`` and ``max_norm_ratio`` (the latter also
-  bounds model-shaped extras such as SCAFFOLD's ``delta_c``), every extra's norm against
-  ``max_extra_norm``. ``max_weight_fraction`` compares a reply with the round's others,
-  so it is :func:`over_weight_share`, applied by the core once the round's replies are in.
-
-Every function here is pure and never raises on what a client sent: an unexpected type
-is a reason, not an exception. The metadata checks (:func:`dtype_problem`,
-:func:`shape_problem`, :func:`count_problem`, :func:`number_problem`) take plain values, so
-a runtime can screen a message before it decodes it.
+The round core asks :func:`update_problem` about every :class:`~fedplug.components.ClientUpdate`
+before the aggregator sees it, so a reply that would crash an aggregator or poison the
+model is dropped with a logged reason on every runtime alike. Every function here is
+pure and never raises on what a client sent.
+Design: docs/reliability.md, section 8.3 and 'Design notes: screening'.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Phases that run on the clients' data before round 1, the same way on every runtime.
 
-A component of any slot that must learn something from the clients' own data before
-training (FedDisk's density models) declares a :class:`SetupPhase` through
-:meth:`fedplug.components.ComponentHooks.setup_phase`. The phase is a conversation: the
-server side (:meth:`SetupPhase.server`, a generator) yields one :class:`SetupStep` at a
-time and receives every client's :class:`SetupReply`; the client side
-(:meth:`SetupPhase.client`) answers a step on one client's data, keeping what it needs in
-a per-client ``state`` dict between steps. Only tensors and plain values travel, so a
-runtime can carry a step as a message:
-
-- the simulator and the FedML coordinator run it in one process
-  (:func:`run_in_process`), handing each client its own data;
-- Flower sends every step as a ``train.<phase name>`` message to every node
-  (:mod:`fedplug.adapters.flower.setup_phase`).
-
-Whatever the runtime, the same client code meets the same data with the same random
-streams, so the phase ends with the same result.
-
-What a run reports of the phase (its ``setup_report``) is built from what the clients can
-send: the phase marks its last step ``final``, every client adds its
-:meth:`SetupPhase.client_report` (a few summary numbers of its own state, never raw data)
-to its reply to that step, and the phase's server side assembles the report from those
-replies. Every runtime carries the client reports the same way (in process: the reply
-object; Flower: a record of the last reply), so the report is the same on every runtime.
-Like the scalar metrics of a round's replies, a report's few numbers are not counted as
-traffic: a phase's bytes are the tensors it sends.
+A component that must learn from the clients' own data before training (FedDisk's
+density models) declares a :class:`SetupPhase`: a conversation whose server side yields
+one :class:`SetupStep` at a time and receives every client's :class:`SetupReply`. The simulator and
+FedML run it in one process (:func:`run_in_process`), Flower over messages.
+Design: docs/round.md, 'Components describe themselves' and 'Design notes: setup phase'.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The server side: rounds, steps, aggregation and evaluation, driven by FedML's calls.
 
 :class:`Coordinator` is what the FedML ``ServerAggregator`` delegates to. It moves models
-and messages; the round itself (plan, screening, weight rule, aggregation, record,
-derived params) is :class:`fedplug.run.federated_round.RoundCore`'s, the same object the
-built-in simulator and the Flower strategy call, so a round here is the simulator's
-round step for step.
-
-One difference is forced by FedML: a round cannot be replayed. FedML's server advances
-its round counter after every aggregation and has no message to undo one
-(``fedml/cross_silo/server/fedml_server_manager.py``,
-``handle_message_receive_model_from_client``), so the core runs with
-``can_replay=False``: where the simulator retries a round with too many failed clients
-(``train.failures.max_round_retries``), the run stops with a
-:class:`~fedplug.errors.TrainingError` that says so.
-
-Timeouts: a worker that does not reply to a step in time (:mod:`.deadlines`) is
-answered for by :meth:`Coordinator.timeout_reply`: each of its tasks fails with the
-reason, and the round core drops those chains as any failed client's.
+and messages; the round itself is :class:`fedplug.run.federated_round.RoundCore`'s, run
+with ``can_replay=False`` because FedML cannot replay a round, and a worker that misses a
+step's deadline is answered for by :meth:`Coordinator.timeout_reply`.
+Design: docs/fedml.md, 'Who does what' and 'What differs from `fedplug run`'.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The server's bounded wait for the workers' replies (``train.failures.client_timeout_seconds``).
 
-FedML's cross-silo server waits for every worker rank's reply before it aggregates, with
-no bound: a rank that hangs would stall the run. Two bounds keep a run going:
-
-- **on the worker** (:mod:`.worker`): each client's training runs under
-  :func:`fedplug.deadline.deadline`, so a client that hangs in Python code is interrupted
-  at T and its task fails; the rank replies in time;
-- **on the server** (:class:`StepDeadlines`, driven by :mod:`.server`): a step's replies
-  are due ``tasks x T + margin`` after the step's instructions went out (``tasks``: the
-  most any worker trains in that step, one after another). A worker that has not
-  replied by then fails every task of the step ("sent no reply within ..."), the step is
-  aggregated without it, and the run goes on. FedML cannot replay a round (see
-  :mod:`.coordinator`), so that round keeps the other workers' updates or, with too many
-  failures, stops the run.
-
-A reply that comes after its step was closed is discarded, never taken for a later
-step's: every reply names its step (``fedplug_step``), and each worker counts once per
-step. When the run has ended and a worker that missed a deadline still has not
-finished within the margin, the server gives up on it (the run's result is complete;
-see :mod:`.rank`).
-
-Without T the workers interrupt nothing, but the server still waits at most
-:data:`DEFAULT_STEP_WAIT_SECONDS` (an hour, as Flower's strategies bound an exchange:
-``Strategy.start(timeout=3600)``) for a step's replies; a worker silent that long fails
-the step's tasks as above. The default lives here, not in ``train.failures``, so that
-the config (and the fingerprint of every checkpoint and study result) is unchanged.
-
-No FedML import here: the tests drive this class with their own clock.
+:class:`StepDeadlines` says when a step's replies are due (``tasks x T + margin``, or
+:data:`DEFAULT_STEP_WAIT_SECONDS` without T), which workers missed it, and which replies
+are late or duplicate and must be discarded. No FedML import here: the tests drive this
+class with their own clock.
+Design: docs/fedml.md, 'Design notes: deadlines and the server'.
 """
 
 from __future__ import annotations

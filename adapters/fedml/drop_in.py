@@ -1,24 +1,11 @@
 """fedplug's server side next to a FedML user's own ``ClientTrainer``, model and data.
 
-A FedML cross-silo app already has a ``ClientTrainer`` (its own loop; FedML's default
-``get_model_params`` replies ``model.state_dict()``) and FedML's server collects
-``(sample count, state dict)`` from every silo. :class:`FedplugAggregator` is the
-``ServerAggregator`` to pass to ``FedMLCrossSiloServer`` (or ``fedml.run_cross_silo_server``)
-instead of FedML's default one: fedplug's sampling (``train.client_fraction``), its
-aggregators (fedavg, fedavgm, fedadam, fedyogi, fedadagrad, or any plugin's) and its
-groupers (FedGSP: each group trains in sequence, one FedML round per chain position)
-decide the next global model. Nothing changes on the clients.
-
-Silo ``k`` (FedML's data-silo index) is fedplug client ``k``; FedML must send every round
-to every silo (``client_num_per_round == client_num_in_total == num_clients``): a silo
-that fedplug did not sample, or that is not at this chain position, trains anyway and
-its reply is ignored. FedML's ``comm_round`` must be :attr:`FedplugAggregator.comm_round`
-(``train.rounds`` times the longest chain of each round; ``train.rounds`` without a
-grouper).
-
-A component that needs more from the clients than their model and sample count (IWDS,
-FedShift, FedProx, SCAFFOLD, FedNova, FedDisk) is refused in one line naming what it
-needs; those run with fedplug's own ClientTrainer (``python -m fedplug.adapters.fedml run``).
+:class:`FedplugAggregator` is the ``ServerAggregator`` to pass to FedML's cross-silo server
+instead of FedML's default one: fedplug's sampling, aggregators and groupers decide the
+next global model, nothing changes on the clients. Silo ``k`` is fedplug client ``k``;
+FedML's ``comm_round`` must be :attr:`FedplugAggregator.comm_round`. A component that
+needs more than a model and a sample count is refused in one line naming what it needs.
+Guide: docs/fedml.md, 'Your own FedML app: fedplug's server side only'.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""FedML's two extension points, filled with fedplug: a ``ClientTrainer`` and a
-``ServerAggregator``.
+"""FedML's two extension points, filled with fedplug: a ``ClientTrainer``
+(:class:`FedplugClientTrainer`) and a ``ServerAggregator`` (:class:`FedplugServerAggregator`).
 
-They are used by FedML's cross-silo horizontal flow (``training_type: cross_silo``) over
-its MPI communication backend, the one flow of FedML 0.9.6 that calls
-``ServerAggregator.aggregate`` (``fedml/cross_silo/server/fedml_aggregator.py``,
-``FedMLAggregator.aggregate``). FedML's ``simulation`` flows do not: the single-process
-one ignores both objects, and the MPI ones average the state dicts themselves
-(``fedml/simulation/mpi/fedavg/FedAVGAggregator.py``, ``_fedavg_aggregation_``) and use
-the ``ServerAggregator`` only to store the result.
-
-Message flow of one step (see :mod:`.protocol`):
-
-1. FedML's server sends each worker rank the value of
-   :meth:`FedplugServerAggregator.get_model_params` (first step) or of
-   :meth:`FedplugServerAggregator.aggregate` (later steps). Both return a ``dict`` keyed
-   by silo index, which FedML's server splits into one message per worker
-   (``fedml_server_manager.py``, ``send_init_msg`` and
-   ``handle_message_receive_model_from_client``): each worker gets only its own
-   :class:`~.protocol.WorkerInstructions`.
-2. FedML's client calls :meth:`FedplugClientTrainer.set_model_params` with them, then
-   :meth:`FedplugClientTrainer.train`, then :meth:`FedplugClientTrainer.get_model_params`,
-   and sends that reply back.
-3. Once every worker has replied, FedML's server calls
-   :meth:`FedplugServerAggregator.aggregate` with the replies in worker order.
+They run in FedML's cross-silo horizontal flow over MPI, the one flow of FedML 0.9.6 that
+calls ``ServerAggregator.aggregate``.
+Design: docs/fedml.md, 'Which FedML flow, and why' and 'Design notes: fedml_components'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Start a fedplug experiment on FedML: ``mpirun`` with one server and W worker ranks.
 
-From the FedML environment (``make fedml-venv``)::
-
-    .venv-fedml/bin/python -m fedplug.adapters.fedml run examples/fedml/experiment.yaml \\
-        --workers 2 --out runs/fedml-example
-
-or from Python, :func:`run_fedml`. The run folder gets what ``fedplug run`` writes
-(``config.yaml``, ``run_info.json``, ``metrics.json``, ``model.pt``) plus FedML's config
-(``fedml_config.yaml``), its log (``fedml.log``) and FedML's home folder
-(``fedml_home/``, FedML's own logs).
-
-Tracking: when the experiment's ``tracking.enabled`` is true (the default; ``--track`` /
-``--no-track`` override it), the launcher logs the run through
-:func:`fedplug.tracking.open_tracker`, as ``fedplug run`` does: it opens the MLflow run
-before ``mpirun`` starts (an unreachable server stops the run before any training), and
-after the ranks finish logs every round (``step = round``) and the summary from the
-server's ``run_result.json`` and the final model (``model.pt``) as an MLflow model. The
-launcher logs, not rank 0: the ranks run under the loopback guard, which would refuse a
-remote tracking server. A failed run keeps the rounds it finished and is marked FAILED.
-A FedML run cannot resume, so each run is a new MLflow run.
+:func:`run_fedml` (or ``python -m fedplug.adapters.fedml run CONFIG --out DIR``) writes
+what ``fedplug run`` writes plus FedML's config, log and home folder, and logs the run to
+MLflow itself (not rank 0, which runs behind the loopback guard).
+Guide: docs/fedml.md, 'Quick start' and 'Tracking'.
 """
 
 from __future__ import annotations

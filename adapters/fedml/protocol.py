@@ -1,20 +1,10 @@
 """What travels between the FedML server rank and the worker ranks, and the round
 schedule both sides derive from the experiment config.
 
-No FedML import here: the same structures are used in-process by the tests.
-
-Mapping of a fedplug round onto FedML rounds. FedML's cross-silo server aggregates once
-every worker rank has replied and then sends the next model (one "FedML round"); there
-is no other message. A fedplug round whose plan has chains of length L (FedGSP's groups)
-therefore takes L FedML rounds, called *steps*: in step ``j`` the ``j``-th member of
-every chain trains, starting from the model the ``(j-1)``-th member handed back to the
-server (the paper's relay, co-located with the server). A plan of single clients (every
-grouper but FedGSP) is one step per round, i.e. exactly one FedML round per fedplug
-round.
-
-Clients are simulated by worker ranks: client ``k`` always trains on worker
-``k mod W`` (:func:`owner_of`), which keeps its persistent state (SCAFFOLD's control
-variate) between rounds, as a silo would.
+A fedplug round whose chains have length L takes L FedML rounds ("steps"); client ``k``
+always trains on worker ``k mod W`` (:func:`owner_of`). No FedML import here: the same
+structures are used in-process by the tests.
+Design: docs/fedml.md, 'FedGSP's chains: one FedML round per chain member'.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Rank 0: FedML's cross-silo server with a bounded wait for the workers' replies.
 
-:func:`run_server` does what FedML's ``init_server`` does for the cross-silo FedAvg flow
-(``fedml/cross_silo/server/server_initializer.py``: a ``FedMLAggregator`` around the
-``ServerAggregator``, a ``FedMLServerManager``, ``run()``), with
-:class:`DeadlineServerManager` in place of FedML's manager. It adds
-:class:`.deadlines.StepDeadlines` to FedML's message loop:
-
-- every worker reply goes through :meth:`StepDeadlines.take` first; a late one (for a
-  step already closed) or a second one for the same step is logged and discarded before
-  FedML counts it;
-- a watcher thread checks the step's deadline and, when it has passed, puts a
-  :data:`DEADLINE_TICK` message into FedML's receive queue; the loop (FedML's main
-  thread, which runs every handler) answers it by feeding the missing workers'
-  :meth:`~.coordinator.Coordinator.timeout_reply` to FedML's own handler, which then
-  aggregates as if they had replied;
-- after the last step, a worker that missed a deadline and has not finished within the
-  margin is given up on: the loop stops, and :func:`run_server` returns its rank so that
-  :mod:`.rank` can save the result and end the MPI job.
-
-With ``train.failures.client_timeout_seconds`` unset the same holds with a step's wait of
-:data:`.deadlines.DEFAULT_STEP_WAIT_SECONDS` (an hour): a worker silent that long no
-longer stalls the run.
+:func:`run_server` does what FedML's ``init_server`` does for the cross-silo FedAvg flow,
+with :class:`DeadlineServerManager` in place of FedML's manager: it adds
+:class:`.deadlines.StepDeadlines` to FedML's message loop, so a silent, late or stuck
+worker no longer stalls the run.
+Design: docs/fedml.md, 'Design notes: deadlines and the server'.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Run fedplug algorithms on Flower (``pip install fedplug[flower]``, Flower 1.41 Message API).
 
-- :class:`FedplugStrategy`: a Flower strategy built from a fedplug ``train`` config; its
-  aggregator and grouper decide what goes to which node and how replies combine
-  (FedGSP's chains included).
-- :class:`FedplugTrainer`: the client side for a user's own ClientApp, model and data
-  (IWDS, FedShift, FedProx, SCAFFOLD, FedNova client sides in a few lines; a loss
-  transform's setup phase, FedDisk's, with :meth:`FedplugTrainer.setup_phase`).
-- :mod:`.own_loop` (with :mod:`.round_sampler` and :mod:`.own_loop_common`): the client
-  side as pieces of the user's own training loop:
-  :class:`RoundSampler` (a sampler such as IWDS for their DataLoader), :class:`FedplugLoss`
-  (their criterion plus the loss transform's and the aggregator's client side),
-  :func:`with_sample_ids`, :func:`answer_class_counts`.
-- :mod:`.setup_phase`: any loss transform's setup phase over ``train.<phase name>``
-  messages (:func:`~.setup_phase.run_setup_phase`).
-- :mod:`.apps`: a ready ``server_app`` / ``client_app`` pair that runs any fedplug
-  experiment config, plus :func:`make_server_app` for ``run_simulation``.
-- :class:`LoopbackGrid`: an in-process grid for tests and debugging.
+- :class:`FedplugStrategy`: a Flower strategy built from a fedplug ``train`` config.
+- :class:`FedplugTrainer`: fedplug's client side for a user's own ClientApp, model and data.
+- :class:`RoundSampler`, :class:`FedplugLoss`, :func:`with_sample_ids`,
+  :func:`answer_class_counts`: the client side as pieces of the user's own training loop.
+- :func:`make_server_app`, :func:`make_client_app`, :func:`run_on_grid`: ready apps that
+  run any fedplug experiment config.
+- :class:`ClassCounts`, :func:`gather_class_counts`, :func:`central_evaluation`: helpers
+  for a user's own ServerApp; :class:`LoopbackGrid`: an in-process grid for tests.
 
-See ``docs/flower.md``.
+Guide: docs/flower.md.
 """
 
 from .apps import make_client_app, make_server_app, run_on_grid

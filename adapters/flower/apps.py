@@ -1,48 +1,9 @@
 """A ready ServerApp / ClientApp pair that runs any fedplug experiment on Flower.
 
-``pyproject.toml`` of a Flower app (see ``examples/flower_app``)::
-
-    [tool.flwr.app.components]
-    serverapp = "fedplug.adapters.flower.apps:server_app"
-    clientapp = "fedplug.adapters.flower.apps:client_app"
-
-    [tool.flwr.app.config]
-    fedplug-config = "/abs/path/params.yaml"   # or fedplug-config-yaml = "<inline YAML>"
-    fedplug-algorithm = ""                     # an entry of `algorithms:` to apply
-    fedplug-set = ""                           # overrides, "train.rounds=5; train.seed=1"
-    fedplug-out = "/abs/path/run"              # where metrics.json & co. are written
-    fedplug-resume = true                      # continue after checkpoint.pt in fedplug-out
-    fedplug-federated-evaluation = true
-    fedplug-track = true                       # override the experiment's tracking.enabled
-
-Run config (read by the ServerApp only; the nodes receive the experiment in every
-message): ``fedplug-config`` (a path the ServerApp process can read; relative paths are
-relative to its working directory, so prefer absolute ones) or ``fedplug-config-yaml``
-(the path wins when both are set). A relative ``data.root`` in a config file is read
-against that file's folder, as ``fedplug run params.yaml`` reads it from the repository,
-never against the SuperLink's working folder; the nodes receive the absolute path. Node
-config: ``partition-id`` and ``num-partitions`` (the simulation runtime sets both; give
-them to ``flower-supernode --node-config``).
-
-What a deployment shows (``flwr run ... --stream``): the strategy's INFO lines through
-Flower's log, one ``fedplug round r: ...`` per round; with ``fedplug-out`` a
-``checkpoint.pt`` after every round, from which the same ``flwr run`` resumes
-(``fedplug-resume=false`` starts over); a run that cannot go on (too few nodes within ``fedplug-node-wait-seconds``, a node with
-the wrong ``num-partitions``, a diverged model) ends with one ERROR line saying what to
-fix, no traceback, and the ServerApp exits non-zero (the run's status is
-``finished:failed`` in ``flwr ls``).
-
-Tracking: when the experiment's ``tracking.enabled`` is true (the default; run config
-``fedplug-track`` overrides it), the ServerApp logs its run through
-:func:`fedplug.tracking.open_tracker`, as ``fedplug run`` does: params, tags (with
-``fedplug.runtime=flower``), per-round metrics at ``step = round``, the summary, and the
-final model as an MLflow model. The local store is ``mlflow.db`` in the project of the
-experiment file (``$DVC_ROOT``, else the file's folder, else the working folder). With
-``fedplug-out`` a resumed ServerApp continues its MLflow run (``mlflow_run.json`` there)
-and logs only the rounds the run does not hold yet.
-
-For ``flwr.simulation.run_simulation`` (which passes no run config), build the server
-app with the experiment directly: ``make_server_app(config_or_path)``.
+``server_app`` / ``client_app`` for ``flwr run`` (the experiment in the run config,
+``fedplug-config`` and friends; see ``examples/flower_app``), and
+:func:`make_server_app` / :func:`make_client_app` for ``run_simulation``.
+Design: docs/flower.md, 'Design notes: apps'.
 """
 
 from __future__ import annotations

@@ -1,45 +1,10 @@
 """One round in progress on the server: each chain of the round's plan, how far it got,
 and what its last member sent back.
 
-A :class:`~fedplug.components.RoundPlan` chain of length L costs L message exchanges:
-position 0 of every chain trains in the first exchange (from the global model),
-position 1 in the second (from the model position 0 returned), and so on; chains of
-different lengths simply drop out of later exchanges. Plain FedAvg-style plans (chains
-of one) take one exchange, as any Flower strategy does.
-
-A member's reply is decoded at once, and an intermediate member's model is checked by
-the round core's own rule (:func:`fedplug.run.round_screen.unusable`): a chain whose
-member failed stops there. The stepping itself (counts, hand-over, failure, outcome) is
-:mod:`fedplug.run.chains`', the same on every runtime; this module decodes and screens
-Flower's replies into it. What the chains end with becomes one
-:data:`~fedplug.run.round_screen.Outcome` each (:meth:`RoundInProgress.outcomes`), which
-the round core screens, logs and aggregates as on every runtime.
-
-A stock ClientApp's reply (``arrays`` and ``metrics`` with ``num-examples``, none of
-fedplug's keys) is a full answer: the client id defaults to the one asked, steps and
-seconds to 0. A reply that lacks the client extras a component needs (SCAFFOLD's
-``delta_c``) or a reply metric it reads (QFedAvg's ``train_loss``, which Flower's
-quickstart ClientApp reports) drops that client; when no reply of the round carried them,
-the ClientApp cannot provide them (a misconfiguration, not one bad node), and the run
-stops with the line saying what the ClientApp must add.
-
-Every field of a reply is decoded defensively (:mod:`.decoding`): ``num-examples`` an
-integer in ``[0, train.screening.max_num_examples]``, ``fedplug.num-steps`` in ``[0,
-train.screening.max_num_steps]``, ``fedplug.client-id`` the client asked,
-``fedplug.seconds`` finite and non-negative, every array a ``numpy.ndarray`` of a real
-dtype and the expected shape; of the extras only the keys the components need are decoded,
-each of its declared shape (or at most the model's size), other keys are ignored. A
-violation drops the client with the reason logged; the round goes on.
-
-Timeouts (``train.failures.client_timeout_seconds`` = T): every train message carries T
-(:data:`~.records.CLIENT_TIMEOUT`), and :class:`~.trainer.FedplugTrainer` interrupts its own
-training once T has passed (:func:`fedplug.deadline.deadline`) and replies with that
-failure. The server does not rely on it: :class:`ReplyDeadlineGrid` gives up on the
-replies still missing once none has arrived for T plus a margin (:func:`reply_wait`),
-and such a client is a :class:`~fedplug.run.round_screen.ClientFailure` ("sent no reply
-within ..."); the round goes on with the others. The bound counts from the last reply,
-not from the send: under the simulation runtime fewer Ray actors than clients train one
-batch after another, and a client still waiting for an actor has not started its T.
+The stepping itself is :mod:`fedplug.run.chains`'; this module decodes and screens
+Flower's replies into it, and :class:`ReplyDeadlineGrid` stops waiting for replies once
+none has come for T plus a margin.
+Design: docs/flower.md, 'Design notes: chains'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Defensive decoding of what a node sends back: every number and every array of a reply
 is checked before the server computes with it.
 
-A Flower node is another party: its reply may be malformed by a bug or crafted by an
-attacker. Flower's own codecs trust the sender (``Array.numpy()`` raises ``TypeError``
-on an ``stype`` other than ``numpy.ndarray``; ``np.load`` allocates whatever shape the
-``.npy`` header claims; ``int(float("inf"))`` raises ``OverflowError``), so any of those
-reaching the strategy would stop the ServerApp. Here every violation is a
-:class:`MalformedReply`, a ``ValueError`` whose text is the reason logged when the client
-is dropped, and the round goes on without it.
-
-Rules:
-
-- a number is an ``int`` or ``float`` (not a ``bool``, a list or a string); an integer is
-  finite, integral and inside the range its field states (:data:`MAX_NUM_EXAMPLES`,
-  :data:`MAX_NUM_STEPS`);
-- an array has ``stype`` ``numpy.ndarray``, a real float or integer dtype (no complex,
-  string, datetime, bool, object or structured dtype) and the shape the server expects,
-  or at most ``max_elements`` elements where no shape is declared. The ``.npy`` header is
-  read and checked before any data is converted, and the data must be exactly as long as
-  the header says, so a header claiming 10**12 elements costs nothing.
+Every violation is a :class:`MalformedReply`, a ``ValueError`` whose text is the reason
+logged when the client is dropped; the round goes on without it.
+Design: docs/flower.md, 'Design notes: decoding'.
 """
 
 from __future__ import annotations

@@ -1,48 +1,12 @@
 """fedplug's client side as pieces of the user's own training loop: their model, their
 DataLoader, their optimiser, their criterion.
 
-A Flower PyTorch app keeps its ``@app.train()`` loop and adds, per algorithm, a few lines:
-
-- a **sampler** (IWDS, or any registered sampler) as a round-aware
-  ``torch.utils.data.Sampler`` for the DataLoader
-  (:class:`~fedplug.adapters.flower.round_sampler.RoundSampler`)::
-
-      iwds = RoundSampler({"name": "iwds"}, seed=0)
-      ...
-      sampler = iwds.for_round(msg, context, trainset)
-      trainloader = DataLoader(trainset, batch_size=32, sampler=sampler)
-
-- a **loss** that wraps the criterion and adds what the loss transform and the
-  aggregator's client side do (FedShift, Reweighting, FedProx, FedDisk's sample weights,
-  SCAFFOLD's correction; :class:`FedplugLoss`)::
-
-      fedprox = FedplugLoss(loss_transform={"name": "fedprox", "mu": 0.1})
-      ...
-      criterion = fedprox.begin_round(msg, context, model)     # was nn.CrossEntropyLoss()
-      ...
-      loss = criterion(model(batch["img"]), batch["label"])
-
-  An aggregator with a client side (SCAFFOLD) adds one line to the reply::
-
-      scaffold.finish_round(content, optimizer)   # its extras, kept state, step count
-
-  The same line adds ``train_loss`` (the mean batch loss of the round) to the reply's
-  metrics when the server asks for it (``fedplug.reply-metrics``, e.g. for Flower's
-  QFedAvg as a fedplug aggregator) and the loop did not report its own.
-
-  A loss transform that needs every client's class counts (FedShift) or a setup phase on
-  the client's data (FedDisk) answers the server's messages for them when built with
-  ``app=app, data=<context -> training data>``
-  (:func:`~fedplug.adapters.flower.own_loop_common.answer_class_counts`).
-
-Everything an algorithm needs comes from the component interfaces
-(:class:`~fedplug.components.ClientNeeds`, ``epoch_indices``, ``per_sample_loss``,
-``penalty``, ``client_context``, ``client_penalty``, ``client_finish``, ``setup_phase``):
-nothing here names an algorithm. With fedplug's own loop (plain SGD, the sampler's
-batches, cross-entropy) a client trains exactly as :func:`FedplugTrainer.fit
-<fedplug.adapters.flower.FedplugTrainer.fit>` and the built-in simulator do: the sampler
-draws from the same random stream (:func:`~fedplug.run.local_training.local_rng`)
-and the loss is the same sum.
+:class:`FedplugLoss` wraps the user's criterion with the loss transform's and the
+aggregator's client side (FedProx, FedShift, SCAFFOLD, FedDisk's weights); with the
+sampler (:class:`~fedplug.adapters.flower.round_sampler.RoundSampler`) it turns a Flower
+PyTorch ``@app.train()`` loop into any fedplug algorithm's client in a few lines.
+Guide: docs/flower.md, 'Client-side algorithms: a few lines of your loop';
+design: 'Design notes: own_loop'.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """fedplug's partitioners as Flower Datasets partitioners (``flwr_datasets.partitioner``).
 
-:class:`FedplugPartitioner` is a ``flwr_datasets.partitioner.Partitioner``: give it to
-``FederatedDataset(partitioners={"train": ...})`` or assign a Hugging Face ``Dataset``
-to it, and ``load_partition(k)`` returns client k's rows of any registered fedplug
-partitioner (``iid``, ``dirichlet_class``, ``dirichlet_client``, ``shards``, ``llt``,
-``feature_noise``, ``natural``, and any plugin's)::
-
-    from fedplug.adapters.flower.partitioners import FedplugPartitioner
-
-    partitioner = FedplugPartitioner(
-        num_partitions=10, partition={"name": "dirichlet_class", "alpha": 0.5}, seed=0
-    )
-    partitioner.dataset = hf_train_split          # or FederatedDataset does it
-    client_3 = partitioner.load_partition(3)      # a datasets.Dataset
-
-The split is the one ``fedplug run`` makes with ``data.num_clients = num_partitions``,
-``data.seed = seed`` and the same ``data.partition``: the labels go through the same
-:func:`fedplug.data.build.make_partition` (same random generator), and client k's rows
-come back in the order fedplug lists them. (``fedplug run`` then cuts a local test split
-off each client; a Flower app does that itself, e.g. ``train_test_split``.)
-
-``feature_noise`` (and any partitioner that sets ``Partition.noise_std``) changes inputs,
-not only which rows a client holds: pass ``noise_column`` and ``load_partition(k)``
-returns client k's rows with ``clip(x + N(0, noise_std[k]^2), 0, 1)`` applied to that
-column. Float values are taken to be scaled to [0, 1]; integer values and images
-(uint8, 0..255) are scaled by 1/255, noised, clipped and written back as uint8, so the
-column keeps its type (the rounding quantises the noise to steps of 1/255). The noise of
-partition k is drawn from ``numpy.random.default_rng([seed, k, 0x7E57])`` over the whole
-partition: the same distribution as ``fedplug run``, not the same draws, since
-``fedplug run`` draws it after cutting the local test split. Without ``noise_column`` a
-noisy partition raises a ``DataError`` instead of silently returning clean inputs.
+:class:`FedplugPartitioner` is a ``flwr_datasets.partitioner.Partitioner``: its
+``load_partition(k)`` returns client k's rows of any registered fedplug partitioner, the
+split ``fedplug run`` makes for the same ``num_clients``, ``seed`` and ``partition``
+(with ``noise_column`` for partitioners that change inputs, such as ``feature_noise``).
+Guide: docs/flower.md, 'fedplug's partitioners in your Flower app'.
 """
 
 from __future__ import annotations

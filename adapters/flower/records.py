@@ -1,29 +1,9 @@
 """The message layout the fedplug Flower server and clients agree on, and its codecs.
 
-A fedplug model travels the way every Flower PyTorch app sends one: an
-:class:`~flwr.app.ArrayRecord` of the model's ``state_dict()`` under the key ``"arrays"``,
-so a user's own ClientApp can load it with ``model.load_state_dict(
-message.content["arrays"].to_torch_state_dict())``. The server turns it back into
-fedplug's flat vector (:mod:`fedplug.run.vectors` order) by entry name, checking
-every name and shape, so a misshapen reply is rejected with a reason instead of being
-averaged in.
-
-Records of a message (server -> client / client -> server):
-
-======================== ============= =====================================================
-key                      record        content
-======================== ============= =====================================================
-``"arrays"``             ArrayRecord   the model (train: both ways; evaluate: down)
-``"config"``             ConfigRecord  ``server-round``, ``fedplug.client-id``, ... (down)
-``"fedplug.payload"``    ArrayRecord   the aggregator's server payload, e.g. SCAFFOLD's c
-``"fedplug.loss-state"`` ArrayRecord   the loss transform's prepared state (FedShift's P)
-``"fedplug.loss-info"``  ConfigRecord  the non-array part of that state
-``"metrics"``            MetricRecord  ``num-examples``, ``fedplug.num-steps``, ... (up)
-``"fedplug.extras"``     ArrayRecord   the aggregator's client extras, e.g. delta_c (up)
-======================== ============= =====================================================
-
-A setup phase's messages (type ``train.<phase name>``) carry the step's tensors and
-values in records of their own (:mod:`.setup_phase`).
+A model travels as every Flower PyTorch app sends one (an ``ArrayRecord`` of its
+``state_dict()`` under ``"arrays"``); the server turns it back into fedplug's flat vector
+by entry name, checking every name and shape.
+Layout: docs/flower.md, 'Message layout'; design: 'Design notes: records'.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Any component's setup phase (:class:`fedplug.setup_phase.SetupPhase`), whatever its
-slot, over Flower messages: the server drives the phase, every node answers for its own client and keeps
-its client's state in ``context.state``.
+slot, over Flower messages: the server drives the phase, every node answers for its own
+client and keeps its client's state in ``context.state``.
 
-Every :class:`~fedplug.setup_phase.SetupStep` the phase's server side yields goes as one
-message of type ``train.<phase name>`` to every node (a ClientApp answers it with
-``@app.train("<phase name>")`` returning ``trainer.setup_phase(data, message, context)``;
-the ready ``client_app`` does for every phase an installed component declares):
-
-============================ ============= ===============================================
-key                          record        content
-============================ ============= ===============================================
-``"config"``                 ConfigRecord  the experiment's entries, ``fedplug.client-id``,
-                                           ``fedplug.setup-step`` (the step's name) and
-                                           ``fedplug.setup-final`` (the last step's: True)
-``"fedplug.setup-values"``   ConfigRecord  the step's values (down) / the reply's (up)
-``"fedplug.setup-tensors"``  ArrayRecord   the step's tensors (down) / the reply's (up);
-                                           absent when there are none
-``"fedplug.setup-report"``   ConfigRecord  up, in the reply to the final step only: the
-                                           client's :meth:`~fedplug.setup_phase.SetupPhase.client_report`
-============================ ============= ===============================================
-
-Between steps a node keeps its client's state under ``<namespace>.setup.<phase name>``
-(:func:`load_phase_state`, :func:`save_phase_state`); after the last step the phase's
-:meth:`~fedplug.setup_phase.SetupPhase.client_context` turns it into the loss transform's
-context for every later train message. Nothing here knows which phase it runs.
-
-A node that fails (raises, sends no reply, replies malformed) stops the run with a
-:class:`~fedplug.errors.TrainingError` naming the step, the client and the node: a phase
-needs every client, and a client without its result could not train afterwards. Replies
-are decoded defensively (:func:`decode_setup_reply`): a tensor of another stype, of a
-dtype other than a real float or integer, too large or not finite, or a value that is
-not a finite number, a string or a bool is such a malformed reply, never a traceback.
+Each step is one ``train.<phase name>`` message to every node; a node that fails stops
+the run with a :class:`~fedplug.errors.TrainingError` naming the step, client and node.
+Design: docs/flower.md, 'Design notes: setup_phase'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Server side: a Flower strategy (Message API) that runs any fedplug train config.
 
 :class:`FedplugStrategy` is a Flower strategy like ``FedAvg``: Flower's own
-``Strategy.start`` drives it (its :meth:`~FedplugStrategy.start` is that one, plus
-fedplug's record and checkpoint), and strategies that wrap another (the DP fixed-clipping
-wrappers) can wrap it. This module is Flower's ``Strategy`` surface only; it moves models
-and messages, and the round itself is :class:`fedplug.run.federated_round.RoundCore`'s,
-the same as the simulator's. The jobs behind it, one module each:
-
-1. **setup** (once, inside the first ``configure_train``; :mod:`.server_run`,
-   :mod:`.node_setup`): the nodes are counted (:mod:`.node_sampling`), asked for their
-   class counts only when a component needs them (:mod:`.priors`), the loss transform is
-   prepared and its setup phase run over messages, the grouper prepared; a config that
-   needs more from the clients than ``arrays`` and ``num-examples`` is named in one line
-   (:mod:`.requirements`). The components are built in :mod:`.server_components`.
-2. **each round** (:mod:`.round_exchange`, :mod:`.chains`): the round is planned (the
-   simulator's random streams, the grouper's chains); one exchange per chain position,
-   the aggregator's server payload down with every model, its client extras up in the
-   reply; every reply field is decoded defensively (:mod:`.decoding`).
-3. **screen, aggregate or retry**: :meth:`RoundCore.run`, under ``train.failures``; the
-   clients' metrics are averaged weighted by ``num-examples``, as Flower's strategies do.
-4. **evaluate and record** (:mod:`.server_evaluation`, :mod:`.round_records`,
-   :mod:`.server_checkpoint`): ``evaluate_fn`` centrally (also at round 0) and,
-   optionally, an ``evaluate`` message to every node; the core writes the round's
-   record, and with ``checkpoint_path`` the run is saved after every round and resumed.
-
-A component that needs every client's raw data in one place (``ClientNeeds.pooled_data``,
-FedDiskAb) is refused with the component's own reason.
+``Strategy.start`` drives it, and strategies that wrap another (the DP fixed-clipping
+wrappers) can wrap it. This module is Flower's ``Strategy`` surface only; the round itself
+is :class:`fedplug.run.federated_round.RoundCore`'s, the same as the simulator's.
+Design: docs/flower.md, 'Design notes: strategy'.
 """
 
 from __future__ import annotations

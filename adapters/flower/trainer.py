@@ -1,36 +1,11 @@
 """Client side: fedplug's sampler, loss transform and aggregator client side for a
 user's own Flower ClientApp, model and data.
 
-A few lines turn a plain Flower PyTorch ClientApp into an IWDS + FedShift one::
-
-    from fedplug.adapters.flower import FedplugTrainer
-
-    trainer = FedplugTrainer.from_config(
-        {"sampler": {"name": "iwds"}, "loss_transform": {"name": "fedshift"},
-         "optimizer": {"lr": 0.05}, "batch_size": 32}
-    )
-
-    @app.train()
-    def train(message, context):
-        return trainer.fit(model, train_loader, message, context)
-
-    @app.query()
-    def query(message, context):          # FedShift's prior: the server asks for counts
-        return trainer.describe(train_loader, message, context)
-
-A loss transform with a setup phase (FedDisk's density models) needs one more handler,
-under the phase's name; what the phase leaves stays on the node (:mod:`.setup_phase`)::
-
-    @app.train("feddisk")
-    def setup(message, context):
-        return trainer.setup_phase(train_loader, message, context)
-
-Training runs :func:`fedplug.run.local_training.train_locally`, the loop the
-built-in simulator runs, so a client behaves identically on both. Everything a client
-needs from the server (the round, its client id, the aggregator's payload, the loss
-transform's prepared state) comes in the message (:mod:`.records`); state that must
-outlive a message (SCAFFOLD's c_k, what a setup phase left) lives in ``context.state``,
-which Flower keeps on the node between messages.
+:class:`FedplugTrainer` trains with :func:`fedplug.run.local_training.train_locally`, the
+simulator's loop, so a client behaves identically on both; what must outlive a message
+(SCAFFOLD's c_k, a setup phase's result) lives in ``context.state``.
+Guide: docs/flower.md, 'FedplugTrainer: fedplug's loop in your ClientApp'; design:
+'Design notes: trainer'.
 """
 
 from __future__ import annotations

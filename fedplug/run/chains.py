@@ -1,19 +1,11 @@
 """The chains of one round in progress, for every runtime: how far each got, and what it
 ends the round with.
 
-A :class:`~fedplug.components.RoundPlan` chain of length L trains member after member,
-each from the model the previous one returned (the first from the round's global
-model). A runtime that trains one member of every chain per exchange (Flower's messages,
-FedML's rounds, the vectorised engine's lockstep positions) takes L exchanges for it, so
-a round takes as many exchanges as its longest chain (:attr:`RoundChains.exchanges`);
-a runtime that trains a chain in one go (the sequential engine) steps it the same way.
-
-A runtime only decodes each member's reply into numbers and tensors; this module adds
-them up (:meth:`ChainProgress.advance`), stops a chain whose member failed
-(:meth:`ChainProgress.fail`), and turns what a chain ended with into the
-:data:`~fedplug.run.round_screen.Outcome` the round core screens and aggregates
-(:meth:`ChainProgress.outcome`, through :func:`~fedplug.run.round_plan.chain_update`'s
-weight rule). Nothing here knows a runtime's message types.
+A runtime only decodes each member's reply; :class:`ChainProgress` adds it up, stops a
+chain whose member failed, and turns what the chain ended with into the
+:data:`~fedplug.run.round_screen.Outcome` the round core screens and aggregates.
+Nothing here knows a runtime's message types.
+Design: docs/round.md, 'Design notes: chains'.
 """
 
 from __future__ import annotations

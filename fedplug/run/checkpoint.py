@@ -1,31 +1,10 @@
 """Per-round checkpoints, written atomically so a crash never leaves a torn file, and read
 back without running code from the file.
 
-A checkpoint is read with ``torch.load(weights_only=True)``: PyTorch's restricted
-unpickler, which builds tensors and plain Python values (dict, list, tuple, set, str,
-bytes, numbers, ``None``, torch dtypes and devices) and refuses every other class or
-function a pickle names. A file that names one (a tampered checkpoint, or one whose pickle
-would create a file or start a process) is refused with one line naming the file; its
-payload never runs.
-
-So that every checkpoint fedplug writes can be read back that way, :func:`save_checkpoint`
-first converts the state with :func:`to_storable`: numpy arrays and numpy scalars (which
-components keep in their state, e.g. FedShift's label prior) become tagged tensors that
-:func:`from_storable` turns back into numpy values of the same dtype, bit for bit; any
-other object (a dataclass, a numpy ``Generator``) is refused *when saving*, with a
-:class:`~fedplug.errors.PluginError` naming where it sits in the state, instead of writing
-a checkpoint that could not be loaded.
-
-A file that unpickles safely can still be crafted to exhaust memory (shared references
-that expand when copied) or be damaged: :func:`load_checkpoint` checks its size, then its
-fingerprint, then its structure (:mod:`fedplug.run.checkpoint_bounds`) before
-anything copies it, and :meth:`fedplug.run.state.RunState.from_dict` checks its content
-before a run continues from it.
-
-Format versions: 1 stored numpy values as pickled numpy objects (a version-1 checkpoint
-that holds none still loads); 2 stores them as tagged tensors; 3 is the same file, whose
-content is one :class:`fedplug.run.state.RunState` for every runtime (see there for
-which earlier checkpoints resume).
+:func:`save_checkpoint` stores a state that ``torch.load(weights_only=True)`` can read
+(numpy values as tagged tensors, :func:`to_storable`); :func:`load_checkpoint` checks
+size, fingerprint and structure before anything copies what it read.
+Design and formats: docs/reliability.md, 'Design notes: checkpoint'.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Bounds a checkpoint must keep before anything walks or copies it.
 
-A pickle can reference one object many times (its memo), so a file of a few kilobytes
-can describe a list of lists whose *expanded* tree has 2**40 nodes: unpickling it is
-instant (the references stay shared), but any recursive copy of it (numpy values being
-restored, tensors moved to the training device, records being read) runs for minutes
-and ends in a ``MemoryError``. A tensor can likewise claim a huge shape over a one-element
-storage (stride 0) and allocate it only when first copied. And a file of many gigabytes is
-read into memory whole before anything can look at it.
-
-So a checkpoint is checked in three steps, each refusing with one line:
-
-1. :func:`check_file_size`: the file is not larger than the caller's bound (what a run of
-   this model and federation can hold: :func:`checkpoint_size_bound`), before it is read;
-2. after the weights-only unpickling (cheap: shared references stay shared), the
-   fingerprint and format are checked by the caller, then
-3. :func:`check_structure`: an iterative walk that visits each distinct object once and
-   computes how many nodes the expanded tree would have, refusing one that is nested
-   deeper than :data:`MAX_DEPTH` or would expand to more nodes than the file has bytes
-   (every node a pickle describes without sharing costs at least one byte, so only a
-   crafted, shared structure exceeds it), and tensors that address more elements than
-   their storage holds.
+:func:`check_file_size` (before the file is read) and :func:`check_structure` (after the
+weights-only unpickling) refuse, each with one line, a file too large for the run, a
+structure nested too deep or expanding past the file's bytes, and tensors that address
+more elements than their storage holds.
+Design: docs/reliability.md, 'Design notes: checkpoint_bounds'.
 """
 
 from __future__ import annotations

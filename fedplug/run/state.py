@@ -1,25 +1,10 @@
 """The run between rounds, as one object: what every runtime checkpoints and resumes from.
 
 A :class:`RunState` is the whole checkpoint, the same for the simulator and the Flower
-strategy: the config's fingerprint, the global model, the finished rounds' records (their
-number is the round to continue from), the setup phase's cost and wall time, the
-components' ``state_dict`` (aggregator, grouper, loss transform) and the per-client states
-(empty where they live on the clients, as on Flower's nodes). There is no random-number
-state: every round draws from generators seeded by the config's seed and the round index
-(:mod:`fedplug.run.federated_round`), so the round index is all a resumed run needs.
-
-:meth:`RunState.to_dict` is the checkpoint's content (format 3,
-:mod:`fedplug.run.checkpoint` writes and reads the file). :meth:`RunState.from_dict`
-checks a loaded checkpoint before anything trains on it: a file with the right fingerprint
-can still be damaged or edited (keys removed, values of the wrong type, a NaN or a truncated
-global model), which would otherwise surface as a ``KeyError`` traceback or, worse, train
-from a NaN model; every mismatch becomes one line saying what is wrong and what to do.
-:meth:`RunState.load_into` hands the components their states through their own
-``load_state_dict``.
-
-Formats 1 and 2 of the simulator hold the same keys and still resume; format 2 of the
-Flower strategy lacked the loss transform's state, the client states and the setup's wall
-time, and is refused with a line saying to start over (:data:`FLOWER_FORMAT_2_GAPS`).
+strategy; :meth:`RunState.to_dict` is the file's content (format 3),
+:meth:`RunState.from_dict` checks a loaded one line by line before anything trains on it,
+and :meth:`RunState.load_into` hands the components their states.
+Design and formats: docs/reliability.md, 'Design notes: state'.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The built-in simulator: rounds of sampling, grouping, local training, aggregation and
 evaluation, with a checkpoint after every round.
 
-A round:
-
-1. sample ``client_fraction`` of the K clients;
-2. let the grouper decide who trains with whom (default: everyone alone);
-3. the engine runs local training with the client's sampler and loss transform, chain
-   by chain, and streams the results into the aggregator (a running aggregate: never K
-   models in memory);
-4. updates that raised, timed out, or came back non-finite or misshapen are dropped with
-   a logged reason; too many failures retry the round, then stop the run. A chain that
-   runs past ``train.failures.client_timeout_seconds`` is interrupted by its engine
-   (:mod:`fedplug.deadline`), not waited for;
-5. evaluate, record, checkpoint.
-
-All randomness derives from ``(seed, round, client)``, so a resumed run is identical
-to an uninterrupted one.
+The round itself is :class:`fedplug.run.federated_round.RoundCore`'s; the simulator's
+engines train a round's chains in process (a running aggregate: never K models in
+memory), and a chain past ``train.failures.client_timeout_seconds`` is interrupted.
+Design: docs/round.md, 'The round'.
 """
 
 from __future__ import annotations
