@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -25,26 +26,45 @@ from fedplug.run_folder import (
 from fedplug.simulation.simulator import RoundObserver, Simulator
 
 
+class ExperimentOptions(TypedDict, total=False):
+    """The keyword options of :func:`run_experiment` and :func:`prepare_experiment`; each
+    may be left out."""
+
+    registry: Registry | None
+    """Where components are looked up by name (default: :func:`fedplug.plugins.default_registry`)."""
+    observers: Iterable[RoundObserver]
+    """Called after every round (default: none)."""
+    resume: bool
+    """Continue from ``out_dir/checkpoint.pt`` when there is one (default True)."""
+    federation: Any
+    """The clients' data, already built (default: built from ``config.data``)."""
+    force: bool
+    """Replace a fedplug folder of another config (default False;
+    :func:`fedplug.output_folder.claim`); the run then starts over."""
+
+
 def run_experiment(
-    config: Any,
-    out_dir: str | os.PathLike[str] | None,
-    *,
-    registry: Registry | None = None,
-    observers: Iterable[RoundObserver] = (),
-    resume: bool = True,
-    federation: Any = None,
-    force: bool = False,
+    config: Any, out_dir: str | os.PathLike[str] | None, **options: Unpack[ExperimentOptions]
 ) -> tuple[RunResult, Simulator]:
     """Build the federation, train, and (when ``out_dir`` is given) write
     ``metrics.json``, ``config.yaml`` (the resolved config), ``run_info.json`` and a
     per-round ``checkpoint.pt`` there: :func:`prepare_experiment`, then
-    :func:`train_experiment`. ``force`` (default False) replaces a fedplug folder of
-    another config (:func:`fedplug.output_folder.claim`); the run then starts over."""
-    resume = resume and not replaces_output(config, out_dir, force)
-    simulator = prepare_experiment(
-        config, out_dir, registry=registry, observers=observers, resume=resume, federation=federation, force=force
-    )
-    return train_experiment(config, simulator, out_dir, resume=resume, force=force), simulator
+    :func:`train_experiment` (``options``: :class:`ExperimentOptions`)."""
+    resume = resumes(config, out_dir, options)
+    simulator = prepare_experiment(config, out_dir, **options)
+    return train_experiment(config, simulator, out_dir, resume=resume, force=options.get("force", False)), simulator
+
+
+def resumes(config: Any, out_dir: str | os.PathLike[str] | None, options: ExperimentOptions) -> bool:
+    """Whether the run continues from ``out_dir``'s checkpoint: ``resume`` is asked for
+    (the default) and the folder is not one of another config that ``force`` replaces
+    (that checkpoint is deleted when the folder is claimed).
+
+    Raises:
+        ConfigError: ``out_dir`` is refused (:func:`fedplug.output_folder.inspect`).
+    """
+    replaced = replaces_output(config, out_dir, options.get("force", False))  # refuses even without resume
+    return options.get("resume", True) and not replaced
 
 
 def replaces_output(config: Any, out_dir: str | os.PathLike[str] | None, force: bool) -> bool:
@@ -61,14 +81,7 @@ def replaces_output(config: Any, out_dir: str | os.PathLike[str] | None, force: 
 
 
 def prepare_experiment(
-    config: Any,
-    out_dir: str | os.PathLike[str] | None,
-    *,
-    registry: Registry | None = None,
-    observers: Iterable[RoundObserver] = (),
-    resume: bool = True,
-    federation: Any = None,
-    force: bool = False,
+    config: Any, out_dir: str | os.PathLike[str] | None, **options: Unpack[ExperimentOptions]
 ) -> Simulator:
     """Everything that can refuse a run, before anything is written: ``out_dir`` (a folder
     fedplug did not write, or of another config without ``force``, or one another run
@@ -76,11 +89,10 @@ def prepare_experiment(
     checkpoint in ``out_dir`` when resuming (a corrupt one, or one of another config, is
     refused). More observers can join ``simulator.observers`` before
     :func:`train_experiment`."""
-    registry = registry or default_registry()
-    out = Path(out_dir) if out_dir is not None else None
-    if replaces_output(config, out, force):
-        resume = False  # the other config's checkpoint is deleted when the folder is claimed
-    checkpoint = out / "checkpoint.pt" if out is not None else None
+    registry = options.get("registry") or default_registry()
+    resume = resumes(config, out_dir, options)
+    checkpoint = Path(out_dir) / "checkpoint.pt" if out_dir is not None else None
+    federation = options.get("federation")
     if federation is None:
         federation = build_federation(config.data, registry, resolve_device(config.train.device))
     simulator = Simulator(
@@ -89,7 +101,7 @@ def prepare_experiment(
         registry,
         target_accuracy=config.study.target_accuracy,
         checkpoint_path=checkpoint,
-        observers=observers,
+        observers=options.get("observers", ()),
     )
     # Refuse a corrupt checkpoint, or one of another config, and data the loss transform's
     # setup phase cannot use, before anything is printed or written: out_dir keeps the

@@ -1,38 +1,8 @@
 """Owning an output folder safely: fedplug deletes and overwrites only what it created, and
-one run writes into a folder at a time.
-
-Every folder fedplug writes its outputs to (``fedplug run --out``, a Flower ServerApp's
-``fedplug-out``, the pipeline's ``data/density`` and ``reports/runs/<label>/seed-<n>``, a
-study's folder and its run folders) carries a
-marker, :data:`MARKER_NAME`: JSON with the *fingerprint* of what the folder is for (a
-config's hash, or a stage's name) and the list of files fedplug wrote there. Why: a folder
-the user already had (``--out ~/thesis``, ``--out data``) must never lose or get a file
-overwritten, and a finished run of another config must not be replaced silently
-(``config.yaml`` would then describe one run and ``model.pt`` another).
-
-- :func:`inspect` (read only) and :func:`claim` refuse, with one line
-  (:class:`~fedplug.errors.ConfigError`): a non-empty folder without a marker, one whose
-  marker holds another fingerprint (``force=True`` replaces such a *fedplug* folder: the
-  files its marker lists are deleted first, nothing else), one another process holds (the
-  line names its PID), and always ``/``, the user's home and the project root (and the
-  folders above them), even with ``force``.
-- :func:`claim` holds an advisory lock (``fcntl.flock`` on :data:`LOCK_NAME` inside the
-  folder) until released: a second fedplug process on the same folder is refused. The lock
-  is advisory: it stops fedplug, not other programs. Claims are re-entrant within one
-  process (the CLI claims, then :func:`fedplug.experiment.train_experiment` claims again).
-- :func:`write_atomically` writes a file through a unique temporary file made with
-  :func:`tempfile.mkstemp` in the same folder (``O_EXCL``: a symlink planted at any name is
-  never opened), fsyncs it and renames it over the target (a rename replaces a symlink
-  planted at the target instead of writing through it). While the folder is claimed, the
-  file is added to the marker's list. A full disk (``ENOSPC``, also when ``torch.save``
-  wraps it in ``RuntimeError: [enforce fail at inline_container.cc...]``) becomes one line
-  (:class:`~fedplug.errors.OutputError`); the temporary file is removed and the previous
-  version of the file stays.
-- :meth:`OutputFolder.remove` and :func:`remove_owned_folder` delete only listed files.
-
-A folder written by a fedplug version before markers has none; a command that knows its own
-old layout passes ``legacy`` (a function returning the files it recognises as its own, or
-None) so that such a folder is adopted instead of refused (:func:`files_named`).
+one run writes into a folder at a time. :func:`claim` locks a folder and marks it with a
+fingerprint (:mod:`fedplug.output_ownership` says whose a folder is); :func:`write_atomically`
+and its siblings write through a temporary file and list what they wrote in the marker.
+Why and how: docs/reliability.md, section 8.1.
 """
 
 from __future__ import annotations
@@ -44,28 +14,55 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Literal
+from pathlib import Path
+from typing import Any, BinaryIO, Self, Unpack
 
 from fedplug.errors import ConfigError, OutputError
+from fedplug.output_ownership import (
+    DEFAULT_OPTION,
+    LOCK_NAME,
+    MARKER_NAME,
+    OWN_NAMES,
+    TEMPORARY_SUFFIX,
+    FolderRules,
+    Legacy,
+    Status,
+    files_named,
+    in_use_error,
+    open_no_follow,
+    ownership,
+    plain_relative,
+    read_marker,
+    read_pid,
+    refuse_if_locked,
+    refuse_protected,
+    remove_stale_temporaries,
+    unlink_entry,
+)
 
-MARKER_NAME = ".fedplug-output.json"
-"""The marker file in every folder fedplug writes outputs to."""
-LOCK_NAME = ".fedplug-output.lock"
-"""The lock file (``fcntl.flock``; holds the holder's PID) inside a claimed folder."""
+__all__ = [
+    "LOCK_NAME",
+    "MARKER_NAME",
+    "OWN_NAMES",
+    "FolderRules",
+    "Legacy",
+    "OutputFolder",
+    "Status",
+    "claim",
+    "default_file_mode",
+    "files_named",
+    "inspect",
+    "remove_owned_folder",
+    "write_atomically",
+    "write_bytes",
+    "write_text",
+    "write_through_path",
+]
+
 MARKER_FORMAT = 1
-TEMPORARY_SUFFIX = ".tmp"
-"""Temporary files are ``.<name>.<random>.tmp`` in the target's folder (plus the target's
-extension for :func:`write_through_path`)."""
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-OWN_NAMES = (MARKER_NAME, LOCK_NAME)
 
-Status = Literal["new", "own", "replace"]
-Legacy = Callable[[Path], "list[str] | None"]
-"""Given a folder without a marker: the files in it this command wrote before markers
-existed (then it is adopted), or None (then it is refused)."""
-
-_HELD: dict[str, "OutputFolder"] = {}
+_HELD: dict[str, OutputFolder] = {}
 """Folders this process holds, by real path (claims are re-entrant)."""
 
 
@@ -83,15 +80,15 @@ class OutputFolder:
         self._lock_fd = lock_fd
         self._claims = 1
 
-    def __enter__(self) -> "OutputFolder":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def record(self, relative: str) -> None:
         """Add ``relative`` (a path inside the folder) to the marker's list of files."""
-        if relative not in self.files and _plain_relative(relative):
+        if relative not in self.files and plain_relative(relative):
             self.files = sorted({*self.files, relative})
             _write_marker(self.path, self.fingerprint, self.files)
 
@@ -100,7 +97,7 @@ class OutputFolder:
         symlink there points to), and drop it from the list."""
         if relative not in self.files:
             return
-        _unlink_entry(self.path, relative)
+        unlink_entry(self.path, relative)
         self.files = [name for name in self.files if name != relative]
         _write_marker(self.path, self.fingerprint, self.files)
 
@@ -116,24 +113,12 @@ class OutputFolder:
             os.close(self._lock_fd)
 
 
-def inspect(
-    folder: str | os.PathLike[str],
-    fingerprint: str,
-    *,
-    force: bool = False,
-    legacy: Legacy | None = None,
-    option: str = "--out",
-    force_option: str | None = "--force",
-) -> Status:
+def inspect(folder: str | os.PathLike[str], fingerprint: str, **rules: Unpack[FolderRules]) -> Status:
     """Whether ``folder`` may receive the outputs of ``fingerprint``, without writing
     anything: ``"new"`` (absent or empty), ``"own"`` (its marker holds ``fingerprint``, or
     ``legacy`` recognises it) or ``"replace"`` (``force`` and another fingerprint's
-    fedplug folder: :func:`claim` deletes the files its marker lists).
-
-    Args:
-        option: how messages name the folder (``--out``).
-        force_option: the flag that overwrites a fedplug folder, or None where the
-            command has none.
+    fedplug folder: :func:`claim` deletes the files its marker lists). ``rules``:
+    :class:`~fedplug.output_ownership.FolderRules`.
 
     Raises:
         ConfigError: a folder fedplug never writes into, one another process holds, a
@@ -141,25 +126,18 @@ def inspect(
             ``force``).
     """
     path = Path(folder)
-    _refuse_protected(path, option)
+    option = rules.get("option", DEFAULT_OPTION)
+    refuse_protected(path, option)
     if not os.path.lexists(path):
         return "new"
     if not path.is_dir():
         raise ConfigError(f"{option} {str(path)!r} is a file, not a folder; choose another {option}")
     if _key(path) not in _HELD:
-        _refuse_if_locked(path, option)
-    return _ownership(path, fingerprint, force, legacy, option, force_option)[0]
+        refuse_if_locked(path, option)
+    return ownership(path, fingerprint, rules)[0]
 
 
-def claim(
-    folder: str | os.PathLike[str],
-    fingerprint: str,
-    *,
-    force: bool = False,
-    legacy: Legacy | None = None,
-    option: str = "--out",
-    force_option: str | None = "--force",
-) -> OutputFolder:
+def claim(folder: str | os.PathLike[str], fingerprint: str, **rules: Unpack[FolderRules]) -> OutputFolder:
     """Create ``folder`` if needed, lock it and write its marker (see :func:`inspect` for
     what is refused; with ``force``, the files another fingerprint's marker lists are
     deleted first). Re-entrant: a folder this process holds is returned again.
@@ -168,6 +146,7 @@ def claim(
         ConfigError: as :func:`inspect`, or when another process claimed it meanwhile.
     """
     path = Path(folder)
+    option = rules.get("option", DEFAULT_OPTION)
     held = _HELD.get(_key(path)) if os.path.isdir(path) else None
     if held is not None:
         if held.fingerprint != fingerprint:
@@ -177,23 +156,23 @@ def claim(
             )
         held._claims += 1
         return held
-    inspect(path, fingerprint, force=force, legacy=legacy, option=option, force_option=force_option)
+    inspect(path, fingerprint, **rules)
     path.mkdir(parents=True, exist_ok=True)
-    lock_fd = _open_no_follow(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, option)
+    lock_fd = open_no_follow(path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _in_use(path, _read_pid(lock_fd), option) from None
+            raise in_use_error(path, read_pid(lock_fd), option) from None
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
         # Checked again under the lock: another process may have claimed it meanwhile.
-        status, files = _ownership(path, fingerprint, force, legacy, option, force_option)
+        status, files = ownership(path, fingerprint, rules)
         if status == "replace":
             for relative in files:
-                _unlink_entry(path, relative)
+                unlink_entry(path, relative)
             files = []
-        _remove_stale_temporaries(path, [*files, MARKER_NAME])
+        remove_stale_temporaries(path, [*files, MARKER_NAME])
         _write_marker(path, fingerprint, files)
     except BaseException:
         os.close(lock_fd)
@@ -217,9 +196,9 @@ def remove_owned_folder(
     path = Path(folder)
     if not os.path.lexists(path):
         return
-    _refuse_protected(path, option)
-    _refuse_if_locked(path, option)
-    marker = _read_marker(path, option) if os.path.lexists(path / MARKER_NAME) else None
+    refuse_protected(path, option)
+    refuse_if_locked(path, option)
+    marker = read_marker(path, option) if os.path.lexists(path / MARKER_NAME) else None
     files = marker["files"] if marker is not None else (legacy(path) if legacy is not None else None)
     if files is None:
         raise ConfigError(
@@ -227,31 +206,11 @@ def remove_owned_folder(
             "delete it: delete it yourself if it is not needed"
         )
     for relative in [*files, MARKER_NAME, LOCK_NAME]:
-        _unlink_entry(path, relative)
+        unlink_entry(path, relative)
     try:
         path.rmdir()
     except OSError:
         pass  # files fedplug did not write stay, and so does their folder
-
-
-def files_named(names: Iterable[str]) -> Legacy:
-    """A ``legacy`` test: a folder holding only regular files with these names (and
-    fedplug's temporary files) was written by fedplug before markers existed."""
-    allowed = set(names)
-
-    def recognise(folder: Path) -> list[str] | None:
-        found = []
-        for entry in os.scandir(folder):
-            if entry.name in OWN_NAMES:
-                continue
-            if not entry.is_file(follow_symlinks=False):
-                return None
-            if entry.name not in allowed and not _is_temporary(entry.name, allowed):
-                return None
-            found.append(entry.name)
-        return found
-
-    return recognise
 
 
 # ------------------------------------------------------------------------------ writing
@@ -344,7 +303,7 @@ def write_through_path(path: str | os.PathLike[str], produce: Callable[[Path], N
     try:
         try:
             produce(temporary)
-            fd = _open_no_follow(temporary, os.O_RDONLY, "output")
+            fd = open_no_follow(temporary, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
@@ -426,66 +385,6 @@ def _key(path: Path) -> str:
     return os.path.realpath(path)
 
 
-def _ownership(
-    path: Path,
-    fingerprint: str,
-    force: bool,
-    legacy: Legacy | None,
-    option: str,
-    force_option: str | None,
-) -> tuple[Status, list[str]]:
-    """``(status, files fedplug wrote there)`` of an existing folder (see :func:`inspect`)."""
-    if not path.is_dir():
-        return "new", []
-    if os.path.lexists(path / MARKER_NAME):
-        marker = _read_marker(path, option)
-        if marker["fingerprint"] == fingerprint:
-            return "own", marker["files"]
-        if force:
-            return "replace", marker["files"]
-        overwrite = f", or pass {force_option} to overwrite this fedplug folder" if force_option else ""
-        raise ConfigError(
-            f"{option} {str(path)!r} belongs to a different config (it holds fedplug outputs of other "
-            f"settings); choose another {option}{overwrite}"
-        )
-    entries = [name for name in os.listdir(path) if name not in OWN_NAMES]
-    if not entries:
-        return "new", []
-    recognised = legacy(path) if legacy is not None else None
-    if recognised is not None:
-        return "own", recognised
-    shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
-    raise ConfigError(
-        f"{option} {str(path)!r} is not empty and was not written by fedplug (it holds {shown}); "
-        f"fedplug overwrites only its own folders: choose another {option} (a new or empty folder)"
-    )
-
-
-def _read_marker(path: Path, option: str) -> dict[str, Any]:
-    damaged = ConfigError(
-        f"{option} {str(path)!r} has a damaged fedplug marker {MARKER_NAME}; choose another {option}, "
-        "or delete the folder if its files are not needed"
-    )
-    try:
-        fd = _open_no_follow(path / MARKER_NAME, os.O_RDONLY, option)
-    except ConfigError:
-        raise damaged from None
-    try:
-        with os.fdopen(fd, "rb") as handle:
-            marker = json.loads(handle.read(1 << 22))
-    except (OSError, ValueError):
-        raise damaged from None
-    if (
-        not isinstance(marker, dict)
-        or not isinstance(marker.get("fingerprint"), str)
-        or not isinstance(marker.get("files"), list)
-    ):
-        raise damaged
-    # A tampered marker must not make fedplug delete anything outside the folder.
-    files = [name for name in marker["files"] if isinstance(name, str) and _plain_relative(name)]
-    return {"fingerprint": marker["fingerprint"], "files": files}
-
-
 def _write_marker(path: Path, fingerprint: str, files: list[str]) -> None:
     content = {"fedplug_output": MARKER_FORMAT, "fingerprint": fingerprint, "files": sorted(files)}
     # Not write_text: that would list the marker in itself.
@@ -503,133 +402,3 @@ def _write_marker(path: Path, fingerprint: str, files: list[str]) -> None:
         if failure.errno in DISK_FULL:
             raise _disk_full(path / MARKER_NAME, None, False) from None
         raise
-
-
-def _plain_relative(name: str) -> bool:
-    """A path inside the folder: relative, no ``..``, not fedplug's marker or lock."""
-    parts = PurePosixPath(name).parts
-    return (
-        bool(parts)
-        and not name.startswith("/")
-        and "\\" not in name
-        and all(part not in ("", ".", "..") for part in parts)
-        and name not in OWN_NAMES
-    )
-
-
-def _unlink_entry(folder: Path, relative: str) -> None:
-    """Delete ``folder/relative`` (a file or a symlink itself; never a folder, never through
-    a symlinked parent), then its parent folders inside ``folder`` that became empty."""
-    if relative not in OWN_NAMES and not _plain_relative(relative):
-        return
-    target = folder / relative
-    parent = target.parent
-    if os.path.realpath(parent) != os.path.join(os.path.realpath(folder), *PurePosixPath(relative).parts[:-1]):
-        return  # a parent inside the folder became a symlink: never delete through it
-    try:
-        if os.path.isdir(target) and not os.path.islink(target):
-            return
-        os.unlink(target)
-    except FileNotFoundError:
-        return
-    while parent != folder:
-        try:
-            parent.rmdir()
-        except OSError:
-            return
-        parent = parent.parent
-
-
-def _remove_stale_temporaries(folder: Path, files: list[str]) -> None:
-    """Delete the temporary files of ``files`` that a killed write left (``kill -9`` between
-    mkstemp and rename): under the lock, no other fedplug process is writing them."""
-    by_parent: dict[str, set[str]] = {}
-    for relative in files:
-        parent, _, name = relative.rpartition("/")
-        by_parent.setdefault(parent, set()).add(name)
-    for parent, names in by_parent.items():
-        try:
-            entries = list(os.scandir(folder / parent))
-        except OSError:
-            continue
-        for entry in entries:
-            if entry.name.startswith(".") and _is_temporary(entry.name, names) and entry.is_file(follow_symlinks=False):
-                _unlink_entry(folder, f"{parent}/{entry.name}" if parent else entry.name)
-
-
-def _is_temporary(name: str, allowed: set[str]) -> bool:
-    """``name.tmp`` (the fixed name of old versions) or ``.name.<random>.tmp[.ext]`` of one
-    of ``allowed``."""
-    if name.endswith(TEMPORARY_SUFFIX) and name[: -len(TEMPORARY_SUFFIX)] in allowed:
-        return True
-    return any(name.startswith(f".{known}.") and TEMPORARY_SUFFIX in name for known in allowed)
-
-
-def _open_no_follow(path: Path, flags: int, option: str) -> int:
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as failure:
-        if failure.errno == errno.ELOOP:
-            raise ConfigError(
-                f"{str(path)!r} is a symlink; fedplug does not follow symlinks in its output folders: "
-                "delete it, or choose another folder"
-            ) from None
-        raise
-
-
-def _refuse_if_locked(path: Path, option: str) -> None:
-    lock = path / LOCK_NAME
-    if not os.path.lexists(lock):
-        return
-    fd = _open_no_follow(lock, os.O_RDONLY, option)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use(path, _read_pid(fd), option) from None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _read_pid(fd: int) -> int | None:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _in_use(path: Path, pid: int | None, option: str) -> ConfigError:
-    holder = f"PID {pid}" if pid is not None else "PID unknown"
-    return ConfigError(
-        f"{option} {str(path)!r} is in use by another fedplug run ({holder}); wait for it to finish, "
-        f"or choose another {option}"
-    )
-
-
-def _refuse_protected(path: Path, option: str) -> None:
-    """Never ``/``, the home folder or the project root, nor a folder above them."""
-    resolved = Path(os.path.realpath(path))
-    protected: list[tuple[Path, str]] = [(Path(resolved.anchor or "/"), "the file system root")]
-    home = os.path.expanduser("~")
-    if home and home != "~":
-        protected.append((Path(os.path.realpath(home)), "your home folder"))
-    root = _project_root(Path.cwd())
-    if root is not None:
-        protected.append((root, "the project root"))
-    for folder, described in protected:
-        if resolved == folder or resolved in folder.parents:
-            raise ConfigError(
-                f"{option} {str(path)!r} is {described} ({folder}) or a folder above it; fedplug never "
-                f"writes its outputs there, not even with --force: choose another {option}, e.g. runs/<name>"
-            )
-
-
-def _project_root(start: Path) -> Path | None:
-    """The nearest folder at or above ``start`` holding ``pyproject.toml`` or ``.git``."""
-    current = Path(os.path.realpath(start))
-    for folder in (current, *current.parents):
-        if (folder / "pyproject.toml").exists() or (folder / ".git").exists():
-            return folder
-    return None

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
-        ["errors", "config_errors", "memory", "deadline", "cost_model", "output_folder", "project", "flower_internals"], 1
+        ["errors", "config_errors", "memory", "deadline", "cost_model", "output_folder", "output_ownership", "project",
+         "flower_internals"], 1
     ),
     **dict.fromkeys(
         ["", "components", "component_config", "aggregation", "analysis", "registry", "plugins", "hookspecs",

@@ -86,12 +86,10 @@ class Coordinator:
         self.loss_transform = self.components.loss_transform
         self.evaluator = Evaluator(federation, train_config.eval_batch_size)
         self.global_vector = model_to_vector(self.model)
-        self.core = RoundCore(
+        self.core = RoundCore.for_clients(
             train_config,
-            components=self.components,
-            num_clients=federation.num_clients,
-            class_counts=federation.class_counts,
-            client_sizes=federation.client_sizes,
+            federation,
+            self.components,
             model_bytes=self.global_vector.numel() * 4,
             train_flops=training_flops_per_sample(self.model, federation.input_shape),
             link=link,

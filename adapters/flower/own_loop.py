@@ -12,6 +12,7 @@ design: 'Design notes: own_loop'.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -398,33 +399,21 @@ class FedplugLoss:
         return self._round
 
 
+@dataclass(kw_only=True, eq=False)
 class _Round:
     """What one round of :class:`FedplugLoss` keeps."""
 
-    def __init__(
-        self,
-        *,
-        model: nn.Module,
-        context: Context,
-        start_vector: Tensor,
-        anchor: dict[str, Tensor],
-        loss_context: Any,
-        payload: dict[str, Tensor],
-        client_state: dict[str, Tensor],
-        aggregator_context: Any,
-        reply_metrics: tuple[str, ...] = (),
-    ) -> None:
-        self.model = model
-        self.reply_metrics = reply_metrics
-        self.loss_sum: Tensor | None = None
-        self.context = context
-        self.start_vector = start_vector
-        self.anchor = anchor
-        self.loss_context = loss_context
-        self.payload = payload
-        self.client_state = client_state
-        self.aggregator_context = aggregator_context
-        self.num_steps = 0
+    model: nn.Module
+    context: Context
+    start_vector: Tensor
+    anchor: dict[str, Tensor]
+    loss_context: Any
+    payload: dict[str, Tensor]
+    client_state: dict[str, Tensor]
+    aggregator_context: Any
+    reply_metrics: tuple[str, ...] = ()
+    loss_sum: Tensor | None = None
+    num_steps: int = 0
 
     def anchor_on(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """The anchor on the parameters' device (the user may move the model after
@@ -440,5 +429,3 @@ class _Round:
 def _output_width(model: nn.Module, data: Any, trainer: FedplugTrainer) -> int:
     local = trainer._local_data(data, next(model.parameters()).device)
     return trainer._num_classes(ConfigRecord(), model, local)
-
-

@@ -76,7 +76,7 @@ class NodeDirectory:
         return len(self.node_of)
 
     @property
-    def sizes(self) -> np.ndarray | None:
+    def client_sizes(self) -> np.ndarray | None:
         """The clients' training-set sizes (``None`` when the counts are unknown)."""
         if self.class_counts is None:
             return None

@@ -136,12 +136,10 @@ class ServerRun:
             timeout=timeout,
         )
         self.setup_seconds = time.perf_counter() - setup_started
-        self.core = RoundCore(
+        self.core = RoundCore.for_clients(
             config,
-            components=self.components,
-            num_clients=directory.num_clients,
-            class_counts=directory.class_counts,
-            client_sizes=directory.sizes,
+            directory,
+            self.components,
             model_bytes=sum(math.prod(shape) for _, shape in settings.layout) * 4,
             train_flops=settings.train_flops,
             link=settings.link,

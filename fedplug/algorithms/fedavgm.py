@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedplug.algorithms.attribute_state import AttributeState
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, average_models
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
@@ -46,9 +47,11 @@ class FedAvgMConfig(ComponentConfig):
         return client_learning_rate * self.server_lr / (1.0 - self.momentum)
 
 
-class FedAvgM(Aggregator):
+class FedAvgM(AttributeState, Aggregator):
     """Server side of FedAvgM, built from a :class:`FedAvgMConfig`; the client side is
     plain local training."""
+
+    state_attributes = ("velocity",)
 
     def __init__(self, config: FedAvgMConfig, num_clients: int) -> None:
         super().__init__(num_clients)
@@ -76,14 +79,6 @@ class FedAvgM(Aggregator):
         next_vector = (1.0 - rate) * current + rate * mean - (rate * beta) * momentum_part
         self.velocity = velocity.float()
         return next_vector.float()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The momentum buffer v (None before :meth:`initialize`)."""
-        return {"velocity": self.velocity}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore v from :meth:`state_dict`'s output."""
-        self.velocity = state["velocity"]
 
 
 @hookimpl

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedplug.algorithms.attribute_state import AttributeState
 from fedplug.components import Aggregator, ClientUpdate, ComponentConfig, average_models
 from fedplug.hookspecs import RegisterAggregator, hookimpl
 
@@ -58,9 +59,11 @@ class FedYogiConfig(AdaptiveConfig):
     """Rate (1 - beta2) at which v moves towards delta^2 (default 0.99)."""
 
 
-class AdaptiveServerOptimizer(Aggregator):
+class AdaptiveServerOptimizer(AttributeState, Aggregator):
     """Shared server step of FedAdagrad, FedAdam and FedYogi, built from the variant's
     config; subclasses give the v update."""
+
+    state_attributes = ("first_moment", "second_moment")
 
     def __init__(self, config: AdaptiveConfig, num_clients: int) -> None:
         super().__init__(num_clients)
@@ -98,13 +101,6 @@ class AdaptiveServerOptimizer(Aggregator):
         self.second_moment = self.next_second_moment(second_moment, delta.square())
         step = self.first_moment / (self.second_moment.sqrt() + self.config.tau)
         return current + self.config.server_lr * step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"first_moment": self.first_moment, "second_moment": self.second_moment}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first_moment = state["first_moment"]
-        self.second_moment = state["second_moment"]
 
 
 class FedAdagrad(AdaptiveServerOptimizer):

@@ -16,6 +16,7 @@ import numpy as np
 from torch import Tensor
 from torch.nn import functional as F
 
+from fedplug.algorithms.attribute_state import AttributeState
 from fedplug.components import ClientNeeds, ComponentConfig, Context, LossTransform, as_tensor_context
 from fedplug.errors import DataError
 from fedplug.hookspecs import RegisterLossTransform, hookimpl
@@ -72,9 +73,11 @@ def reweighting_weights(class_counts_k: np.ndarray, prior: np.ndarray) -> np.nda
     return np.asarray(prior, dtype=np.float64) / smoothed_label_distribution(class_counts_k)
 
 
-class _GlobalPriorTransform(LossTransform):
+class _GlobalPriorTransform(AttributeState, LossTransform):
     """A loss transform that needs the global label prior, computed in :meth:`prepare`;
     built from its validated config (FedShift's and Reweighting's have no parameters)."""
+
+    state_attributes = ("prior",)
 
     def __init__(self, config: ComponentConfig) -> None:
         self.config = config
@@ -97,12 +100,6 @@ class _GlobalPriorTransform(LossTransform):
         if self.prior is None:
             raise RuntimeError(f"{type(self).__name__}.prepare(federation) must run before round 0")
         return self.prior
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"prior": self.prior}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.prior = state["prior"]
 
 
 class FedShiftConfig(ComponentConfig):

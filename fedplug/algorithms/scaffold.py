@@ -18,6 +18,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedplug.algorithms.attribute_state import AttributeState
 from fedplug.components import (
     MODEL_SHAPE,
     Aggregator,
@@ -62,7 +63,7 @@ class ScaffoldConfig(ComponentConfig):
         return reasons
 
 
-class Scaffold(Aggregator):
+class Scaffold(AttributeState, Aggregator):
     """Both sides of SCAFFOLD, option II.
 
     Args:
@@ -70,6 +71,8 @@ class Scaffold(Aggregator):
         num_clients: K, the number of clients in the federation (the server's c moves by
             sum(delta_c) / K).
     """
+
+    state_attributes = ("control",)
 
     def __init__(self, config: ScaffoldConfig, num_clients: int) -> None:
         super().__init__(num_clients)
@@ -172,12 +175,6 @@ class Scaffold(Aggregator):
         control = self.control if self.control is not None else torch.zeros_like(global_vector)
         self.control = (control.double() + variate_change / self.num_clients).float()
         return next_vector.float()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"control": self.control}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.control = state["control"]
 
 
 @hookimpl

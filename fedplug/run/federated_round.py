@@ -95,6 +95,20 @@ class SetupReporter(Protocol):
     def setup_report(self) -> dict[str, Any]: ...
 
 
+class KnownClients(Protocol):
+    """What the round core reads of a run's clients: a
+    :class:`~fedplug.data.federation.Federation`, or a runtime's directory of nodes."""
+
+    @property
+    def num_clients(self) -> int: ...
+
+    @property
+    def class_counts(self) -> np.ndarray | None: ...
+
+    @property
+    def client_sizes(self) -> np.ndarray | None: ...
+
+
 TrainAttempt = Callable[[int], Iterable[Outcome]]
 """Runs one attempt (0-based) of the round's plan on the runtime; returns one outcome per
 chain, in plan order (a generator may train lazily, as the aggregator consumes it)."""
@@ -190,6 +204,22 @@ class RoundCore:
                 "not have here; on Flower pass query_nodes=True, num_classes= and input_shape= to "
                 "FedplugStrategy"
             )
+
+    @classmethod
+    def for_clients(
+        cls, train_config: Any, clients: KnownClients, components: Components, **options: Any
+    ) -> RoundCore:
+        """The round core of a run of ``components`` over ``clients`` (K, their class
+        counts and training-set sizes); ``options``: the other keywords of
+        :class:`RoundCore` (``model_bytes`` is required)."""
+        return cls(
+            train_config,
+            components=components,
+            num_clients=clients.num_clients,
+            class_counts=clients.class_counts,
+            client_sizes=clients.client_sizes,
+            **options,
+        )
 
     # ------------------------------------------------------------------- plan
 

@@ -102,12 +102,10 @@ class Simulator:
         self._setup_seconds = 0.0
         """Wall time of the setup in :meth:`prepare` (restored from a checkpoint when resuming)."""
         self.fingerprint = config_fingerprint(train_config, federation)
-        self.core = RoundCore(
+        self.core = RoundCore.for_clients(
             train_config,
-            components=self.components,
-            num_clients=num_clients,
-            class_counts=federation.class_counts,
-            client_sizes=federation.client_sizes,
+            federation,
+            self.components,
             model_bytes=model_to_vector(self.model).numel() * 4,
             train_flops=training_flops_per_sample(self.model, federation.input_shape),
             link=link,
