@@ -131,21 +131,19 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
     from tqdm import tqdm
 
     from fedplug.experiment import checkpointed_rounds, train_experiment
-    from fedplug.tracking import open_tracker
-    from fedplug.tracking.naming import command_line_experiment, command_line_run_name
+    from fedplug.tracking.naming import command_line_experiment, open_command_line_tracker
 
     # The config file's folder is the project: its local store is <project>/mlflow.db.
     project_root = Path(args.config).resolve().parent
-    label = args.algorithm or config.train.aggregator.name
-    tracker = open_tracker(
+    tracker = open_command_line_tracker(
         config,
         out,
-        # Its own experiment and a name that tells configs apart (fedplug.tracking.naming);
-        # the folder remembers its finished run, so the same command again logs nothing.
-        run_name=command_line_run_name(config, args.algorithm),
+        "simulator",
+        algorithm=args.algorithm,
+        # Its own experiment; the folder remembers its finished run, so the same command
+        # again logs nothing.
         experiment_name=command_line_experiment(config),
         keep_finished=True,
-        tags={"fedplug.algorithm": label, "fedplug.seed": str(config.train.seed), "fedplug.runtime": "simulator"},
         resume=resume,
         project_root=project_root,
         enabled=args.track,

@@ -254,9 +254,19 @@ def test_too_few_nodes_fail_in_one_line_and_mark_the_run_failed(
 DEPLOYED = {
     "scaffold": {"rounds": 2, "client_fraction": 1.0, "aggregator": {"name": "scaffold"}},
     "dropout": {"rounds": 3, "client_fraction": 1.0, "faults": {"dropout": {"probability": 0.5}}},
+    "setup_phase": {
+        "rounds": 2,
+        "client_fraction": 1.0,
+        "loss_transform": {
+            "name": "feddisk", "made_hidden": 8, "made_max_epochs": 10, "made_batch_size": 32,
+            "classifier_epochs": 20, "classifier_lr": 0.5, "made_lr": 0.05, "global_rounds": 3,
+        },
+    },
 }
 """The ``flwr run`` rows: SCAFFOLD (c_k must persist in each SuperNode's ``context.state``
-from round to round) and injected dropout (rounds where a node sits out)."""
+from round to round), injected dropout (rounds where a node sits out), and a setup phase
+(FedDisk's phase 1 over ``train.feddisk`` messages to the SuperNodes, its weights kept
+there, its report sent to the server)."""
 
 
 @pytest.mark.parametrize("row", sorted(DEPLOYED))

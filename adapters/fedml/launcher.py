@@ -131,11 +131,21 @@ def run_fedml(
             "FedML is not installed in this Python environment; build the FedML one with `make fedml-venv` "
             "and run .venv-fedml/bin/python -m fedplug.adapters.fedml"
         )
+    from fedplug.project import project_root as find_project_root
+    from fedplug.tracking.naming import open_command_line_tracker
+
     mpirun = find_mpirun()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tracker = open_fedml_tracker(
-        config, out, track=track, algorithm=algorithm, project_root=project_root
+    # Never resumes: a FedML run starts from round 1 every time.
+    tracker = open_command_line_tracker(
+        config,
+        out,
+        "fedml",
+        algorithm=algorithm,
+        resume=False,
+        project_root=project_root if project_root is not None else find_project_root(),
+        enabled=track,
     )
     with tracker:  # FINISHED on success, FAILED on an error
         try:
@@ -149,35 +159,6 @@ def run_fedml(
             run.mlflow_run_id, run.mlflow_uri = tracker.run_id, tracker.uri
             run.model_uri = tracker.model_uri
     return run
-
-
-def open_fedml_tracker(
-    config: Any,
-    out_dir: str | os.PathLike[str] | None,
-    *,
-    track: bool | None = None,
-    algorithm: str | None = None,
-    project_root: str | os.PathLike[str] | None = None,
-) -> Tracker:
-    """The tracker of a FedML run (:func:`fedplug.tracking.open_tracker` with the FedML
-    runtime's tags); one that logs nothing when tracking is off. Never resumes: a FedML
-    run starts from round 1 every time."""
-    from fedplug.project import project_root as find_project_root
-    from fedplug.tracking import open_tracker
-    from fedplug.tracking.naming import command_line_run_name
-
-    label = algorithm or config.train.aggregator.name
-    seed = config.train.seed
-    return open_tracker(
-        config,
-        out_dir,
-        # Tells configs apart, as fedplug run's names do.
-        run_name=command_line_run_name(config, algorithm),
-        tags={"fedplug.algorithm": label, "fedplug.seed": str(seed), "fedplug.runtime": "fedml"},
-        resume=False,
-        project_root=project_root if project_root is not None else find_project_root(),
-        enabled=track,
-    )
 
 
 def _log_finished_run(tracker: Tracker, config: Any, run: FedMLRun) -> None:

@@ -310,21 +310,14 @@ def open_server_tracker(
         resume: continue the MLflow run recorded in ``out_dir`` (default True).
         tags: extra tags (default none).
     """
-    from fedplug.tracking import open_tracker
-    from fedplug.tracking.naming import command_line_run_name
+    from fedplug.tracking.naming import open_command_line_tracker
 
-    label = algorithm or experiment.train.aggregator.name
-    seed = experiment.train.seed
-    tracker = open_tracker(
+    tracker = open_command_line_tracker(
         experiment,
         out_dir,
-        run_name=command_line_run_name(experiment, algorithm),
-        tags={
-            "fedplug.algorithm": label,
-            "fedplug.seed": str(seed),
-            "fedplug.runtime": "flower",
-            **dict(tags or {}),
-        },
+        "flower",
+        algorithm=algorithm,
+        tags=tags,
         resume=resume,
         project_root=project_root if project_root is not None else _project_of(None),
         enabled=track,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -32,35 +33,30 @@ from .records import CHAIN_POSITION, CLIENT_TIMEOUT, REPLY_METRICS, ROUND, tenso
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
+@dataclass(eq=False)
 class TrainExchange:
-    """The train messages and replies of the round in progress.
+    """The train messages and replies of the round in progress."""
 
-    Args:
-        train_config: the ``train`` section (its ``failures`` and ``screening``).
-        needs: what the components need from the clients.
-        layout: the model's (name, shape) layout.
-        requirement: the line naming what the ClientApp must add (``None``: nothing).
-    """
-
-    def __init__(
-        self, train_config: Any, needs: ClientNeeds, layout: Layout, requirement: str | None
-    ) -> None:
-        self.train_config = train_config
-        self.needs = needs
-        self.layout = layout
-        self.requirement = requirement
-        self.round: RoundInProgress | None = None
-        self.started = 0.0
-        """When the round in progress started (a retry is part of the same round)."""
-        self.grid: Grid | None = None
-        self.timeout = 3600.0
-        """Flower's bound of one exchange (``start``'s ``timeout``); the replies' own
-        bound is :func:`.chains.reply_wait` of ``client_timeout_seconds``."""
-        self.config: dict[str, Any] = {}
-        self.payload_record: ArrayRecord | None = None
-        self.payload_bytes = 0
-        self._waiting: dict[int, Any] = {}
-        self._node_of_reply: dict[int, int] = {}
+    train_config: Any
+    """The ``train`` section (its ``failures`` and ``screening``)."""
+    needs: ClientNeeds
+    """What the components need from the clients."""
+    layout: Layout
+    """The model's (name, shape) layout."""
+    requirement: str | None
+    """The line naming what the ClientApp must add (``None``: nothing)."""
+    round: RoundInProgress | None = field(default=None, init=False)
+    started: float = field(default=0.0, init=False)
+    """When the round in progress started (a retry is part of the same round)."""
+    grid: Grid | None = field(default=None, init=False)
+    timeout: float = field(default=3600.0, init=False)
+    """Flower's bound of one exchange (``start``'s ``timeout``); the replies' own bound
+    is :func:`.chains.reply_wait` of ``client_timeout_seconds``."""
+    config: dict[str, Any] = field(default_factory=dict, init=False)
+    payload_record: ArrayRecord | None = field(default=None, init=False)
+    payload_bytes: int = field(default=0, init=False)
+    _waiting: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+    _node_of_reply: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def reply_wait(self) -> float | None:

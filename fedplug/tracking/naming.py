@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 COMMAND_LINE_SUFFIX = "-fedplug-run"
@@ -43,3 +45,25 @@ def command_line_run_name(config: Any, algorithm: str | None = None) -> str:
     digest = output_fingerprint(config)[:HASH_LENGTH]
     label = algorithm_label(config, algorithm)
     return f"{label}-seed{config.train.seed}-{config.data.dataset.name}-{digest}"
+
+
+def open_command_line_tracker(
+    config: Any, out_dir: str | os.PathLike[str] | None, runtime: str, *,
+    algorithm: str | None = None, tags: Mapping[str, str] | None = None, **options: Any
+) -> Any:
+    """The tracker of one command-line run on ``runtime`` (``simulator``, ``flower``,
+    ``fedml``), named (:func:`command_line_run_name`) and tagged (algorithm label, seed,
+    runtime, plus ``tags``) alike on every runtime; ``options`` go to
+    :func:`fedplug.tracking.open_tracker` (``resume``, ``project_root``, ``enabled``, ...)."""
+    from fedplug.tracking.observer import open_tracker
+
+    label = algorithm or config.train.aggregator.name
+    run_tags = {
+        "fedplug.algorithm": label,
+        "fedplug.seed": str(config.train.seed),
+        "fedplug.runtime": runtime,
+        **dict(tags or {}),
+    }
+    return open_tracker(
+        config, out_dir, run_name=command_line_run_name(config, algorithm), tags=run_tags, **options
+    )

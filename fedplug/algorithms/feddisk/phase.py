@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -103,35 +104,28 @@ FinishCallback = Callable[[FedDiskWeights, list[Tensor]], None]
 ReportsCallback = Callable[[list[dict[str, Any]]], None]
 
 
+@dataclass(eq=False)
 class FedDiskPhase(SetupPhase):
-    """FedDisk's phase 1 (see the module docstring).
+    """FedDisk's phase 1 (see the module docstring)."""
 
-    Args:
-        config: the validated :class:`~.config.FedDiskConfig`.
-        rng: draws the :class:`~.density.PhaseOneSeeds` (default
-            ``numpy.random.default_rng(config.seed)``).
-        on_finish: called by :meth:`finish` with the result and every client's weights
-            (tensors on the clients' device, in client order).
-        on_reports: called by the server's side, on every runtime, with every client's
-            :meth:`client_report` (in client order) from the replies to the last step.
-    """
+    name: ClassVar[str] = "feddisk"
 
-    name = "feddisk"
+    config: FedDiskConfig
+    """The validated :class:`~.config.FedDiskConfig`."""
+    _: KW_ONLY
+    rng: np.random.Generator | None = None
+    """Draws the :class:`~.density.PhaseOneSeeds` (default
+    ``numpy.random.default_rng(config.seed)``)."""
+    on_finish: FinishCallback | None = None
+    """Called by :meth:`finish` with the result and every client's weights (tensors on the
+    clients' device, in client order)."""
+    on_reports: ReportsCallback | None = None
+    """Called by the server's side, on every runtime, with every client's
+    :meth:`client_report` (in client order) from the replies to the last step."""
+    cost: PhaseCost | None = field(default=None, init=False)
+    result: FedDiskWeights | None = field(default=None, init=False)
 
-    def __init__(
-        self,
-        config: FedDiskConfig,
-        *,
-        rng: np.random.Generator | None = None,
-        on_finish: FinishCallback | None = None,
-        on_reports: ReportsCallback | None = None,
-    ) -> None:
-        self.config = config
-        self.rng = rng
-        self.on_finish = on_finish
-        self.on_reports = on_reports
-        self.cost: PhaseCost | None = None
-        self.result: FedDiskWeights | None = None
+    def __post_init__(self) -> None:
         self._steps: dict[str, ClientStep] = {
             RANGE: self._range,
             LOCAL: self._local,
