@@ -10,6 +10,7 @@ Guide: docs/flower.md, 'fedplug's partitioners in your Flower app'.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -50,6 +51,16 @@ def partition_config(
         raise ConfigError(
             "invalid partition: " + format_validation_error(error, data).replace("\n", "; ")
         ) from None
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The dataset columns a partitioner reads: the labels, the writers (``natural``) and
+    the input that receives a noisy partition's noise."""
+
+    partition_by: str
+    users: str | None
+    noise: str | None
 
 
 class FedplugPartitioner(Partitioner):
@@ -97,25 +108,24 @@ class FedplugPartitioner(Partitioner):
             from fedplug.plugins import default_registry
 
             registry = default_registry()
-        self._num_partitions = num_partitions
-        self._config = partition_config(partition, registry)
+        # What make_partition reads of a data config: K, the seed and the partition.
+        self._data_config = SimpleNamespace(
+            num_clients=num_partitions, seed=seed, partition=partition_config(partition, registry)
+        )
         self._registry = registry
-        self._partition_by = partition_by
-        self._seed = seed
+        self._columns = _Columns(partition_by, users_column, noise_column)
         self._num_classes = num_classes
-        self._users_column = users_column
-        self._noise_column = noise_column
         self._partition: Partition | None = None
 
     @property
     def num_partitions(self) -> int:
         """K, the number of partitions."""
-        return self._num_partitions
+        return self._data_config.num_clients
 
     @property
     def partition_config(self) -> ComponentConfig:
         """The validated fedplug partition config."""
-        return self._config
+        return self._data_config.partition
 
     @property
     def partition(self) -> Partition:
@@ -129,42 +139,34 @@ class FedplugPartitioner(Partitioner):
     def load_partition(self, partition_id: int) -> datasets.Dataset:
         """Client ``partition_id``'s rows, in fedplug's order, with its input noise
         applied to ``noise_column`` when the partition has noise."""
-        if not isinstance(partition_id, (int, np.integer)) or not 0 <= partition_id < self._num_partitions:
+        if not isinstance(partition_id, (int, np.integer)) or not 0 <= partition_id < self.num_partitions:
             raise ValueError(
-                f"partition_id must be an int in 0..{self._num_partitions - 1}, got {partition_id!r}"
+                f"partition_id must be an int in 0..{self.num_partitions - 1}, got {partition_id!r}"
             )
         partition = self.partition
         rows = self.dataset.select(partition.client_indices[partition_id])
         if partition.noise_std is None:
             return rows
         noise_std = float(partition.noise_std[partition_id])
-        rng = np.random.default_rng([self._seed, int(partition_id), NOISE_SEED_TAG])
-        return _with_noise(rows, self._noise_column or "", noise_std, rng)
+        rng = np.random.default_rng([self._data_config.seed, int(partition_id), NOISE_SEED_TAG])
+        return _with_noise(rows, self._columns.noise or "", noise_std, rng)
 
     # ---------------------------------------------------------------------- internals
 
     def _make_partition(self) -> Partition:
-        dataset = self.dataset
-        if self._partition_by not in dataset.column_names:
-            raise ValueError(
-                f"partition_by={self._partition_by!r} is not a column of the dataset; its columns: "
-                f"{', '.join(dataset.column_names)}"
-            )
-        labels = _column(dataset, self._partition_by)
+        dataset, columns, config = self.dataset, self._columns, self._data_config.partition
+        _require_column(dataset, "partition_by", columns.partition_by)
+        labels = _column(dataset, columns.partition_by)
         if labels.ndim != 1 or (labels.size and not np.issubdtype(labels.dtype, np.integer)):
             raise ValueError(
-                f"column {self._partition_by!r} must hold integer class ids; convert it with "
-                f"dataset.class_encode_column({self._partition_by!r})"
+                f"column {columns.partition_by!r} must hold integer class ids; convert it with "
+                f"dataset.class_encode_column({columns.partition_by!r})"
             )
         users = None
-        if self._users_column is not None:
-            if self._users_column not in dataset.column_names:
-                raise ValueError(
-                    f"users_column={self._users_column!r} is not a column of the dataset; its "
-                    f"columns: {', '.join(dataset.column_names)}"
-                )
+        if columns.users is not None:
+            _require_column(dataset, "users_column", columns.users)
             # fedplug's writers are indices into the sorted writer ids.
-            _, users = np.unique(_column(dataset, self._users_column), return_inverse=True)
+            _, users = np.unique(_column(dataset, columns.users), return_inverse=True)
             users = users.reshape(-1).astype(np.int64)
         fedplug_dataset = SimpleNamespace(
             name="flwr-datasets dataset",
@@ -172,35 +174,37 @@ class FedplugPartitioner(Partitioner):
             num_classes=self._class_count(labels),
             train_users=users,
         )
-        data_config = SimpleNamespace(
-            num_clients=self._num_partitions, seed=self._seed, partition=self._config
-        )
-        partition: Partition = make_partition(fedplug_dataset, data_config, self._registry)
-        if partition.num_clients != self._num_partitions:
+        partition: Partition = make_partition(fedplug_dataset, self._data_config, self._registry)
+        if partition.num_clients != self.num_partitions:
             raise DataError(
-                f"partitioner {self._config.name!r} made {partition.num_clients} partitions, "
-                f"not num_partitions={self._num_partitions}"
+                f"partitioner {config.name!r} made {partition.num_clients} partitions, "
+                f"not num_partitions={self.num_partitions}"
             )
         if partition.noise_std is not None and np.any(partition.noise_std > 0):
-            if self._noise_column is None:
+            if columns.noise is None:
                 raise DataError(
-                    f"partition {self._config.name!r} adds Gaussian noise to each client's inputs; "
+                    f"partition {config.name!r} adds Gaussian noise to each client's inputs; "
                     "pass noise_column='<input column>' so load_partition applies it"
                 )
-            if self._noise_column not in dataset.column_names:
-                raise ValueError(
-                    f"noise_column={self._noise_column!r} is not a column of the dataset; its "
-                    f"columns: {', '.join(dataset.column_names)}"
-                )
+            _require_column(dataset, "noise_column", columns.noise)
         return partition
 
     def _class_count(self, labels: np.ndarray) -> int:
         if self._num_classes is not None:
             return int(self._num_classes)
-        feature = self.dataset.features.get(self._partition_by)
+        feature = self.dataset.features.get(self._columns.partition_by)
         if isinstance(feature, datasets.ClassLabel):
             return int(feature.num_classes)
         return int(labels.max()) + 1 if labels.size else 1
+
+
+def _require_column(dataset: datasets.Dataset, option: str, column: str) -> None:
+    """Refuse ``option=column`` when the dataset has no such column, listing its columns."""
+    if column not in dataset.column_names:
+        raise ValueError(
+            f"{option}={column!r} is not a column of the dataset; its columns: "
+            f"{', '.join(dataset.column_names)}"
+        )
 
 
 def _column(dataset: datasets.Dataset, column: str) -> np.ndarray:
