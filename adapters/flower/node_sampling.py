@@ -93,3 +93,13 @@ class NodeRule:
             time.sleep(1.0)
         # The core samples (and injects train.faults' dropout) as on every runtime.
         return core.plan(round_index, candidates=np.asarray(candidates), count=size)
+
+
+def evaluation_count(connected: int, fraction_evaluate: float, min_evaluate_nodes: int) -> int:
+    """How many of ``connected`` clients evaluate in a round, Flower's way
+    (``FedAvg.configure_evaluate``): ``max(int(fraction_evaluate * connected),
+    min_evaluate_nodes)``, none at ``fraction_evaluate=0``, and at most the connected
+    ones (fedplug evaluates those there are instead of waiting for more)."""
+    if fraction_evaluate == 0.0:
+        return 0
+    return min(connected, max(int(connected * fraction_evaluate), min_evaluate_nodes))

@@ -4,16 +4,19 @@
   (the simulator's evaluator), :func:`central_metrics` is the round's central metrics,
   and :func:`round_evaluation` turns a round's metric records into the round core's
   :class:`~fedplug.run.federated_round.Evaluation`;
-- federated, on every node's local test split: :func:`nodes_to_evaluate`,
+- federated, on the local test split of a seeded sample of the nodes (Flower's
+  ``fraction_evaluate`` / ``min_evaluate_nodes``): :func:`nodes_to_evaluate`,
   :func:`evaluate_messages` and :func:`federated_metrics` (the replies averaged, plus the
   per-client accuracy spread).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from torch import Tensor, nn
@@ -23,11 +26,17 @@ from fedplug.run.federated_round import Evaluation
 from fedplug.run.vectors import vector_to_model
 
 from .messages import MetricsAggregation, client_accuracy, evaluate_message
+from .node_sampling import evaluation_count
 from .node_setup import NodeMessages
 from .priors import NodeDirectory
 from .records import ACCURACY, LOSS, NUM_EXAMPLES, ROUND, number, record_to_vector, vector_layout
 
+logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
+
 CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
+EVALUATION_STREAM = 0xE7A1
+"""Tag of the generator that samples a round's evaluating clients: ``[seed, round_index,
+tag]``, apart from training's stream (:data:`fedplug.run.round_plan.SAMPLING_STREAM`)."""
 
 
 def central_evaluation(
@@ -72,10 +81,23 @@ def round_evaluation(central: MetricRecord | None, federated: MetricRecord | Non
     )
 
 
-def nodes_to_evaluate(directory: NodeDirectory, grid: Grid) -> dict[int, int]:
-    """node id -> client id of the run's clients whose node is connected."""
+def nodes_to_evaluate(
+    directory: NodeDirectory, grid: Grid, share: tuple[float, int], seed: int, round_index: int
+) -> dict[int, int]:
+    """node id -> client id of the clients that evaluate round ``round_index`` (0-based):
+    :func:`.node_sampling.evaluation_count` (``share``: ``fraction_evaluate``,
+    ``min_evaluate_nodes``) of the run's clients whose node is connected, drawn with the
+    round's evaluation stream (the same on a rerun), all of them when the count covers
+    them. Logs Flower's "Sampled N nodes (out of M)" line."""
     connected = set(grid.get_node_ids())
-    return {node: client for client, node in directory.node_of.items() if node in connected}
+    candidates = [(node, client) for client, node in sorted(directory.node_of.items()) if node in connected]
+    count = evaluation_count(len(candidates), *share)
+    if count < len(candidates):
+        rng = np.random.default_rng([seed, round_index, EVALUATION_STREAM])
+        picked = np.sort(rng.choice(len(candidates), size=count, replace=False))
+        candidates = [candidates[int(index)] for index in picked]
+    logger.info("configure_evaluate: Sampled %d nodes (out of %d)", len(candidates), len(connected))
+    return dict(candidates)
 
 
 def evaluate_messages(

@@ -39,10 +39,15 @@ from .records import NUM_EXAMPLES, model_record, record_to_vector, vector_layout
 from .round_exchange import TrainExchange
 from .round_records import FinishedRound
 from .server_components import (
+    RecordKeys,
     build_components,
     build_global_model,
+    check_arrays_match,
+    check_evaluation_sizes,
     check_sizes,
+    check_stand_in_allowed,
     log_summary,
+    model_from_arrays,
     requirement_line,
 )
 from .server_evaluation import (
@@ -67,32 +72,29 @@ class FedplugStrategy(Strategy):
       round samples ``train.client_fraction`` of them with the simulator's seeded
       streams, so a Flower run with fedplug's client loop equals ``fedplug run``.
     - ``num_clients=None`` (Flower's way, as ``FedAvg``): the clients are the nodes
-      connected when the run starts (once ``max(min_available_nodes, min_train_nodes)``
-      are); each round samples ``max(int(fraction_train * connected), min_train_nodes)``
-      of those still connected, waiting for ``max(min_available_nodes, that)`` as Flower
-      does, seeded (node ids sorted, the round core's sampling stream).
+      connected when the run starts; each round samples ``fraction_train`` of those still
+      connected as ``FedAvg`` does, seeded (the round core's sampling stream).
 
     Args:
         train_config: the ``train`` section, validated or as a dict.
         num_clients: K, the number of nodes (one fedplug client each); ``None``: sample
             among the connected nodes, Flower's way (default).
-        num_classes: C; needed when ``model`` is not given or a component needs the
-            clients' class counts (default: unknown).
-        model: the global model (default: ``train.model`` built for ``input_shape`` and
-            ``num_classes``, initialised from ``train.seed`` like the simulator's). The
-            strategy loads every global model into it; after a run it holds the final one.
-        input_shape: the shape of one input; needed when ``model`` is not given, and
-            for the FLOP count of the cost model (0 FLOPs without it).
-        fraction_train: the fraction of connected nodes that train each round when
-            ``num_clients`` is ``None`` (default: ``train.client_fraction``); Flower's
-            meaning (``int(fraction * connected)``, at least ``min_train_nodes``).
-        min_train_nodes: the fewest nodes that train in a round (default 2, Flower's).
-        min_available_nodes: the fewest connected nodes a round waits for (default 2,
-            Flower's).
-        train_metrics_aggr_fn: Flower's ``(list[RecordDict], weighting key) ->
-            MetricRecord`` for the clients' train metrics (default: the mean weighted by
-            ``num-examples``, as Flower's ``FedAvg``).
-        evaluate_metrics_aggr_fn: the same for the clients' evaluate metrics.
+        num_classes: C; needed when a component needs the clients' class counts, or to
+            build ``train.model`` (default: unknown).
+        model: the global model, which holds the final one after a run (default:
+            ``train.model`` built for ``input_shape`` and ``num_classes`` when both are
+            given, seeded like the simulator's; else, for server-side algorithms, a
+            stand-in holding the first ``initial_arrays``). Initial arrays unlike its
+            ``state_dict()`` raise a ConfigError naming the differing keys.
+        input_shape: the shape of one input; with a real model, for the FLOP count of
+            the cost model (0 FLOPs without it).
+        fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes,
+        min_available_nodes, weighted_by_key, arrayrecord_key, configrecord_key,
+        train_metrics_aggr_fn, evaluate_metrics_aggr_fn: ``FedAvg``'s, with its meaning
+            and defaults; the nodes are drawn seeded, the same on a rerun. Differences
+            (``fraction_train`` defaults to ``train.client_fraction``; renamed record
+            keys only without fedplug's client side; the weight is ``num-examples``):
+            docs/flower.md, 'FedAvg's keywords'.
         query_nodes: ask every node for its partition id and class counts before round 1
             even when no component needs the counts, so that client k is the node with
             ``partition-id=k`` (the ready ClientApp answers the query; default: only when
@@ -102,8 +104,8 @@ class FedplugStrategy(Strategy):
         registry: the component registry (default: the installed plugins).
         message_config: entries added to the ConfigRecord of every message this
             strategy sends (the ready apps send the experiment here).
-        federated_evaluation: send an ``evaluate`` message to every node after each
-            round for its local test metrics (default True).
+        federated_evaluation: ``False`` turns federated evaluation off whatever
+            ``fraction_evaluate`` says (default True: as ``fraction_evaluate`` says).
         node_wait_seconds: how long to wait for the nodes a run or a round needs
             (default 300).
         link: the cost model's link and device rates (default: the FedGSP paper's).
@@ -116,8 +118,8 @@ class FedplugStrategy(Strategy):
 
     Raises:
         ConfigError: a component needs every client's raw data in one place
-            (``ClientNeeds.pooled_data``), which a Flower deployment must not do; or a
-            size is out of range.
+            (``ClientNeeds.pooled_data``), which a Flower deployment must not do; a
+            size is out of range; or a record key cannot be honoured.
     """
     def __init__(
         self,
@@ -128,8 +130,13 @@ class FedplugStrategy(Strategy):
         model: nn.Module | None = None,
         input_shape: Sequence[int] | None = None,
         fraction_train: float | None = None,
+        fraction_evaluate: float = 1.0,
         min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
         train_metrics_aggr_fn: MetricsAggregation | None = None,
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
         query_nodes: bool = False,
@@ -151,6 +158,7 @@ class FedplugStrategy(Strategy):
             train_config = validate_section("train", dict(train_config), registry)
         fraction = train_config.client_fraction if fraction_train is None else fraction_train
         check_sizes(num_clients, num_classes, fraction, min_train_nodes, min_available_nodes)
+        check_evaluation_sizes(fraction_evaluate, min_evaluate_nodes)
         self.config = train_config
         self.registry = registry
         self.num_clients = num_clients
@@ -158,6 +166,8 @@ class FedplugStrategy(Strategy):
         self.fraction_train = fraction
         self.min_train_nodes = min_train_nodes
         self.min_available_nodes = min_available_nodes
+        self.fraction_evaluate = fraction_evaluate if federated_evaluation else 0.0
+        self.min_evaluate_nodes = min_evaluate_nodes if self.fraction_evaluate else 0  # FedAvg's
         self.node_wait_seconds = node_wait_seconds
         self.message_config = dict(message_config or {})
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or weighted_metrics
@@ -175,42 +185,46 @@ class FedplugStrategy(Strategy):
                 f"{self.client_requirements or 'a component needs the class counts'}"
             )
         self.query_nodes = query_nodes or self.needs.class_counts
+        self.record_keys = RecordKeys(arrayrecord_key, configrecord_key, weighted_by_key)
+        self.record_keys.check(self.client_requirements)
         self.device = resolve_device(train_config.device)
-        if model is None:
-            model = build_global_model(train_config, registry, input_shape, num_classes, self.device)
-        self.model = model
-        self.layout = vector_layout(model)
-        self.train_flops = (
-            training_flops_per_sample(model, tuple(input_shape)) if input_shape is not None else 0
-        )
-        self.federated_evaluation = federated_evaluation
         self.link = link or LinkAndDevice()
         self.target_accuracy = target_accuracy
         self.observers = list(observers)
         self.evaluate_fn = evaluate_fn
-        settings = RunSettings(
-            train_config,
-            registry,
-            self.nodes,
-            self.messages,
-            self.query_nodes,
-            self.client_requirements,
-            self.layout,
-            self.train_flops,
-            self.link,
-            self.checkpoint_path,
-            target_accuracy,
-            self.observers,
-            evaluate_fn,
-        )
-        self.run = ServerRun(
-            settings, components, self._vector_record
-        )
-        """The run: setup, start or resumption, and records (:mod:`.server_run`)."""
-        self.exchange = TrainExchange(train_config, self.needs, self.layout, self.client_requirements)
-        """The train messages of the round in progress (:mod:`.round_exchange`)."""
+        self._components = components
         self._plans: dict[int, RoundPlan] = {}
         self._evaluating: dict[int, int] = {}
+        self.model: nn.Module | None = None
+        if model is None and input_shape is not None and num_classes is not None:
+            model = build_global_model(train_config, registry, input_shape, num_classes, self.device)
+        if model is None:  # a stand-in from the initial arrays, once they come
+            check_stand_in_allowed(self.client_requirements)
+        else:
+            shape = tuple(input_shape) if input_shape is not None else None
+            self._use_model(model, training_flops_per_sample(model, shape) if shape is not None else 0)
+
+    def _use_model(self, model: nn.Module, train_flops: int = 0) -> None:
+        """Hold ``model`` as the global model and build the run around its layout."""
+        self.model = model
+        self.layout = vector_layout(model)
+        self.train_flops = train_flops
+        settings = RunSettings(
+            self.config, self.registry, self.nodes, self.messages, self.query_nodes,
+            self.client_requirements, self.layout, self.train_flops, self.link,
+            self.checkpoint_path, self.target_accuracy, self.observers, self.evaluate_fn,
+        )  # fmt: skip
+        self.run = ServerRun(settings, self._components, self._vector_record)
+        """The run: setup, start or resumption, and records (:mod:`.server_run`)."""
+        self.exchange = TrainExchange(self.config, self.needs, self.layout, self.client_requirements)
+        """The train messages of the round in progress (:mod:`.round_exchange`)."""
+
+    def _model_for(self, arrays: ArrayRecord) -> nn.Module:
+        """The global model, a stand-in holding ``arrays`` when none was given."""
+        if self.model is None:
+            self._use_model(model_from_arrays(arrays, self.device))
+        assert self.model is not None  # set just above
+        return self.model
 
     # The run's state, read as the strategy's own (set by setup, start and every round).
     aggregator = property(attrgetter("run.aggregator"), doc="Rebuilt at setup when K is not fixed.")
@@ -226,13 +240,8 @@ class FedplugStrategy(Strategy):
     @property
     def nodes(self) -> NodeRule:
         """How many nodes the run and each round need (:mod:`.node_sampling`)."""
-        return NodeRule(
-            self.num_clients,
-            self.fraction_train,
-            self.min_train_nodes,
-            self.min_available_nodes,
-            self.node_wait_seconds,
-        )
+        sizes = (self.fraction_train, self.min_train_nodes, self.min_available_nodes)
+        return NodeRule(self.num_clients, *sizes, self.node_wait_seconds)
 
     @property
     def messages(self) -> NodeMessages:
@@ -243,7 +252,8 @@ class FedplugStrategy(Strategy):
 
     def summary(self) -> None:
         """Log what this strategy runs (Flower's ``Strategy.start`` calls this)."""
-        log_summary(self.config, self.nodes, self.client_requirements)
+        evaluation = (self.fraction_evaluate, self.min_evaluate_nodes)
+        log_summary(self.config, self.nodes, self.client_requirements, evaluation)
 
     def setup(self, grid: Grid, timeout: float | None = None) -> NodeDirectory:
         """Find the nodes, gather their class counts when a component needs them (see
@@ -259,11 +269,13 @@ class FedplugStrategy(Strategy):
     def _ensure_started(
         self, grid: Grid, arrays: ArrayRecord, timeout: float | None
     ) -> ArrayRecord:
+        model = self._model_for(arrays)
+        if self.run.began:
+            return arrays
+        check_arrays_match(model, arrays)
         if self.run.core is None:
             self.setup(grid, timeout)
-        if not self.run.began:
-            arrays = self.run.begin(arrays)
-        return arrays
+        return self.run.begin(arrays)
 
     # ------------------------------------------------------------------------ train
 
@@ -289,6 +301,7 @@ class FedplugStrategy(Strategy):
         Before the first round, run :meth:`setup` and start the aggregator from
         ``arrays`` (or resume from the checkpoint), so Flower's own ``Strategy.start`` and
         wrapping strategies can drive this one."""
+        self._model_for(arrays)
         self.exchange.grid = grid
         arrays = self._ensure_started(grid, arrays, self.exchange.timeout)
         round_number = server_round + self.run.offset
@@ -352,11 +365,14 @@ class FedplugStrategy(Strategy):
         return self._vector_record(attempt.vector), metrics
 
     def _next_messages(self) -> list[Message]:
-        return self.exchange.next_messages(
-            self.run.require_setup(), self.messages, self._vector_record, self.run.loss_records
+        return self.record_keys.applied(
+            self.exchange.next_messages(
+                self.run.require_setup(), self.messages, self._vector_record, self.run.loss_records
+            )
         )
 
     def _vector_record(self, vector: Tensor) -> ArrayRecord:
+        assert self.model is not None  # the run is built around a model (_use_model)
         vector_to_model(vector.to(self.device), self.model)
         return model_record(self.model)
 
@@ -365,15 +381,18 @@ class FedplugStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One ``evaluate`` message per client node (none when federated evaluation is off)."""
-        if not self.federated_evaluation:
+        """One ``evaluate`` message per node of the round's seeded sample
+        (``fraction_evaluate``, ``min_evaluate_nodes``; none at ``fraction_evaluate=0``)."""
+        if not self.fraction_evaluate:
             return []
         directory = self.run.require_setup()
         round_number = server_round + self.run.offset
-        self._evaluating = nodes_to_evaluate(directory, grid)
-        return evaluate_messages(
+        share = (self.fraction_evaluate, self.min_evaluate_nodes)
+        self._evaluating = nodes_to_evaluate(directory, grid, share, self.config.seed, round_number - 1)
+        messages = evaluate_messages(
             self._evaluating, round_number, arrays, config, self.messages, directory.num_clients
         )
+        return self.record_keys.applied(messages)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -423,10 +442,13 @@ class FedplugStrategy(Strategy):
         """
         num_rounds = self.config.rounds if num_rounds is None else num_rounds
         evaluate_fn = evaluate_fn if evaluate_fn is not None else self.evaluate_fn
-        self.exchange.timeout = timeout
-        arrays = initial_arrays if initial_arrays is not None else model_record(self.model)
+        if initial_arrays is None:
+            if self.model is None:
+                raise ConfigError("FedplugStrategy.start needs initial_arrays= when given no model=")
+            initial_arrays = model_record(self.model)
         # Set up before Flower's loop only to know how many rounds a resumed run has left.
-        arrays = self._ensure_started(grid, arrays, timeout)
+        arrays = self._ensure_started(grid, initial_arrays, timeout)
+        self.exchange.timeout = timeout
         offset = self.run.offset
         remaining = num_rounds - offset
         if remaining <= 0:
