@@ -20,6 +20,7 @@ from fedplug.errors import ConfigError, DataError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.faults import DROPOUT_STREAM, Faults, corruption_draws, read_trace
 from fedplug.plugins import default_registry
+from fedplug.run.components import Components
 from fedplug.run.federated_round import Evaluation, RoundCore
 from fedplug.run.results import RoundRecord
 from fedplug.run.round_plan import clients_per_round, plan_round, sample_clients
@@ -182,8 +183,7 @@ def core_for(num_clients: int, sizes: list[int], link: LinkAndDevice | None = No
     registry = default_registry()
     return RoundCore(
         config,
-        aggregator=registry.build("aggregators", config.aggregator, num_clients),
-        grouper=registry.build("groupers", config.grouper),
+        components=Components.build(config, registry, num_clients),
         num_clients=num_clients,
         class_counts=None,
         client_sizes=np.array(sizes),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
+from fedplug.run.components import Components
 from fedplug.run.federated_round import RoundCore
 from fedplug.run.round_plan import chain_update, plan_round, round_steps
 from fedplug.run.round_screen import unusable
@@ -63,8 +65,7 @@ def core_for(aggregator: str = "fedavg", class_counts: np.ndarray | None = COUNT
     registry = default_registry()
     core = RoundCore(
         config,
-        aggregator=registry.build("aggregators", config.aggregator, 3),
-        grouper=registry.build("groupers", config.grouper),
+        components=Components.build(config, registry, 3),
         num_clients=3,
         class_counts=class_counts,
         client_sizes=None,
@@ -331,7 +332,7 @@ class Fragile(Aggregator):
 def fragile_core(can_replay: bool = True) -> RoundCore:
     config = train_config(failures={"max_failed_fraction": 1.0, "max_round_retries": 1})
     return RoundCore(
-        config, aggregator=Fragile(3), grouper=default_registry().build("groupers", config.grouper),
+        config, components=replace(Components.build(config, default_registry(), 3), aggregator=Fragile(3)),
         num_clients=3, class_counts=None, client_sizes=None, model_bytes=P * 4, can_replay=can_replay,
     )
 

@@ -30,6 +30,7 @@ from fedplug.components import ClientUpdate, RoundPlan
 from fedplug.config import validate_experiment
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
+from fedplug.run.components import Components
 from fedplug.run.federated_round import RoundCore
 
 P = 6
@@ -66,8 +67,7 @@ def core_for(aggregator: str, corrupting: bool = False) -> RoundCore:
     registry = default_registry()
     core = RoundCore(
         config,
-        aggregator=registry.build("aggregators", config.aggregator, K),
-        grouper=registry.build("groupers", config.grouper),
+        components=Components.build(config, registry, K),
         num_clients=K,
         class_counts=np.full((K, 2), 50),
         client_sizes=None,

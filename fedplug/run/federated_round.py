@@ -122,8 +122,6 @@ class RoundCore:
         components: the run's components (built and prepared by the runtime,
             :class:`~fedplug.run.components.Components`); every slot's round metrics
             go into the record.
-        aggregator, grouper: instead of ``components``, for a runtime that holds them
-            one by one (only their round metrics go into the record).
         num_clients: K.
         class_counts: the K x C class counts, or ``None`` when the runtime has not
             gathered them (no component asked; metrics that need them are left out).
@@ -141,9 +139,7 @@ class RoundCore:
         self,
         train_config: Any,
         *,
-        components: Components | None = None,
-        aggregator: Aggregator | None = None,
-        grouper: Grouper | None = None,
+        components: Components,
         num_clients: int,
         class_counts: np.ndarray | None,
         client_sizes: np.ndarray | None,
@@ -155,16 +151,10 @@ class RoundCore:
         checkpoint: Any = None,
     ) -> None:
         self.config = train_config
-        if components is not None:
-            aggregator, grouper = components.aggregator, components.grouper
-            reporting: dict[str, ComponentHooks] = components.by_slot()
-        elif aggregator is None or grouper is None:
-            raise TypeError("RoundCore needs the run's components, or its aggregator and grouper")
-        else:
-            reporting = {"aggregator": aggregator, "grouper": grouper}
+        aggregator, grouper = components.aggregator, components.grouper
         self.aggregator: Aggregator = aggregator
         self.grouper: Grouper = grouper
-        self.reporting = reporting
+        self.reporting: dict[str, ComponentHooks] = components.by_slot()
         """The components whose round metrics the record keeps, by slot."""
         self.num_clients = num_clients
         self.class_counts = class_counts
