@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from fedplug.registry import Registry
     from fedplug.setup_phase import SetupPhase
 
-__all__ = ["SLOTS", "Components", "build_component", "merged_round_metrics"]
+__all__ = ["SLOTS", "Components", "build_component", "merged_by_slot"]
 
 CLIENT_SIDE_SLOTS_WITHOUT_PHASE_STATE = ("sampler", "aggregator")
 """The slots that also train on the clients but whose client side a distributed runtime
@@ -56,26 +56,24 @@ def build_component(slot: str, train_config: Any, registry: Registry, num_client
     return registry.build(SLOT_KINDS[slot], config)
 
 
-def merged_round_metrics(
-    components: Mapping[str, ComponentHooks], plan: RoundPlan, class_counts: np.ndarray | None
-) -> dict[str, float]:
-    """Every one of ``components``' (by slot) round metrics of ``plan``, as floats, under
-    the names each reports.
+def merged_by_slot(reports: Mapping[str, Mapping[str, Any]], what: str) -> dict[str, Any]:
+    """The entries of every slot's report (``reports``: slot -> its entries), merged.
 
     Raises:
-        ConfigError: two slots report a metric of the same name.
+        ConfigError: two slots report an entry of the same name (``what`` names the kind
+            of entry in the message: "round metric", "setup entry").
     """
-    merged: dict[str, float] = {}
+    merged: dict[str, Any] = {}
     owner: dict[str, str] = {}
-    for slot, component in components.items():
-        for key, value in component.round_metrics(plan, class_counts).items():
+    for slot, entries in reports.items():
+        for key, value in entries.items():
             if key in owner:
                 raise ConfigError(
-                    f"the {owner[key]} and the {slot} both report the round metric {key!r}; "
-                    "rename one component's metric"
+                    f"the {owner[key]} and the {slot} both report the {what} {key!r}; "
+                    f"rename one component's {what}"
                 )
             owner[key] = slot
-            merged[key] = float(value)
+            merged[key] = value
     return merged
 
 
@@ -163,22 +161,19 @@ class Components:
         Raises:
             ConfigError: two slots report an entry of the same name.
         """
-        merged: dict[str, Any] = {}
-        owner: dict[str, str] = {}
-        for slot, component in self.by_slot().items():
-            for key, value in component.setup_report().items():
-                if key in owner:
-                    raise ConfigError(
-                        f"the {owner[key]} and the {slot} both report the setup entry {key!r}; "
-                        "rename one component's entry"
-                    )
-                owner[key] = slot
-                merged[key] = value
-        return merged
+        reports = {slot: component.setup_report() for slot, component in self.by_slot().items()}
+        return merged_by_slot(reports, "setup entry")
 
     def round_metrics(self, plan: RoundPlan, class_counts: np.ndarray | None) -> dict[str, float]:
-        """Every slot's metrics of the round of ``plan`` (:func:`merged_round_metrics`)."""
-        return merged_round_metrics(self.by_slot(), plan, class_counts)
+        """Every slot's metrics of the round of ``plan``, as floats.
+
+        Raises:
+            ConfigError: two slots report a metric of the same name.
+        """
+        reports = {
+            slot: component.round_metrics(plan, class_counts) for slot, component in self.by_slot().items()
+        }
+        return {key: float(value) for key, value in merged_by_slot(reports, "round metric").items()}
 
     def checkpointed(self) -> dict[str, ComponentHooks]:
         """The components whose state a checkpoint holds, by checkpoint key

@@ -26,7 +26,6 @@ from fedplug.components import (
     Aggregator,
     ClientNeeds,
     ClientUpdate,
-    ComponentHooks,
     Grouper,
     PhaseCost,
     RoundPlan,
@@ -34,7 +33,7 @@ from fedplug.components import (
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
-from fedplug.run.components import Components, merged_round_metrics
+from fedplug.run.components import Components
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.round_plan import participants, plan_round, sample_round
 from fedplug.run.round_screen import (
@@ -154,7 +153,7 @@ class RoundCore:
         aggregator, grouper = components.aggregator, components.grouper
         self.aggregator: Aggregator = aggregator
         self.grouper: Grouper = grouper
-        self.reporting: dict[str, ComponentHooks] = components.by_slot()
+        self.components = components
         """The components whose round metrics the record keeps, by slot."""
         self.num_clients = num_clients
         self.class_counts = class_counts
@@ -451,12 +450,12 @@ class RoundCore:
 
     def round_metrics(self, plan: RoundPlan) -> dict[str, float]:
         """The components' own metrics of the round of ``plan`` (FedGSP's CPD), every
-        slot's (:func:`~fedplug.run.components.merged_round_metrics`).
+        slot's (:meth:`~fedplug.run.components.Components.round_metrics`).
 
         Raises:
             ConfigError: two components report a metric of the same name.
         """
-        return merged_round_metrics(self.reporting, plan, self.class_counts)
+        return self.components.round_metrics(plan, self.class_counts)
 
     def record(
         self,
