@@ -112,7 +112,7 @@ def test_fedavgs_keywords_run_fedavg_as_flowers_fedavg_does() -> None:
     assert "eval_acc" in fedplug.evaluate_metrics_clientapp[2]
 
 
-@pytest.mark.parametrize("algorithm", ["fedavgm"])
+@pytest.mark.parametrize("algorithm", sorted(set(SERVER_SIDE) - {"fedavg"}))
 def test_fedavgs_keywords_run_a_server_side_algorithm(algorithm: str) -> None:
     # Prepare
     fedavg = FedplugStrategy({}, model=initial_net(), **FEDAVG_KEYWORDS)
