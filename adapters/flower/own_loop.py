@@ -11,8 +11,10 @@ design: 'Design notes: own_loop'.
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,9 +22,11 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fedplug.component_config import ComponentConfig
 from fedplug.components import TRAIN_LOSS, LocalTraining, LossTransform
-from fedplug.config import validate_section
+from fedplug.config import ALGORITHM_SLOTS, OptimizerConfig
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
 from fedplug.run.local_training import check_reply_metrics, mean_loss
@@ -61,6 +65,11 @@ from .trainer import (
     save_client_state,
 )
 
+TRAIN_PENALTY = "train_penalty"
+"""The reply metric :meth:`FedplugLoss.finish_round` adds when the algorithm has a
+penalty (FedProx's proximal term, SCAFFOLD's correction): the mean over the round's
+optimiser steps of the penalty added to the task loss."""
+
 
 class FedplugLoss:
     """The user's criterion plus what fedplug's loss transform and aggregator add on the
@@ -75,7 +84,16 @@ class FedplugLoss:
     that loss's batch mean (it replaces the criterion, which is then expected to be plain
     cross-entropy); plus the loss transform's penalty (FedProx) and the aggregator's
     client penalty (SCAFFOLD's correction), measured from the parameters the round
-    started from.
+    started from. The returned tensor's gradient includes the penalties but its value is
+    the task loss alone, so the loop's own ``running_loss += loss.item()`` reports the
+    task loss; the penalty's round mean goes to the reply as ``train_penalty``.
+
+    Where a component constrains the optimiser (SCAFFOLD: plain SGD without momentum;
+    FedNova: SGD) or its client side reads the learning rate, the optimiser is checked
+    before it moves any parameter: in :meth:`begin_round` when it is passed there, else
+    at its first ``step()`` of the round (a torch optimiser step pre-hook, held from
+    :meth:`begin_round` to :meth:`finish_round`, that reacts only to optimisers over the
+    round's model).
 
     Args:
         loss_transform: the loss transform's config (default: plain cross-entropy).
@@ -135,6 +153,12 @@ class FedplugLoss:
             or type(algorithm.loss_transform).client_context is not LossTransform.client_context
         )
         self._labels = LabelCache(label_key)
+        self._reads_optimizer = (
+            self.needs.client_state
+            or self.needs.reply_extras
+            or _constrains_optimizer(self.trainer.config)
+        )
+        self._step_hook: weakref.finalize | None = None
         self._round: _Round | None = None
         if app is not None:
             self.register(app, data)
@@ -180,7 +204,13 @@ class FedplugLoss:
     # --------------------------------------------------------------------- round
 
     def begin_round(
-        self, message: Message, context: Context, model: nn.Module, data: Any = None
+        self,
+        message: Message,
+        context: Context,
+        model: nn.Module,
+        data: Any = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> FedplugLoss:
         """Start the round of the train ``message`` for ``model``: the parameters the
         round starts from (the message's ``arrays``), the loss transform's context for
@@ -194,13 +224,22 @@ class FedplugLoss:
             data: the node's training data (a dataset, a DataLoader or the labels); needed
                 when the loss transform works from the client's labels or its setup
                 phase's result (FedShift, Reweighting, FedDisk).
+            optimizer: the round's optimiser, checked here and read by
+                :meth:`finish_round` (default: seen at its first ``step()`` where a
+                component reads it; pass it when it is built before ``begin_round``, to
+                fail before the first forward pass).
 
         Raises:
-            ConfigError: ``data`` is missing where needed, or the message lacks what a
+            ConfigError: the optimiser does not fit a component (SCAFFOLD with momentum),
+                ``data`` is missing where needed, or the message lacks what a
                 component needs (the loss transform's prepared state, the aggregator's
                 payload): the server is not :class:`~fedplug.adapters.flower.FedplugStrategy`
                 with the same components.
         """
+        self._stop_watching_steps()
+        self._round = None
+        if optimizer is not None:
+            self._check_optimizer(optimizer)
         content = message.content
         config = message_config(message)
         client_id = client_id_of(config, context)
@@ -246,8 +285,43 @@ class FedplugLoss:
             client_state=client_state,
             aggregator_context=aggregator.client_context(payload, client_state),
             reply_metrics=reply_metrics,
+            optimizer=optimizer,
         )
+        if optimizer is None and self._reads_optimizer:
+            self._watch_steps()
         return self
+
+    def _watch_steps(self) -> None:
+        """Install the torch optimiser step pre-hook that checks the round's optimiser at
+        its first step. It holds this object weakly and is removed at
+        :meth:`finish_round`, at the next :meth:`begin_round` or when this object goes."""
+        owner = weakref.ref(self)
+
+        def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            loss = owner()
+            if loss is not None:
+                loss._see_optimizer(optimizer)
+
+        handle = register_optimizer_step_pre_hook(before_step)
+        self._step_hook = weakref.finalize(self, handle.remove)
+
+    def _stop_watching_steps(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook()
+            self._step_hook = None
+
+    def _see_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer``'s step: the first time an optimiser over the round's model
+        steps, check it (raising before any parameter moves) and keep it for
+        :meth:`finish_round`; optimisers over other parameters are left alone."""
+        round_ = self._round
+        if round_ is None or optimizer is round_.optimizer or optimizer in round_.other_optimizers:
+            return
+        if not _steps_parameters_of(optimizer, round_.model):
+            round_.other_optimizers.add(optimizer)
+            return
+        self._check_optimizer(optimizer)
+        round_.optimizer = optimizer
 
     def __call__(self, logits: Tensor, targets: Tensor, sample_ids: Tensor | None = None) -> Tensor:
         """The batch loss (see the class docstring). ``sample_ids``: each sample's index
@@ -258,9 +332,11 @@ class FedplugLoss:
         algorithm = self.trainer.algorithm
         transform = algorithm.loss_transform
         if algorithm.plain_cross_entropy:
-            loss = self.criterion(logits, targets)
+            task_loss = self.criterion(logits, targets)
         else:
-            loss = self._per_sample_loss(logits, targets, sample_ids, round_).mean()
+            task_loss = self._per_sample_loss(logits, targets, sample_ids, round_).mean()
+        # total: the value the simulator sums into train_loss, terms added in its order.
+        total, penalty = task_loss.detach(), None
         if algorithm.has_penalty:
             params = dict(round_.model.named_parameters())
             anchor = round_.anchor_on(params)
@@ -269,15 +345,18 @@ class FedplugLoss:
                 algorithm.aggregator.client_penalty(params, anchor, round_.aggregator_context),
             ):
                 if term is not None:
-                    loss = loss + term
+                    total = total + term.detach()
+                    penalty = term if penalty is None else penalty + term
         if torch.is_grad_enabled() and logits.requires_grad:
             round_.num_steps += 1
             if TRAIN_LOSS in round_.reply_metrics:  # summed on the device: no sync per step
-                detached = loss.detach()
-                if round_.loss_sum is None:
-                    round_.loss_sum = torch.zeros((), dtype=torch.float64, device=detached.device)
-                round_.loss_sum += detached
-        return loss
+                round_.loss_sum = _add_to_sum(round_.loss_sum, total)
+            if penalty is not None:
+                round_.penalty_sum = _add_to_sum(round_.penalty_sum, penalty.detach())
+        if penalty is None:
+            return task_loss
+        # The penalty's gradient with the task loss's value: (penalty - penalty) is 0 exactly.
+        return task_loss + (penalty - penalty.detach())
 
     def _per_sample_loss(
         self, logits: Tensor, targets: Tensor, sample_ids: Tensor | None, round_: _Round
@@ -308,22 +387,32 @@ class FedplugLoss:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         learning_rate: float | None = None,
+        momentum: float | None = None,
         num_steps: int | None = None,
     ) -> dict[str, Tensor]:
         """End the round: the aggregator's client side (``client_finish``) runs on the
         trained model, its per-client state goes to ``context.state``, and when
         ``content`` (the reply's RecordDict) is given its extras go in as
-        ``"fedplug.extras"`` and the step count into its ``"metrics"``, with the reply
-        metrics the server asked for (``train_loss``: the mean of this round's batch
-        losses with gradients, :data:`fedplug.components.TRAIN_LOSS`) unless the loop
-        already put its own there.
+        ``"fedplug.extras"`` and the step count into its ``"metrics"``, with
+        ``train_penalty`` (:data:`TRAIN_PENALTY`) when the algorithm has a penalty and the
+        reply metrics the server asked for (``train_loss``: the mean of this round's batch
+        losses with gradients, penalty included, as the simulator reports it,
+        :data:`fedplug.components.TRAIN_LOSS`) unless the loop already put its own there.
+
+        The learning rate and momentum the aggregator's client side reads (SCAFFOLD's
+        option II divides by steps x lr) come from the round's optimiser: the one given
+        here or to :meth:`begin_round`, else the one seen stepping the model. A loop that
+        updates the parameters by hand passes ``learning_rate`` and ``momentum``.
 
         Args:
             content: the reply's content (default: only return the extras).
-            optimizer: the round's optimiser: its first parameter group's ``lr`` and
-                ``momentum`` are what the aggregator's client side reads (SCAFFOLD's
-                option II divides by steps x lr).
-            learning_rate: instead of ``optimizer``.
+            optimizer: the round's optimiser (default: the one given to
+                :meth:`begin_round` or seen at its first step).
+            learning_rate: the step size of a hand-written update; with a seen optimiser,
+                it must equal the optimiser's ``lr``.
+            momentum: the momentum of a hand-written update, required with
+                ``learning_rate`` where a component constrains the optimiser; with a seen
+                optimiser, it must equal the optimiser's.
             num_steps: the round's optimiser steps (default: counted, one per loss
                 evaluation with gradients).
 
@@ -331,23 +420,18 @@ class FedplugLoss:
             The aggregator's extras (SCAFFOLD's ``delta_c``; empty for most).
 
         Raises:
-            ConfigError: the aggregator keeps client state or sends extras and neither
-                ``optimizer`` nor ``learning_rate`` was given.
+            ConfigError: the aggregator reads the learning rate and no optimiser was seen
+                nor ``learning_rate`` given; ``learning_rate`` without ``momentum`` where
+                a component constrains the optimiser; ``learning_rate`` or ``momentum``
+                disagreeing with the seen optimiser; an update that does not fit a
+                component.
         """
         round_ = self._require_round()
-        momentum = 0.0
+        self._stop_watching_steps()
         if optimizer is not None:
-            group = optimizer.param_groups[0]
-            learning_rate = float(group["lr"]) if learning_rate is None else learning_rate
-            momentum = float(group.get("momentum", 0.0) or 0.0)
             self._check_optimizer(optimizer)
-        if learning_rate is None:
-            if self.needs.client_state or self.needs.reply_extras:
-                raise ConfigError(
-                    f"aggregator {self.trainer.config.aggregator.name!r} needs the round's "
-                    "learning rate: pass finish_round(content, optimizer)"
-                )
-            learning_rate = 0.0
+            round_.optimizer = optimizer
+        learning_rate, momentum = self._step_rule(round_.optimizer, learning_rate, momentum)
         steps = round_.num_steps if num_steps is None else int(num_steps)
         end_vector = model_to_vector(round_.model)
         training = LocalTraining(num_steps=steps, learning_rate=learning_rate, momentum=momentum)
@@ -366,30 +450,72 @@ class FedplugLoss:
                 metrics[TRAIN_LOSS] = mean_loss(
                     round_.loss_sum if round_.loss_sum is not None else 0.0, round_.num_steps
                 )
+            if self.trainer.algorithm.has_penalty and TRAIN_PENALTY not in metrics:
+                metrics[TRAIN_PENALTY] = mean_loss(
+                    round_.penalty_sum if round_.penalty_sum is not None else 0.0,
+                    round_.num_steps,
+                )
         self._round = None
         return extras
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Validate the components against the user's optimiser as ``train.optimizer``
-        (each component's ``incompatibilities``): SGD and Adam are described, others are
-        not checked."""
-        group = optimizer.param_groups[0]
-        if isinstance(optimizer, torch.optim.SGD):
-            described = {"name": "sgd", "momentum": float(group.get("momentum", 0.0))}
-        elif isinstance(optimizer, torch.optim.Adam):
-            described = {"name": "adam"}
-        else:
-            return
-        config = self.trainer.config
-        validate_section(
-            "train",
-            {
-                "loss_transform": config.loss_transform.model_dump(),
-                "aggregator": config.aggregator.model_dump(),
-                "optimizer": {**described, "lr": float(group["lr"])},
-            },
-            self.trainer.registry,
+    def _step_rule(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        learning_rate: float | None,
+        momentum: float | None,
+    ) -> tuple[float, float]:
+        """The round's (learning rate, momentum): the optimiser's where one was seen (the
+        keywords must agree with it), else the keywords (checked as a plain SGD update)."""
+        if optimizer is not None:
+            seen = {"learning_rate": _learning_rate(optimizer), "momentum": _momentum(optimizer)}
+            given = {"learning_rate": learning_rate, "momentum": momentum}
+            for keyword, value in given.items():
+                if value is not None and not math.isclose(float(value), seen[keyword], rel_tol=1e-6):
+                    raise ConfigError(
+                        f"finish_round got {keyword}={value} but the round's optimizer "
+                        f"{_describe(optimizer)} has {seen[keyword]}: leave {keyword}= out "
+                        "(the optimizer is read) or make them agree"
+                    )
+            return seen["learning_rate"], seen["momentum"]
+        if learning_rate is None:
+            if self.needs.client_state or self.needs.reply_extras:
+                raise ConfigError(
+                    f"aggregator {self.trainer.config.aggregator.name!r} needs the round's "
+                    "learning rate and saw no optimizer step: pass begin_round(msg, context, "
+                    "model, optimizer=optimizer), or finish_round(content, learning_rate=lr, "
+                    "momentum=0.0) for a hand-written update"
+                )
+            return 0.0, 0.0
+        if momentum is None:
+            if self._reads_optimizer:
+                raise ConfigError(
+                    f"{self._names()} reads the optimizer's momentum but saw no optimizer "
+                    "step the model: "
+                    f"pass begin_round(msg, context, model, optimizer=optimizer), or "
+                    f"finish_round(content, learning_rate={learning_rate}, momentum=0.0) "
+                    "for a hand-written update without momentum"
+                )
+            momentum = 0.0
+        rule = OptimizerConfig.model_construct(
+            name="sgd", lr=float(learning_rate), momentum=float(momentum), weight_decay=0.0
         )
+        self._check_rule(
+            rule, f"your update (learning_rate={learning_rate}, momentum={momentum})"
+        )
+        return float(learning_rate), float(momentum)
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check the user's optimiser against every component's ``incompatibilities``,
+        described as ``train.optimizer`` (SGD as ``sgd``, Adam and its subclasses as
+        ``adam``, any other by its class name)."""
+        self._check_rule(_optimizer_config(optimizer), f"your optimizer {_describe(optimizer)}")
+
+    def _check_rule(self, rule: OptimizerConfig, shown: str) -> None:
+        """Raise a one-line ConfigError naming ``shown`` and what to change when a
+        component's ``incompatibilities`` reject ``rule`` as the run's optimiser."""
+        reasons = _optimizer_reasons(self.trainer.config, rule)
+        if reasons:
+            raise ConfigError(f"{shown} does not fit " + "; ".join(reasons))
 
     def _require_round(self) -> _Round:
         if self._round is None:
@@ -412,7 +538,14 @@ class _Round:
     client_state: dict[str, Tensor]
     aggregator_context: Any
     reply_metrics: tuple[str, ...] = ()
+    optimizer: torch.optim.Optimizer | None = None
+    """The round's optimiser: given to ``begin_round`` or seen at its first step."""
+    other_optimizers: weakref.WeakSet[torch.optim.Optimizer] = field(default_factory=weakref.WeakSet)
+    """Optimisers seen stepping other parameters than the round's model's."""
     loss_sum: Tensor | None = None
+    """Sum of the batch losses with gradients, penalties included (``train_loss``)."""
+    penalty_sum: Tensor | None = None
+    """Sum of the penalties of those batches (``train_penalty``)."""
     num_steps: int = 0
 
     def anchor_on(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -424,6 +557,75 @@ class _Round:
             if sample.device != first.device:
                 self.anchor = {key: value.to(first.device) for key, value in self.anchor.items()}
         return self.anchor
+
+
+def _add_to_sum(running: Tensor | None, value: Tensor) -> Tensor:
+    """``running + value`` in float64 on ``value``'s device, starting from zero: summed
+    there, read once at the end of the round."""
+    if running is None:
+        running = torch.zeros((), dtype=torch.float64, device=value.device)
+    return running + value
+
+
+def _constrains_optimizer(train: Any) -> bool:
+    """Whether a component of ``train`` declares incompatibilities (the only place a
+    component can reject the run's optimiser), so the user's optimiser must be seen."""
+    return any(
+        type(getattr(train, slot)).incompatibilities is not ComponentConfig.incompatibilities
+        for slot in ALGORITHM_SLOTS
+    )
+
+
+def _optimizer_reasons(train: Any, rule: OptimizerConfig) -> list[str]:
+    """Every component's reasons against ``rule`` as ``train.optimizer``, worded for an
+    optimiser in the user's own loop (``the optimizer's momentum``)."""
+    with_rule = train.model_copy(update={"optimizer": rule})
+    return [
+        f"{slot} {component.name!r}: " + reason.replace("train.optimizer.", "the optimizer's ")
+        for slot in ALGORITHM_SLOTS
+        for component in [getattr(with_rule, slot)]
+        for reason in component.incompatibilities(with_rule)
+    ]
+
+
+def _optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
+    """``optimizer`` as a ``train.optimizer`` (not validated: only the components judge)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        name = "sgd"
+    elif isinstance(optimizer, torch.optim.Adam):
+        name = "adam"
+    else:
+        name = type(optimizer).__name__.lower()
+    group = optimizer.param_groups[0]
+    return OptimizerConfig.model_construct(
+        name=name,
+        lr=_learning_rate(optimizer),
+        momentum=_momentum(optimizer),
+        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
+    )
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _momentum(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    """``SGD(lr=0.1, momentum=0.9)``: the optimiser as the user built it."""
+    group = optimizer.param_groups[0]
+    shown = [f"lr={_learning_rate(optimizer):g}"]
+    if "momentum" in group:
+        shown.append(f"momentum={_momentum(optimizer):g}")
+    return f"{type(optimizer).__name__}({', '.join(shown)})"
+
+
+def _steps_parameters_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Whether ``optimizer`` updates any parameter of ``model``."""
+    ids = {id(parameter) for parameter in model.parameters()}
+    return any(id(parameter) in ids for group in optimizer.param_groups for parameter in group["params"])
 
 
 def _output_width(model: nn.Module, data: Any, trainer: FedplugTrainer) -> int:
