@@ -143,7 +143,7 @@ insertion)."""
 VARIANTS: dict[str, list[Edit]] = {
     "iwds": [
         (IMPORT, [IMPORT, "from fedplug.adapters.flower import RoundSampler"]),
-        (APP, [APP, 'iwds = RoundSampler({"name": "iwds"}, seed=0)']),
+        (APP, [APP, 'iwds = RoundSampler({"name": "iwds"}, seed=0, app=app)']),
         (
             LOADER,
             [
@@ -159,8 +159,8 @@ VARIANTS: dict[str, list[Edit]] = {
             APP,
             [
                 APP,
-                'fedprox = FedplugLoss(loss_transform={"name": "fedprox", "mu": 0.1})',
-                'shuffle = RoundSampler({"name": "uniform"}, seed=0)',
+                'fedprox = FedplugLoss(loss_transform={"name": "fedprox", "mu": 0.1}, app=app)',
+                'shuffle = RoundSampler({"name": "uniform"}, seed=0, app=app)',
             ],
         ),
         (
@@ -193,7 +193,7 @@ VARIANTS: dict[str, list[Edit]] = {
     ],
     "scaffold": [
         (IMPORT, [IMPORT, "from fedplug.adapters.flower import FedplugLoss"]),
-        (APP, [APP, 'scaffold = FedplugLoss(aggregator={"name": "scaffold"})']),
+        (APP, [APP, 'scaffold = FedplugLoss(aggregator={"name": "scaffold"}, app=app)']),
         (CRITERION, ["criterion = scaffold.begin_round(msg, context, model)"]),
         (
             'content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})',
@@ -206,7 +206,7 @@ VARIANTS: dict[str, list[Edit]] = {
     # FedNova's client side reports a_k (its normalising factor) with the model.
     "fednova": [
         (IMPORT, [IMPORT, "from fedplug.adapters.flower import FedplugLoss"]),
-        (APP, [APP, 'fednova = FedplugLoss(aggregator={"name": "fednova"})']),
+        (APP, [APP, 'fednova = FedplugLoss(aggregator={"name": "fednova"}, app=app)']),
         (CRITERION, ["criterion = fednova.begin_round(msg, context, model)"]),
         (
             'content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})',
@@ -648,6 +648,8 @@ def dispatching_app(apps: dict[str, ClientApp], data: dict[int, Any]) -> ClientA
     count query is answered here for every variant, so that the strategies can map
     client k to the node of partition k (Ray's node ids are random) and compare with the
     simulator; the variants' own query handlers run on the loopback grid above."""
+    from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
+
     app = ClientApp()
 
     def dispatch(msg: Message, context: Context) -> Message:
@@ -657,6 +659,8 @@ def dispatching_app(apps: dict[str, ClientApp], data: dict[int, Any]) -> ClientA
     app.train("feddisk")(dispatch)
     app.evaluate()(dispatch)
     answer_class_counts(app, lambda context: data[int(context.node_config["partition-id"])][0])
+    # it serves every variant's components (the capability query, issue 25)
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
     return app
 
 

@@ -16,6 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid
+from fedplug.adapters.flower.records import (
+    CHAIN_POSITION,
+    CONFIG_KEY,
+    record_to_vector,
+    vector_layout,
+)
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
@@ -26,13 +33,6 @@ from flwr.serverapp.strategy import (
 )
 from torch import nn
 
-from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid
-from fedplug.adapters.flower.records import (
-    CHAIN_POSITION,
-    CONFIG_KEY,
-    record_to_vector,
-    vector_layout,
-)
 from fedplug.errors import TrainingError
 
 NUM_NODES = 4
@@ -331,21 +331,25 @@ def test_fedplug_strategy_inside_flowers_dp_fixed_clipping(side: str) -> None:
     [
         (
             {"loss_transform": {"name": "fedshift"}},
-            r"node \d+ has no @app.query\(\) handler; train.loss_transform 'fedshift' needs from "
+            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
+            r"so no client trains; train.loss_transform 'fedshift' needs from "
             r"every client its class counts before round 1.*: the ClientApp must add "
             r"a @app.query\(\) handler returning FedplugTrainer.describe",
         ),
         (
             {"loss_transform": {"name": "feddisk"}},
-            r"train.loss_transform 'feddisk' needs from every client .*its setup phase 'feddisk' "
+            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
+            r"so no client trains; train.loss_transform 'feddisk' needs from every client .*its setup phase 'feddisk' "
             r"before round 1: the ClientApp must add a @app.train\('feddisk'\) handler returning "
             r"FedplugTrainer.setup_phase",
         ),
         (
             {"aggregator": {"name": "scaffold"}},
-            r"replied without 'fedplug.extras' \['delta_c'\]; train.aggregator 'scaffold' needs .*"
+            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
+            r"so no client trains; train.aggregator 'scaffold' needs .*"
             r"the ClientApp must add FedplugTrainer.fit, or fedplug's client pieces .*reply "
-            r"'fedplug.extras' \['delta_c'\]",
+            r"'fedplug.extras' \['delta_c'\].*FedplugLoss\(aggregator=\{'name': 'scaffold'\}, app=app\) "
+            r"with finish_round\(content, optimizer\)",
         ),
     ],
     ids=["fedshift", "feddisk", "scaffold"],

@@ -42,6 +42,7 @@ from fedplug.run_folder import (
     write_yaml,
 )
 
+from .capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from .nodes import (
     experiment_message_config,
     handle_evaluate,
@@ -470,6 +471,8 @@ def make_client_app() -> ClientApp:
     """The ClientApp that answers :class:`FedplugStrategy`'s messages for a node's
     client of the experiment (see :mod:`.nodes`)."""
     app = ClientApp()
+    # It builds whatever components the server's experiment names.
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
     app.query()(handle_query)
     app.train()(handle_train)
     # One handler per setup phase an installed loss transform declares (FedDisk's).

@@ -32,6 +32,7 @@ from fedplug.registry import Registry
 from fedplug.run.local_training import check_reply_metrics, mean_loss
 from fedplug.run.vectors import model_to_vector, split_like
 
+from .capabilities import declare
 from .local_data import DEFAULT_LABEL_KEY
 from .own_loop_common import (
     ComponentSpec,
@@ -168,7 +169,13 @@ class FedplugLoss:
     def register(self, app: ClientApp, data: DataOf | None) -> None:
         """Register on ``app`` what the components need the node to answer: the class
         counts query (``@app.query()``) and every component's setup phase
-        (``@app.train("<phase name>")``); nothing when they need neither."""
+        (``@app.train("<phase name>")``), and its components on the app's capability
+        handler (:mod:`.capabilities`), which the server asks before round 1."""
+        config = self.trainer.config
+        declare(
+            app,
+            {"loss_transform": config.loss_transform.name, "aggregator": config.aggregator.name},
+        )
         if not (self.needs.class_counts or self._phases):
             return
         if data is None:

@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from fedplug.components import ComponentConfig
 from fedplug.registry import Registry
 
+from .capabilities import declare
 from .local_data import DEFAULT_LABEL_KEY, labels_of
 from .records import (
     CONFIG_KEY,
@@ -97,3 +98,4 @@ def answer_class_counts(
         return answering.describe(data(context), message, context)
 
     app.query()(query)
+    declare(app, {})  # the capability handler reports the query handler above

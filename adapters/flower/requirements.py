@@ -22,6 +22,15 @@ from .records import EXTRAS_KEY, METRICS_KEY, PAYLOAD_KEY
 
 DESCRIBE = "a @app.query() handler returning FedplugTrainer.describe(data, message, context)"
 CLIENT_SIDE = "FedplugTrainer.fit, or fedplug's client pieces in its own @app.train() loop"
+DATA = "data=<context -> trainset>"
+OWN_LOOP_PIECE = {
+    "sampler": "RoundSampler({{'name': {name!r}}}, app=app)",
+    "loss_transform": "FedplugLoss(loss_transform={{'name': {name!r}}}, app=app{data})",
+    "aggregator": "FedplugLoss(aggregator={{'name': {name!r}}}, app=app) with "
+    "finish_round(content, optimizer) on its reply",
+}
+"""The own-loop piece that runs a slot's client side (docs/flower.md, 'Client-side
+algorithms')."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +65,32 @@ def client_requirements(
         needs_total = needs_total | needs
     if not phrases:
         return None
-    return "; ".join(phrases) + ": the ClientApp must add " + " and ".join(
+    line = "; ".join(phrases) + ": the ClientApp must add " + " and ".join(
         additions(needs_total, setup_phase)
     )
+    pieces = own_loop_pieces(components, setup_phase)
+    if pieces:
+        line += " (in its own loop: " + " and ".join(pieces) + ")"
+    return line
+
+
+def own_loop_pieces(components: Sequence[Component], setup_phase: str | None = None) -> list[str]:
+    """The own-loop pieces that serve the components' client sides, one per slot that
+    has one (``FedplugLoss(...)`` with ``app=app``, which also registers the handlers)."""
+    pieces = []
+    for entry in components:
+        needs = entry.component.client_needs()
+        if not (needs.client_side or needs.client_state or needs.reply_extras):
+            continue
+        template = OWN_LOOP_PIECE.get(entry.slot)
+        if template is None:
+            continue
+        wants_data = needs.class_counts or (setup_phase is not None and entry.slot == "loss_transform")
+        pieces.append(template.format(name=entry.name, data=f", {DATA}" if wants_data else ""))
+    counted = any(entry.component.client_needs().class_counts for entry in components)
+    if counted and not any(DATA in piece for piece in pieces):
+        pieces.append("answer_class_counts(app, <context -> trainset>)")
+    return pieces
 
 
 def additions(needs: ClientNeeds, setup_phase: str | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
 from torch.utils.data import Sampler
 
 from fedplug.config import validate_section
@@ -17,6 +18,7 @@ from fedplug.registry import Registry
 from fedplug.run.components import build_component
 from fedplug.run.local_training import local_rng
 
+from .capabilities import declare
 from .local_data import DEFAULT_LABEL_KEY
 from .own_loop_common import (
     ComponentSpec,
@@ -54,6 +56,8 @@ class RoundSampler(Sampler[int]):
             ``fedplug.num-classes`` when it sends one, else the largest label + 1).
         label_key: the label's key in dict samples (default ``"label"``).
         registry: the component registry (default: the installed plugins).
+        app: the ClientApp (default: none); the sampler is declared on its capability
+            handler (:mod:`.capabilities`), which the server asks before round 1.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class RoundSampler(Sampler[int]):
         num_classes: int | None = None,
         label_key: str = DEFAULT_LABEL_KEY,
         registry: Registry | None = None,
+        app: ClientApp | None = None,
     ) -> None:
         registry = registry_or_default(registry)
         train = validate_section(
@@ -76,6 +81,8 @@ class RoundSampler(Sampler[int]):
         self._labels = LabelCache(label_key)
         self._round: tuple[np.ndarray, np.ndarray, int, np.random.Generator] | None = None
         self._next_epoch: np.ndarray | None = None
+        if app is not None:
+            declare(app, {"sampler": self.config.name})
 
     def for_round(self, message: Message, context: Context, data: Any) -> RoundSampler:
         """Start the round of ``message`` (its ``server-round``) for this node's client

@@ -23,16 +23,25 @@ from torch import Tensor
 
 from fedplug.components import PhaseCost
 from fedplug.cost_model import LinkAndDevice
+from fedplug.errors import TrainingError
 from fedplug.registry import Registry
 from fedplug.run.components import Components
 from fedplug.run.federated_round import RoundCore
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.state import resume_run
 
+from .capabilities import (
+    GUIDE,
+    missing_pieces,
+    needs_client_pieces,
+    probe_client_app,
+    provided_line,
+)
 from .node_sampling import NodeRule
 from .node_setup import NodeMessages, find_clients, prepare_components
 from .priors import NodeDirectory
 from .records import record_to_vector
+from .requirements import Component
 from .round_records import FinishedRound, RoundRecords, log_round, record_round
 from .server_checkpoint import run_fingerprint, save_run
 from .server_components import with_aggregator_for_nodes
@@ -106,9 +115,8 @@ class ServerRun:
         start the round core (see :meth:`.strategy.FedplugStrategy.setup`)."""
         settings, config = self.settings, self.settings.train_config
         started = time.perf_counter()
-        if settings.requirement is not None:
-            logger.info("fedplug: %s", settings.requirement)
         node_ids = settings.nodes.wait_for_population(grid)
+        self.check_client_app(grid, node_ids, timeout)
         num_clients = settings.nodes.num_clients
         directory = find_clients(
             grid,
@@ -163,6 +171,36 @@ class ServerRun:
             time.perf_counter() - started,
         )
         return directory
+
+    def check_client_app(self, grid: Grid, node_ids: list[int], timeout: float | None) -> None:
+        """Before any query, setup phase or train message: when the config needs fedplug
+        pieces in the ClientApp, ask one node what its app provides
+        (:mod:`.capabilities`; every SuperNode of a run executes the same ClientApp) and
+        stop with one line naming what is missing; nothing is sent otherwise.
+
+        Raises:
+            TrainingError: the ClientApp lacks a piece the config needs.
+        """
+        settings, config = self.settings, self.settings.train_config
+        if settings.requirement is None:
+            return
+        components = [
+            Component(slot, getattr(config, slot).name, component)
+            for slot, component in self.components.by_slot().items()
+        ]
+        phases = [phase.name for _, phase in self.components.setup_phases()]
+        if not needs_client_pieces(components, phases):
+            return
+        capabilities = probe_client_app(grid, node_ids, settings.requirement, timeout)
+        missing = missing_pieces(
+            capabilities, components, phases, class_counts=settings.query_nodes
+        )
+        if missing:
+            raise TrainingError(
+                f"the ClientApp lacks what the server's config needs: {'; '.join(missing)} "
+                f"({GUIDE})"
+            )
+        logger.info(provided_line(capabilities))
 
     def begin(self, arrays: ArrayRecord) -> ArrayRecord:
         """Start the aggregator from ``arrays``, or resume from the checkpoint when it

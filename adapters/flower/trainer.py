@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -37,6 +38,7 @@ from fedplug.run.local_training import (
 from fedplug.run.vectors import move_tensors, vector_to_model
 from fedplug.setup_phase import PhaseInputs, SetupPhase
 
+from .capabilities import CLIENT_SLOTS, declare
 from .local_data import DEFAULT_LABEL_KEY, LocalData, as_local_data, batches
 from .records import (
     ACCURACY,
@@ -94,6 +96,9 @@ class FedplugTrainer:
             default ``"label"``).
         input_key: the inputs' key in dict samples (e.g. ``"img"``; default: the one key
             besides the label and ``"sample_id"``).
+        app: the ClientApp whose ``@app.train()`` calls :meth:`fit` (default: none); its
+            components are declared on the app's capability handler
+            (:mod:`.capabilities`), which the server asks before round 1.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class FedplugTrainer:
         num_classes: int | None = None,
         label_key: str = DEFAULT_LABEL_KEY,
         input_key: str | None = None,
+        app: ClientApp | None = None,
     ) -> None:
         if registry is None:
             from fedplug.plugins import default_registry
@@ -133,6 +139,8 @@ class FedplugTrainer:
         self._payload_keys = frozenset(self.algorithm.aggregator.client_needs().server_payload)
         """What the aggregator's server side sends with every model, as it declares it."""
         self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
+        if app is not None:
+            declare(app, {slot: getattr(train_config, slot).name for slot in CLIENT_SLOTS})
 
     @classmethod
     def from_config(
@@ -143,6 +151,7 @@ class FedplugTrainer:
         num_classes: int | None = None,
         label_key: str = DEFAULT_LABEL_KEY,
         input_key: str | None = None,
+        app: ClientApp | None = None,
     ) -> FedplugTrainer:
         """Build from a ``train`` section as a dict (validated here, strictly: a typo is
         a :class:`~fedplug.errors.ConfigError` naming its path) or an already validated
@@ -159,6 +168,7 @@ class FedplugTrainer:
             num_classes=num_classes,
             label_key=label_key,
             input_key=input_key,
+            app=app,
         )
 
     # ------------------------------------------------------------------ preparation

@@ -1,0 +1,256 @@
+"""The capability exchange: before any client trains, the server asks ONE node what its
+ClientApp provides, and stops with one line when the config needs more.
+
+Client side: every fedplug piece given the ClientApp (``RoundSampler(..., app=app)``,
+``FedplugLoss(..., app=app)``, ``FedplugTrainer.from_config(..., app=app)``,
+``answer_class_counts``, the ready ``make_client_app``) declares its components with
+:func:`declare`; the first declaration on an app registers one ``@app.query("fedplug")``
+handler, which answers a :data:`CAPABILITY_QUERY` message with a ConfigRecord
+:data:`CAPABILITIES_KEY` holding
+
+- ``components``: ``"<slot>=<name>"`` for every component a piece runs on the client
+  (``"<slot>=*"``: the ready ClientApp, which builds whatever the server's config names);
+- ``handlers``: the message types the app answers (``"query.default"``,
+  ``"train.feddisk"``, ...), read from the app when the probe arrives.
+
+Server side: :func:`probe_client_app` sends the query to one node (every SuperNode of a
+Flower run executes the same ClientApp, so one answer describes them all) and
+:func:`missing_pieces` compares the answer with what the config needs. A stock ClientApp
+answers with Flower's "No query function registered with name 'fedplug'" error; one
+node, so at most one such error reaches the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+
+from fedplug.errors import TrainingError
+
+from .requirements import Component, own_loop_pieces
+
+CAPABILITY_ACTION = "fedplug"
+CAPABILITY_QUERY = f"query.{CAPABILITY_ACTION}"
+"""The probe's message type (Flower 1.41: ``<category>.<action>``, the action an identifier)."""
+CAPABILITIES_KEY = "fedplug.capabilities"
+COMPONENTS = "components"
+HANDLERS = "handlers"
+ANY_COMPONENT = "*"
+CLIENT_SLOTS = ("sampler", "loss_transform", "aggregator")
+"""The ``train`` slots with a client side (the grouper is the server's)."""
+NO_HANDLER = f"No query function registered with name '{CAPABILITY_ACTION}'"
+"""What Flower 1.41 answers the probe with when no fedplug piece was given the app."""
+CLASS_COUNT_HANDLER = "query.default"
+GUIDE = "docs/flower.md, 'Client-side algorithms'"
+
+_declared: weakref.WeakKeyDictionary[ClientApp, set[tuple[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""app -> the (slot, name) pairs its fedplug pieces declared."""
+
+
+# ----------------------------------------------------------------------- client side
+
+
+def declare(app: ClientApp, components: Mapping[str, str]) -> None:
+    """Declare that ``app`` runs these client-side components (slot -> name); register
+    the app's capability handler the first time a piece declares anything on it."""
+    first = app not in _declared
+    declared = _declared.setdefault(app, set())
+    declared.update(components.items())
+    if first:
+        app.query(CAPABILITY_ACTION)(CapabilityHandler(app, declared))
+
+
+class CapabilityHandler:
+    """The app's ``@app.query("fedplug")`` handler. It holds the app and the declared set
+    itself, not a weak reference: the simulation engine pickles the ClientApp into each
+    Ray actor, where the registry above is empty."""
+
+    def __init__(self, app: ClientApp, declared: set[tuple[str, str]]) -> None:
+        self.app = app
+        self.declared = declared
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        record = capability_record(self.declared, handlers_of(self.app))
+        return Message(RecordDict({CAPABILITIES_KEY: record}), reply_to=message)
+
+
+def handlers_of(app: ClientApp | None) -> list[str]:
+    """The message types ``app`` answers (Flower keeps them in ``_registered_funcs``;
+    empty when a Flower release renames it)."""
+    return sorted(getattr(app, "_registered_funcs", {}) or {})
+
+
+def capability_record(components: Iterable[tuple[str, str]], handlers: Sequence[str]) -> ConfigRecord:
+    """The reply's ConfigRecord (lists only when non-empty: Flower types lists by their items)."""
+    record = ConfigRecord()
+    pairs = sorted(f"{slot}={name}" for slot, name in components)
+    if pairs:
+        record[COMPONENTS] = pairs
+    if handlers:
+        record[HANDLERS] = list(handlers)
+    return record
+
+
+# ----------------------------------------------------------------------- server side
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one node's ClientApp said it provides."""
+
+    components: frozenset[tuple[str, str]]
+    handlers: frozenset[str]
+
+    def names(self, slot: str) -> list[str]:
+        return sorted(name for declared, name in self.components if declared == slot)
+
+    def runs(self, slot: str, name: str) -> bool:
+        names = self.names(slot)
+        return name in names or ANY_COMPONENT in names
+
+
+def parse_capabilities(record: ConfigRecord) -> Capabilities:
+    """The :class:`Capabilities` in a reply's record (missing entries: none)."""
+    pairs = [str(item).partition("=") for item in record.get(COMPONENTS, []) or []]
+    return Capabilities(
+        components=frozenset((slot, name) for slot, _, name in pairs),
+        handlers=frozenset(str(item) for item in record.get(HANDLERS, []) or []),
+    )
+
+
+def needs_client_pieces(components: Sequence[Component], setup_phases: Sequence[str]) -> bool:
+    """Whether the config needs something a stock quickstart ClientApp does not send
+    (reply metrics alone do not count: the quickstart replies ``train_loss``)."""
+    if setup_phases:
+        return True
+    for entry in components:
+        needs = entry.component.client_needs()
+        if (
+            needs.class_counts
+            or needs.client_side
+            or needs.client_state
+            or needs.server_payload
+            or needs.reply_extras
+        ):
+            return True
+    return False
+
+
+def missing_pieces(
+    capabilities: Capabilities,
+    components: Sequence[Component],
+    setup_phases: Sequence[str],
+    *,
+    class_counts: bool,
+) -> list[str]:
+    """What the ClientApp lacks for this config, one phrase each (empty: nothing)."""
+    missing = []
+    for entry in components:
+        needs = entry.component.client_needs()
+        if not (needs.client_side or needs.client_state or needs.reply_extras):
+            continue
+        if capabilities.runs(entry.slot, entry.name):
+            continue
+        has = capabilities.names(entry.slot)
+        piece = own_loop_pieces([entry])[0]
+        if has:
+            missing.append(
+                f"train.{entry.slot} is {entry.name!r} on the server but {', '.join(map(repr, has))} "
+                f"in the ClientApp: build its {piece.split('(')[0]} with the server's config ({piece})"
+            )
+        else:
+            missing.append(f"train.{entry.slot} {entry.name!r} runs on the client: add {piece}")
+    handlers = capabilities.handlers
+    if class_counts and CLASS_COUNT_HANDLER not in handlers:
+        missing.append(
+            "the server asks every node for its class counts: add FedplugLoss(..., app=app, "
+            "data=<context -> trainset>) or answer_class_counts(app, <context -> trainset>)"
+        )
+    for phase in setup_phases:
+        if f"train.{phase}" not in handlers:
+            missing.append(
+                f"the setup phase {phase!r} runs before round 1: add FedplugLoss(..., app=app, "
+                f"data=<context -> trainset>) (or @app.train({phase!r}) returning "
+                "FedplugTrainer.setup_phase(data, message, context))"
+            )
+    return missing
+
+
+def provided_line(capabilities: Capabilities) -> str:
+    """The INFO line saying what the ClientApp provides."""
+    pairs = ", ".join(f"train.{slot} {name!r}" for slot, name in sorted(capabilities.components))
+    return f"fedplug: the ClientApp provides {pairs or 'no client-side component'}"
+
+
+def probe_client_app(
+    grid: Grid, node_ids: Sequence[int], requirement: str, timeout: float | None
+) -> Capabilities:
+    """Ask the first of ``node_ids`` what its ClientApp provides (one node: every
+    SuperNode of a run executes the same ClientApp).
+
+    Raises:
+        TrainingError: the app answers no capability query (a stock ClientApp: the line
+            names the own-loop pieces to add, ``requirement``), the node failed otherwise,
+            or it did not answer within ``timeout``.
+    """
+    node = min(node_ids)
+    message = Message(RecordDict(), dst_node_id=node, message_type=CAPABILITY_QUERY)
+    with _quiet_flower(NO_HANDLER):
+        replies = list(grid.send_and_receive([message], timeout=timeout))
+    if not replies:
+        raise TrainingError(f"node {node} did not answer fedplug's capability query within {timeout}s")
+    reply = replies[0]
+    if reply.has_error():
+        if NO_HANDLER in reply.error.reason:
+            raise TrainingError(
+                f"the ClientApp runs no fedplug client piece (node {node} does not answer "
+                f"{CAPABILITY_QUERY!r}), so no client trains; {requirement} ({GUIDE})"
+            )
+        raise TrainingError(
+            f"node {node} failed fedplug's capability query: {reply.error.reason}"
+        )
+    record = reply.content.config_records.get(CAPABILITIES_KEY, ConfigRecord())
+    return parse_capabilities(record)
+
+
+class _DropRecords(logging.Filter):
+    """Drops the records that carry ``text`` (Flower's log of the probe's expected error)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.text in message:
+            return False
+        return not (record.exc_info and self.text in str(record.exc_info[1]))
+
+
+@contextmanager
+def _quiet_flower(text: str) -> Iterator[None]:
+    """For the probe's duration, drop Flower's records of its expected failure (the
+    simulation engine logs a stock ClientApp's ValueError with its traceback in the
+    ServerApp's process); fedplug's one line replaces them."""
+    dropped = _DropRecords(text)
+    loggers = [logging.getLogger("flwr")]
+    for logger in loggers:
+        logger.addFilter(dropped)
+        for handler in logger.handlers:
+            handler.addFilter(dropped)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(dropped)
+            for handler in logger.handlers:
+                handler.removeFilter(dropped)
