@@ -104,7 +104,7 @@ def test_a_stock_client_app_stops_a_scaffold_server_before_any_client_trains(
     line = str(raised.value)
     assert "\n" not in line
     assert "FedplugLoss(aggregator={'name': 'scaffold'}, app=app)" in line
-    assert "finish_round(content, optimizer)" in line
+    assert "finish_round(content)" in line
     assert trained == []
     assert grid.sent == [CAPABILITY_QUERY]
     # the "must add" hint is the error, not an INFO line of the setup before it

@@ -27,7 +27,7 @@ OWN_LOOP_PIECE = {
     "sampler": "RoundSampler({{'name': {name!r}}}, app=app)",
     "loss_transform": "FedplugLoss(loss_transform={{'name': {name!r}}}, app=app{data})",
     "aggregator": "FedplugLoss(aggregator={{'name': {name!r}}}, app=app) with "
-    "finish_round(content, optimizer) on its reply",
+    "finish_round(content) on its reply",
 }
 """The own-loop piece that runs a slot's client side (docs/flower.md, 'Client-side
 algorithms')."""
