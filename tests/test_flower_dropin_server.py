@@ -204,7 +204,8 @@ def test_fedavg_round_is_the_num_examples_weighted_mean() -> None:
     assert metrics["train_loss"] == pytest.approx(
         sum(loss * size for loss, size in zip(losses, sizes)) / total
     )
-    assert (metrics["accepted"], metrics["failures"]) == (NUM_NODES, 0)
+    counters = strategy.train_metrics_serverapp[1]
+    assert (counters["accepted"], counters["failures"]) == (NUM_NODES, 0)
 
 
 def test_fedgsp_naive_hands_chains_between_stock_nodes() -> None:

@@ -55,6 +55,8 @@ class TrainExchange:
     config: dict[str, Any] = field(default_factory=dict, init=False)
     payload_record: ArrayRecord | None = field(default=None, init=False)
     payload_bytes: int = field(default=0, init=False)
+    received: tuple[int, int] = field(default=(0, 0), init=False)
+    """The attempt's replies so far, Flower's way: (with content, with an error)."""
     _waiting: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _node_of_reply: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -89,6 +91,7 @@ class TrainExchange:
         payload = aggregator.server_payload()
         self.payload_record = tensors_to_record(payload) if payload else None
         self.payload_bytes = tensors_num_bytes(payload)
+        self.received = (0, 0)
         self._waiting = {}
 
     def require_round(self) -> RoundInProgress:
@@ -97,9 +100,13 @@ class TrainExchange:
         return self.round
 
     def absorb(self, replies: Iterable[Message]) -> None:
-        """Take the replies of one exchange into their chains."""
+        """Take the replies of one exchange into their chains, and count them."""
+        replies = list(replies)
+        errors = sum(reply.has_error() for reply in replies)
+        results, failures = self.received
+        self.received = (results + len(replies) - errors, failures + errors)
         if self._waiting:
-            self.require_round().absorb(self._waiting, list(replies), self._node_of_reply)
+            self.require_round().absorb(self._waiting, replies, self._node_of_reply)
         self._waiting, self._node_of_reply = {}, {}
 
     def next_messages(

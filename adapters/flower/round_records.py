@@ -6,21 +6,31 @@ strategy does not choose, and a strategy driven by another one's ``start`` may s
 central evaluation at all. :class:`RoundRecords` holds the aggregated round until the
 evaluations it waits for have come, or the next round or the run's end says no more
 will; :meth:`RoundRecords.finish` is the one place a round's record is written.
+
+It also holds what a round tells the user: Flower's own log lines in Flower's wording
+(:func:`log_sampled`, :func:`log_received`), the server-side counters kept apart from
+the clients' metrics (:func:`server_counters`, :class:`FedplugResult`), the grouper's
+line (:func:`grouping_line`) and fedplug's round line (:func:`log_round`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import pprint
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flwr.app import MetricRecord
+from flwr.serverapp.strategy import Result
 
 from fedplug.components import RoundPlan
 from fedplug.run.federated_round import AggregatedRound, Evaluation, RoundCore
 from fedplug.run.results import RoundRecord
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
+flower_logger = logging.getLogger("flwr")
+"""Flower's own logger (``flwr.common.logger.log`` logs to it), for Flower's lines."""
 
 
 @dataclass
@@ -94,17 +104,97 @@ def record_round(
 
 
 def log_round(record: RoundRecord, finished: FinishedRound) -> None:
-    """One log line per recorded round."""
+    """One log line per recorded round (an accuracy not evaluated reads ``n/a``)."""
     tally = finished.attempt.tally
     logger.info(
         "fedplug round %d: %d/%d chains accepted, %d failed, %d attempt(s), "
-        "accuracy %.4f, client accuracy %.4f, %.2fs",
+        "accuracy %s, client accuracy %s, %.2fs",
         record.round,
         tally.accepted,
         len(finished.plan.chains),
         tally.failures,
         finished.attempt.attempts,
-        record.accuracy,
-        record.client_accuracy_mean,
+        _shown(record.accuracy),
+        _shown(record.client_accuracy_mean),
         record.seconds,
+    )
+
+
+def _shown(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.4f}"
+
+
+# ------------------------------------------------------------ Flower's own log lines
+
+
+def log_sampled(stage: str, sampled: int, connected: int) -> None:
+    """Flower's ``FedAvg`` line for a round's sample (``stage``: ``configure_train`` or
+    ``configure_evaluate``), in its wording and through its logger."""
+    flower_logger.info("%s: Sampled %s nodes (out of %s)", stage, sampled, connected)
+
+
+def log_received(stage: str, results: int, failures: int) -> None:
+    """Flower's ``FedAvg`` line for a round's replies (``stage``: ``aggregate_train``
+    or ``aggregate_evaluate``): replies with content, and error replies."""
+    flower_logger.info("%s: Received %s results and %s failures", stage, results, failures)
+
+
+# -------------------------------------------------------- server-side counters
+
+
+def server_counters(attempt: AggregatedRound) -> MetricRecord:
+    """What the server counted in a round, kept out of the clients' own metrics: the
+    chains accepted and failed, the bytes the accepted ones sent up, and the attempts
+    ``train.failures`` allowed."""
+    tally = attempt.tally
+    return MetricRecord(
+        {
+            "accepted": tally.accepted,
+            "failures": tally.failures,
+            "bytes-up": tally.bytes_up,
+            "attempts": attempt.attempts,
+        }
+    )
+
+
+@dataclass
+class FedplugResult(Result):
+    """Flower's :class:`Result` plus :attr:`train_metrics_serverapp`: per round, what
+    the server counted while training (:func:`server_counters`), next to the clients'
+    own metrics in ``train_metrics_clientapp`` as Flower's naming pairs them."""
+
+    train_metrics_serverapp: dict[int, MetricRecord] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        counters = {
+            server_round: dict(metrics.items())
+            for server_round, metrics in self.train_metrics_serverapp.items()
+        }
+        return (
+            super().__repr__()
+            + "ServerApp-side Train Metrics:\n"
+            + pprint.pformat(counters, indent=2)
+            + "\n"
+        )
+
+
+# ------------------------------------------------------------------- the grouper
+
+
+def grouping_line(grouper: str, plan: RoundPlan) -> str | None:
+    """What grouper ``grouper`` does with a round's sampled nodes, in one plain
+    sentence read from ``plan`` alone: how many groups it formed of how many sampled
+    nodes, how many groups train and of what size (each group's nodes one after
+    another), and how many sampled nodes sit idle (``None``: a round nobody trains)."""
+    if not plan.chains:
+        return None
+    groups = plan.groups if plan.groups is not None else plan.chains
+    sampled = sum(len(group) for group in groups)
+    training = sum(len(chain) for chain in plan.chains)
+    sizes = "/".join(str(size) for size in sorted({len(chain) for chain in plan.chains}))
+    in_turn = ", each group's nodes one after another" if any(len(c) > 1 for c in plan.chains) else ""
+    return (
+        f"fedplug grouper {grouper}: the {sampled} sampled nodes form {len(groups)} group(s); "
+        f"{len(plan.chains)} group(s) of {sizes} node(s) train{in_turn}; "
+        f"{sampled - training} sampled node(s) sit idle"
     )

@@ -8,12 +8,16 @@
   ``fraction_evaluate`` / ``min_evaluate_nodes``): :func:`nodes_to_evaluate`,
   :func:`evaluate_messages` and :func:`federated_metrics` (the replies averaged, plus the
   per-client accuracy spread).
+
+Both read the user's accuracy under the name the user gave it (:class:`AccuracyKeys`:
+``accuracy``, ``eval_acc``, ``acc`` or ``FedplugStrategy(accuracy_key=...)``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +33,17 @@ from .messages import MetricsAggregation, client_accuracy, evaluate_message
 from .node_sampling import evaluation_count
 from .node_setup import NodeMessages
 from .priors import NodeDirectory
-from .records import ACCURACY, LOSS, NUM_EXAMPLES, ROUND, number, record_to_vector, vector_layout
+from .records import (
+    ACCURACY,
+    LOSS,
+    METRICS_KEY,
+    NUM_EXAMPLES,
+    ROUND,
+    number,
+    record_to_vector,
+    vector_layout,
+)
+from .round_records import log_received, log_sampled
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
@@ -37,6 +51,65 @@ CentralEvaluation = Callable[[int, ArrayRecord], "MetricRecord | None"]
 EVALUATION_STREAM = 0xE7A1
 """Tag of the generator that samples a round's evaluating clients: ``[seed, round_index,
 tag]``, apart from training's stream (:data:`fedplug.run.round_plan.SAMPLING_STREAM`)."""
+ACCURACY_KEYS = (ACCURACY, "eval_acc", "acc")
+"""The names an accuracy goes by in Flower apps (the quickstart's ClientApp sends
+``eval_acc``), looked for in this order when no ``accuracy_key`` is given."""
+
+
+@dataclass
+class AccuracyKeys:
+    """Where the user's accuracy is in a MetricRecord: under ``accuracy_key`` when the
+    user named it, else under the first of :data:`ACCURACY_KEYS` present. A record of
+    metrics without it is named in one warning per source (the clients' evaluate
+    replies, the central ``evaluate_fn``), instead of an accuracy silently NaN."""
+
+    accuracy_key: str | None = None
+    warned: set[str] = field(default_factory=set)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.accuracy_key,) if self.accuracy_key is not None else ACCURACY_KEYS
+
+    def key_in(self, metrics: Mapping[str, Any], source: str) -> str | None:
+        """The accuracy's key in ``metrics`` (``None``: none there, warned once per
+        ``source`` when ``metrics`` holds other metrics)."""
+        found = next((name for name in self.names if name in metrics), None)
+        if found is None and source not in self.warned and set(metrics) - {NUM_EXAMPLES}:
+            self.warned.add(source)
+            looked_for = " or ".join(repr(name) for name in self.names)
+            logger.warning(
+                "fedplug: the %s send no accuracy under %s (they send %s); fedplug's "
+                "accuracy stays n/a: pass FedplugStrategy(accuracy_key=...) naming yours",
+                source,
+                looked_for,
+                sorted(metrics),
+            )
+        return found
+
+    def central(self, metrics: MetricRecord | None) -> MetricRecord | None:
+        """The central ``evaluate_fn``'s ``metrics`` with the accuracy, wherever the user
+        put it, also under ``accuracy`` (the round records read that); a copy."""
+        if metrics is None:
+            return None
+        key = self.key_in(metrics, "central evaluate_fn's metrics")
+        if key is None or key == ACCURACY:
+            return metrics
+        return MetricRecord({**dict(metrics.items()), ACCURACY: metrics[key]})
+
+    def alias_replies(self, replies: Iterable[Message]) -> None:
+        """Put the accuracy of every evaluate reply also under ``accuracy`` in its
+        ``metrics`` record, where :func:`.messages.client_accuracy` reads it. Called
+        after the replies' metrics are averaged, so the averaged record holds the
+        user's names only; Flower's loop reads no reply afterwards."""
+        for reply in replies:
+            if reply.has_error():
+                continue
+            metrics = reply.content.metric_records.get(METRICS_KEY)
+            if metrics is None:
+                continue
+            key = self.key_in(metrics, "clients' evaluate replies")
+            if key is not None and key != ACCURACY:
+                metrics[ACCURACY] = metrics[key]
 
 
 def central_evaluation(
@@ -88,7 +161,7 @@ def nodes_to_evaluate(
     :func:`.node_sampling.evaluation_count` (``share``: ``fraction_evaluate``,
     ``min_evaluate_nodes``) of the run's clients whose node is connected, drawn with the
     round's evaluation stream (the same on a rerun), all of them when the count covers
-    them. Logs Flower's "Sampled N nodes (out of M)" line."""
+    them. Logs Flower's ``configure_evaluate: Sampled N nodes (out of M)`` line."""
     connected = set(grid.get_node_ids())
     candidates = [(node, client) for client, node in sorted(directory.node_of.items()) if node in connected]
     count = evaluation_count(len(candidates), *share)
@@ -96,7 +169,7 @@ def nodes_to_evaluate(
         rng = np.random.default_rng([seed, round_index, EVALUATION_STREAM])
         picked = np.sort(rng.choice(len(candidates), size=count, replace=False))
         candidates = [candidates[int(index)] for index in picked]
-    logger.info("configure_evaluate: Sampled %d nodes (out of %d)", len(candidates), len(connected))
+    log_sampled("configure_evaluate", len(candidates), len(connected))
     return dict(candidates)
 
 
@@ -125,11 +198,17 @@ def federated_metrics(
     evaluating: Mapping[int, int],
     round_number: int,
     aggregate: MetricsAggregation,
+    accuracy: AccuracyKeys,
 ) -> tuple[MetricRecord | None, MetricRecord | None]:
     """The clients' evaluate metrics averaged by ``aggregate`` (weighted by
-    ``num-examples``) with the mean and (population) spread of their ``accuracy`` added
-    (:func:`.messages.client_accuracy`), and that spread alone (``None``: none)."""
+    ``num-examples``) with the mean and (population) spread of their accuracy
+    (``accuracy`` says under which key) added (:func:`.messages.client_accuracy`), and
+    that spread alone (``None``: none). Logs Flower's ``aggregate_evaluate: Received N
+    results and M failures`` line when there are replies."""
     replies = list(replies)
+    if replies:
+        errors = sum(reply.has_error() for reply in replies)
+        log_received("aggregate_evaluate", len(replies) - errors, errors)
     # Only the nodes asked: a reply from any other is not one of this run's clients.
     usable = [
         reply.content
@@ -137,6 +216,7 @@ def federated_metrics(
         if not reply.has_error() and reply.metadata.src_node_id in evaluating
     ]
     metrics = aggregate(usable, NUM_EXAMPLES) if usable else None
+    accuracy.alias_replies(replies)
     spread = client_accuracy(replies, evaluating, round_number)
     if spread is not None:
         metrics = metrics if metrics is not None else MetricRecord()

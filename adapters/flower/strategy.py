@@ -17,7 +17,7 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 from torch import Tensor, nn
 
 from fedplug.components import RoundPlan
@@ -37,7 +37,14 @@ from .node_setup import NodeMessages
 from .priors import NodeDirectory
 from .records import NUM_EXAMPLES, model_record, record_to_vector, vector_layout
 from .round_exchange import TrainExchange
-from .round_records import FinishedRound
+from .round_records import (
+    FedplugResult,
+    FinishedRound,
+    grouping_line,
+    log_received,
+    log_sampled,
+    server_counters,
+)
 from .server_components import (
     RecordKeys,
     build_components,
@@ -51,6 +58,7 @@ from .server_components import (
     requirement_line,
 )
 from .server_evaluation import (
+    AccuracyKeys,
     CentralEvaluation,
     central_evaluation,
     evaluate_messages,
@@ -59,7 +67,13 @@ from .server_evaluation import (
 )
 from .server_run import RoundObserver, RunSettings, ServerRun
 
-__all__ = ["CentralEvaluation", "FedplugStrategy", "RoundObserver", "central_evaluation"]
+__all__ = [
+    "CentralEvaluation",
+    "FedplugResult",
+    "FedplugStrategy",
+    "RoundObserver",
+    "central_evaluation",
+]
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
@@ -115,6 +129,9 @@ class FedplugStrategy(Strategy):
             ``accuracy`` and ``loss`` when this strategy is driven by another one's
             ``start`` (a DP wrapper), which keeps its own ``evaluate_fn`` to itself
             (default: the one :meth:`start` receives).
+        accuracy_key: the name of the accuracy in the clients' evaluate metrics and in
+            ``evaluate_fn``'s MetricRecord (default: the first of ``accuracy``,
+            ``eval_acc`` and ``acc`` present; none there is named in one warning).
 
     Raises:
         ConfigError: a component needs every client's raw data in one place
@@ -149,6 +166,7 @@ class FedplugStrategy(Strategy):
         target_accuracy: float | None = None,
         observers: Iterable[RoundObserver] = (),
         evaluate_fn: CentralEvaluation | None = None,
+        accuracy_key: str | None = None,
     ) -> None:
         if registry is None:
             from fedplug.plugins import default_registry
@@ -192,6 +210,13 @@ class FedplugStrategy(Strategy):
         self.target_accuracy = target_accuracy
         self.observers = list(observers)
         self.evaluate_fn = evaluate_fn
+        self.accuracy = AccuracyKeys(accuracy_key)
+        """Where the user's accuracy is in a MetricRecord (:mod:`.server_evaluation`)."""
+        self.train_metrics_serverapp: dict[int, MetricRecord] = {}
+        """Per fedplug round, what the server counted while training
+        (:func:`.round_records.server_counters`): :class:`FedplugResult`'s, kept here
+        too for a run driven by another strategy's ``start`` (a DP wrapper)."""
+        self._grouping: str | None = None
         self._components = components
         self._plans: dict[int, RoundPlan] = {}
         self._evaluating: dict[int, int] = {}
@@ -212,12 +237,24 @@ class FedplugStrategy(Strategy):
         settings = RunSettings(
             self.config, self.registry, self.nodes, self.messages, self.query_nodes,
             self.client_requirements, self.layout, self.train_flops, self.link,
-            self.checkpoint_path, self.target_accuracy, self.observers, self.evaluate_fn,
+            self.checkpoint_path, self.target_accuracy, self.observers,
+            self._with_accuracy(self.evaluate_fn),
         )  # fmt: skip
         self.run = ServerRun(settings, self._components, self._vector_record)
         """The run: setup, start or resumption, and records (:mod:`.server_run`)."""
         self.exchange = TrainExchange(self.config, self.needs, self.layout, self.client_requirements)
         """The train messages of the round in progress (:mod:`.round_exchange`)."""
+
+    def _with_accuracy(self, evaluate_fn: CentralEvaluation | None) -> CentralEvaluation | None:
+        """``evaluate_fn`` whose metrics hold the user's accuracy also under
+        ``accuracy``, for the round records (:meth:`AccuracyKeys.central`)."""
+        if evaluate_fn is None:
+            return None
+
+        def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            return self.accuracy.central(evaluate_fn(server_round, arrays))
+
+        return evaluate
 
     def _model_for(self, arrays: ArrayRecord) -> nn.Module:
         """The global model, a stand-in holding ``arrays`` when none was given."""
@@ -306,6 +343,8 @@ class FedplugStrategy(Strategy):
         arrays = self._ensure_started(grid, arrays, self.exchange.timeout)
         round_number = server_round + self.run.offset
         self.run.records.round_starting(round_number)
+        if self.exchange.round is None or self.exchange.round.server_round != round_number:
+            self._log_round_start(self.plan(round_number), grid)
         self.exchange.start_round(
             round_number,
             self.plan,
@@ -314,6 +353,19 @@ class FedplugStrategy(Strategy):
             self.aggregator,
         )
         return self._next_messages()
+
+    def _log_round_start(self, plan: RoundPlan, grid: Grid) -> None:
+        """Flower's ``configure_train: Sampled N nodes (out of M)`` line (N: the nodes
+        that train this round), and, with a grouper, what it does with the sampled
+        nodes, whenever that differs from the last round's (:func:`grouping_line`)."""
+        training = sum(len(chain) for chain in plan.chains)
+        log_sampled("configure_train", training, len(list(grid.get_node_ids())))
+        if self.config.grouper.name == "none":
+            return
+        line = grouping_line(self.config.grouper.name, plan)
+        if line is not None and line != self._grouping:
+            self._grouping = line
+            logger.info("%s", line)
 
     def configure_hand_off(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """Take the replies of one exchange and return the next members' messages, each
@@ -328,8 +380,11 @@ class FedplugStrategy(Strategy):
         """Take the replies, finish the round's chains (hand-offs through the grid that
         :meth:`configure_train` was given), and let the round core screen, aggregate and,
         under ``train.failures``, replay the round. The metrics are the clients' own,
-        averaged by ``train_metrics_aggr_fn`` (weighted by ``num-examples``), plus
-        ``accepted``, ``failures``, ``bytes-up`` and ``attempts``.
+        averaged by ``train_metrics_aggr_fn`` (weighted by ``num-examples``), as
+        Flower's; what the server counted (``accepted``, ``failures``, ``bytes-up``,
+        ``attempts``) goes to :attr:`train_metrics_serverapp`. Logs Flower's
+        ``aggregate_train: Received N results and M failures`` line for each attempt
+        (every reply of the round's exchanges, hand-offs included).
 
         Raises:
             TrainingError: too many clients failed in every attempt, the global model
@@ -348,6 +403,7 @@ class FedplugStrategy(Strategy):
                 config = ConfigRecord(exchange.config)
                 messages = self.configure_train(round_number - self.run.offset, arrays, config, grid)
                 exchange.send_until_done(list(messages), self.configure_hand_off)
+            log_received("aggregate_train", *exchange.received)
             return exchange.require_round().outcomes()
 
         plan = self.plan(round_number)
@@ -356,12 +412,8 @@ class FedplugStrategy(Strategy):
             FinishedRound(round_number, plan, attempt, exchange.payload_bytes, exchange.started)
         )
         self.run.final_vector = attempt.vector
+        self.train_metrics_serverapp[round_number] = server_counters(attempt)
         metrics = self.train_metrics_aggr_fn(exchange.accepted_replies(attempt), NUM_EXAMPLES)
-        tally = attempt.tally
-        metrics["accepted"] = tally.accepted
-        metrics["failures"] = tally.failures
-        metrics["bytes-up"] = tally.bytes_up
-        metrics["attempts"] = attempt.attempts
         return self._vector_record(attempt.vector), metrics
 
     def _next_messages(self) -> list[Message]:
@@ -404,7 +456,7 @@ class FedplugStrategy(Strategy):
         evaluation is still to come."""
         round_number = server_round + self.run.offset
         metrics, spread = federated_metrics(
-            replies, self._evaluating, round_number, self.evaluate_metrics_aggr_fn
+            replies, self._evaluating, round_number, self.evaluate_metrics_aggr_fn, self.accuracy
         )
         self.run.records.evaluated_on_nodes(round_number, spread)
         return metrics
@@ -420,7 +472,7 @@ class FedplugStrategy(Strategy):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: CentralEvaluation | None = None,
-    ) -> Result:
+    ) -> FedplugResult:
         """Run the whole experiment: Flower's ``Strategy.start`` (``evaluate_fn`` at
         round 0 too), with ``initial_arrays`` defaulting to :attr:`model`'s and
         ``num_rounds`` to ``train.rounds``, resuming after the checkpoint's last round
@@ -431,8 +483,10 @@ class FedplugStrategy(Strategy):
         ``train.failures.client_timeout_seconds`` (T) set, an exchange also ends once no
         reply has come for T plus a margin (:func:`.chains.reply_wait`), and the nodes
         still silent fail their chains, so a hung node cannot stall the run.
-        ``evaluate_fn(round, arrays)`` evaluates centrally; its ``accuracy`` and ``loss``
-        become the round's test metrics. After the run,
+        ``evaluate_fn(round, arrays)`` evaluates centrally; its accuracy (``accuracy_key``)
+        and ``loss`` become the round's test metrics. The :class:`FedplugResult` is
+        Flower's ``Result`` plus ``train_metrics_serverapp``, the server's counters per
+        round. After the run,
         :attr:`run_result` holds fedplug's :class:`RunResult` (the simulator's
         ``metrics.json`` content) and :attr:`final_vector` the final model.
 
@@ -454,13 +508,15 @@ class FedplugStrategy(Strategy):
         if remaining <= 0:
             logger.info("fedplug: the checkpoint already holds all %d rounds", num_rounds)
             self.run.run_result = self.run.result()
-            return Result(arrays=arrays)
+            return FedplugResult(arrays=arrays, train_metrics_serverapp=dict(self.train_metrics_serverapp))
 
         def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             assert evaluate_fn is not None
             metrics = evaluate_fn(server_round + offset, arrays)
             if server_round > 0:
-                self.run.records.evaluated_centrally(metrics)
+                self.run.records.evaluated_centrally(self.accuracy.central(metrics))
+            else:
+                self.accuracy.central(metrics)  # names a missing accuracy before round 1
             return metrics
 
         self.run.records.central_expected = evaluate_fn is not None
@@ -481,13 +537,12 @@ class FedplugStrategy(Strategy):
         if self.final_vector is not None:
             result.arrays = self._vector_record(self.final_vector)
         self.run.run_result = self.run.result()
-        if not offset:
-            return result
-        return Result(
+        return FedplugResult(
             arrays=result.arrays,
             train_metrics_clientapp=_shifted(result.train_metrics_clientapp, offset),
             evaluate_metrics_clientapp=_shifted(result.evaluate_metrics_clientapp, offset),
             evaluate_metrics_serverapp=_shifted(result.evaluate_metrics_serverapp, offset),
+            train_metrics_serverapp=dict(self.train_metrics_serverapp),
         )
 
     def derived_params(self) -> dict[str, Any]:
