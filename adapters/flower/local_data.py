@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+from torch.utils.data import (
+    ConcatDataset,
+    DataLoader,
+    Dataset,
+    Subset,
+    TensorDataset,
+    default_collate,
+)
 
 from fedplug.errors import DataError
 
@@ -123,17 +130,18 @@ class LocalData:
 
 
 def labels_of(data: Any, label_key: str = DEFAULT_LABEL_KEY) -> np.ndarray:
-    """All labels of a client's training data, as int64, without running its transforms
-    where the data allow it.
+    """All labels of a client's training data, as int64, read without loading its inputs
+    where the data keep their labels apart (:func:`stored_labels`), else by reading every
+    sample (:func:`labels_by_iteration`).
 
-    ``data`` is a DataLoader (its dataset is read), labels themselves (a tensor, an array,
-    a list of ints), a Hugging Face ``datasets.Dataset`` (the ``label_key`` column, read
-    with its format reset so that no image transform runs), a dataset with a
-    ``targets`` attribute of its length (torchvision), or any map-style dataset of
-    ``(input, label, ...)`` tuples or dict samples (every sample is read).
+    What is counted: ``data`` is labels themselves (a tensor, an array, a list of ints), a
+    dataset, or a DataLoader, of which its whole ``dataset`` is read: its sampler is not
+    applied (:class:`~fedplug.adapters.flower.FedplugTrainer` trains on that whole dataset
+    in its own order; pass a ``Subset`` to train and count a part of it).
 
     Raises:
-        DataError: a sample is neither such a tuple nor a dict with ``label_key``.
+        DataError: a sample is neither an ``(input, label, ...)`` tuple nor a dict with
+            ``label_key``.
     """
     if isinstance(data, DataLoader):
         data = data.dataset
@@ -143,16 +151,105 @@ def labels_of(data: Any, label_key: str = DEFAULT_LABEL_KEY) -> np.ndarray:
         isinstance(value, (int, np.integer)) for value in data
     ):
         return np.asarray(data, dtype=np.int64)
-    columns = getattr(data, "column_names", None)
-    if isinstance(columns, list) and label_key in columns and hasattr(data, "with_format"):
-        # A Hugging Face Dataset: one column read, its user transform not run.
-        return np.asarray(list(data.with_format(None)[label_key]), dtype=np.int64)
-    targets = getattr(data, "targets", None)
-    if targets is not None and len(targets) == len(data):
-        return np.asarray(targets, dtype=np.int64)
+    stored = stored_labels(data, label_key)
+    return stored if stored is not None else labels_by_iteration(data, label_key)
+
+
+def stored_labels(dataset: Any, label_key: str = DEFAULT_LABEL_KEY) -> np.ndarray | None:
+    """The labels of ``dataset`` read from where it keeps them, as int64, without loading
+    a sample or running a transform on an input; ``None`` when it keeps them nowhere known.
+
+    Known places, each giving the labels that reading every sample would give:
+
+    - a Hugging Face ``datasets.Dataset`` (flwr-datasets' partitions, ``train_test_split``
+      results, under any ``with_format`` or ``with_transform``): its ``label_key`` column,
+      read as Arrow with the format reset, so its transform never runs. The column as
+      stored is counted: a transform that rewrites labels is not seen.
+    - a ``torch.utils.data.Subset``: its parent's stored labels at its indices;
+      a ``ConcatDataset``: its parts' stored labels, one after the other;
+      :class:`SampleIds`: the wrapped dataset's.
+    - a ``TensorDataset`` of two or more tensors: the second (a sample is
+      ``(input, label, ...)``), when it holds one label per sample.
+    - a dataset with ``targets`` of its length (torchvision's MNIST, CIFAR, ImageFolder),
+      each passed through its ``target_transform`` when it has one; not when it has a
+      joint ``transforms`` that could change the target.
+    """
+    for reader in STORED_LABEL_READERS:
+        labels = reader(dataset, label_key)
+        if labels is not None:
+            return labels
+    return None
+
+
+def _hugging_face_column(dataset: Any, label_key: str) -> np.ndarray | None:
+    columns = getattr(dataset, "column_names", None)
+    if not (isinstance(columns, list) and label_key in columns and hasattr(dataset, "with_format")):
+        return None
+    # The Arrow format replaces the user's format and transform: only the column is read.
+    table = dataset.with_format("arrow", columns=[label_key])[:]
+    return np.array(table[label_key].to_numpy(), dtype=np.int64)  # a writable copy of Arrow's
+
+
+def _wrapped_dataset_labels(dataset: Any, label_key: str) -> np.ndarray | None:
+    if isinstance(dataset, SampleIds):
+        return stored_labels(dataset.dataset, label_key)
+    if isinstance(dataset, Subset):
+        parent = stored_labels(dataset.dataset, label_key)
+        return None if parent is None else parent[np.asarray(dataset.indices, dtype=np.int64)]
+    if isinstance(dataset, ConcatDataset):
+        parts = [stored_labels(part, label_key) for part in dataset.datasets]
+        if any(part is None for part in parts):
+            return None
+        return np.concatenate([np.empty(0, dtype=np.int64), *parts])  # type: ignore[list-item]
+    return None
+
+
+def _tensor_dataset_labels(dataset: Any, label_key: str) -> np.ndarray | None:
+    if not (isinstance(dataset, TensorDataset) and len(dataset.tensors) >= 2):
+        return None
+    labels = dataset.tensors[1]
+    if labels.dim() != 1:
+        return None  # not one label per sample: reading the samples says what is wrong
+    return np.asarray(labels.cpu(), dtype=np.int64)
+
+
+def _targets(dataset: Any, label_key: str) -> np.ndarray | None:
+    targets = getattr(dataset, "targets", None)
+    if targets is None or len(targets) != len(dataset):
+        return None
+    joint = getattr(dataset, "transforms", None)
+    if joint is not None and not hasattr(joint, "target_transform"):
+        return None  # a joint transform of (input, target) could change the target
+    stored = np.asarray(targets)
+    if stored.ndim != 1:
+        return None  # not one label per sample
+    target_transform = getattr(dataset, "target_transform", None)
+    if target_transform is None:
+        return stored.astype(np.int64)
+    return np.asarray([int(target_transform(int(target))) for target in stored], dtype=np.int64)
+
+
+STORED_LABEL_READERS: tuple[Callable[[Any, str], np.ndarray | None], ...] = (
+    _wrapped_dataset_labels,
+    _hugging_face_column,
+    _tensor_dataset_labels,
+    _targets,
+)
+"""The places :func:`stored_labels` looks, in order; the first that knows the dataset
+answers."""
+
+
+def labels_by_iteration(dataset: Any, label_key: str = DEFAULT_LABEL_KEY) -> np.ndarray:
+    """All labels of a map-style dataset, read sample by sample (each sample is loaded and
+    transformed): the way that works for any dataset of ``(input, label, ...)`` tuples or
+    dict samples, and what :func:`stored_labels` must agree with.
+
+    Raises:
+        DataError: a sample is neither such a tuple nor a dict with ``label_key``.
+    """
     labels = []
-    for index in range(len(data)):
-        sample = data[index]
+    for index in range(len(dataset)):
+        sample = dataset[index]
         if isinstance(sample, Mapping) and label_key in sample:
             labels.append(int(sample[label_key]))
         elif isinstance(sample, (tuple, list)) and len(sample) >= 2:

@@ -56,7 +56,8 @@ def message_config(message: Message) -> ConfigRecord:
 
 class LabelCache:
     """The labels of the last data object seen (a node reloads the same dataset object,
-    or a new one each round; reading labels can mean reading every sample)."""
+    or a new one each round). :func:`~fedplug.adapters.flower.local_data.labels_of` reads
+    a label column where the data keep one, and every sample otherwise."""
 
     def __init__(self, label_key: str) -> None:
         self.label_key = label_key
@@ -82,6 +83,13 @@ def answer_class_counts(
     class-count query with this node's counts (:meth:`FedplugTrainer.describe`): what a
     stock ClientApp adds, in one line, when an algorithm needs every client's class
     counts (FedShift's prior, FedGSP's groups). The raw data never leave the node.
+
+    The counts are of the labels only, read without loading an input where the data
+    keep them apart: a Hugging Face ``Dataset``'s label column (its transform is not run),
+    a ``Subset``'s parent's labels, a ``TensorDataset``'s label tensor, torchvision's
+    ``targets``; a DataLoader is counted over its whole ``dataset``
+    (:func:`~fedplug.adapters.flower.local_data.labels_of`). Other datasets are read
+    sample by sample.
 
     Args:
         app: the ClientApp.
