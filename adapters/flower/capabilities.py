@@ -128,15 +128,17 @@ def parse_capabilities(record: ConfigRecord) -> Capabilities:
 
 
 def needs_client_pieces(components: Sequence[Component], setup_phases: Sequence[str]) -> bool:
-    """Whether the config needs something a stock quickstart ClientApp does not send
-    (reply metrics alone do not count: the quickstart replies ``train_loss``)."""
+    """Whether the config needs a fedplug piece in the ClientApp: a client side, state,
+    payload, extras or a setup phase. Reply metrics alone do not count (the quickstart
+    replies ``train_loss``), nor do class counts alone (a server-side grouper's): any
+    ``@app.query()`` handler may answer those, and the class-count query is then the
+    check (:func:`.priors.gather_class_counts` asks one node first)."""
     if setup_phases:
         return True
     for entry in components:
         needs = entry.component.client_needs()
         if (
-            needs.class_counts
-            or needs.client_side
+            needs.client_side
             or needs.client_state
             or needs.server_payload
             or needs.reply_extras
@@ -185,6 +187,17 @@ def missing_pieces(
     return missing
 
 
+def what_to_add(components: Sequence[Component], setup_phases: Sequence[str]) -> str:
+    """What a ClientApp without fedplug pieces must add, in a phrase: the own-loop
+    pieces, or fedplug's own loop."""
+    pieces = own_loop_pieces(components, setup_phases[0] if setup_phases else None)
+    own_loop = " and ".join(pieces) if pieces else "fedplug's client pieces"
+    return (
+        f"add {own_loop} to its @app.train() loop, or train with "
+        "FedplugTrainer.from_config(train_config, app=app).fit"
+    )
+
+
 def provided_line(capabilities: Capabilities) -> str:
     """The INFO line saying what the ClientApp provides."""
     pairs = ", ".join(f"train.{slot} {name!r}" for slot, name in sorted(capabilities.components))
@@ -192,19 +205,19 @@ def provided_line(capabilities: Capabilities) -> str:
 
 
 def probe_client_app(
-    grid: Grid, node_ids: Sequence[int], requirement: str, timeout: float | None
+    grid: Grid, node_ids: Sequence[int], to_add: str, timeout: float | None
 ) -> Capabilities:
     """Ask the first of ``node_ids`` what its ClientApp provides (one node: every
     SuperNode of a run executes the same ClientApp).
 
     Raises:
         TrainingError: the app answers no capability query (a stock ClientApp: the line
-            names the own-loop pieces to add, ``requirement``), the node failed otherwise,
+            says what to add, ``to_add``), the node failed otherwise,
             or it did not answer within ``timeout``.
     """
     node = min(node_ids)
     message = Message(RecordDict(), dst_node_id=node, message_type=CAPABILITY_QUERY)
-    with _quiet_flower(NO_HANDLER):
+    with quiet_flower(NO_HANDLER):
         replies = list(grid.send_and_receive([message], timeout=timeout))
     if not replies:
         raise TrainingError(f"node {node} did not answer fedplug's capability query within {timeout}s")
@@ -213,7 +226,7 @@ def probe_client_app(
         if NO_HANDLER in reply.error.reason:
             raise TrainingError(
                 f"the ClientApp runs no fedplug client piece (node {node} does not answer "
-                f"{CAPABILITY_QUERY!r}), so no client trains; {requirement} ({GUIDE})"
+                f"{CAPABILITY_QUERY!r}), so no client trained: {to_add} ({GUIDE})"
             )
         raise TrainingError(
             f"node {node} failed fedplug's capability query: {reply.error.reason}"
@@ -237,7 +250,7 @@ class _DropRecords(logging.Filter):
 
 
 @contextmanager
-def _quiet_flower(text: str) -> Iterator[None]:
+def quiet_flower(text: str) -> Iterator[None]:
     """For the probe's duration, drop Flower's records of its expected failure (the
     simulation engine logs a stock ClientApp's ValueError with its traceback in the
     ServerApp's process); fedplug's one line replaces them."""

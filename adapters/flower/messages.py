@@ -146,13 +146,17 @@ def _usable_value(key: str, value: Any) -> float | list[float] | None:
 
 
 def client_accuracy(
-    replies: Iterable[Message], client_of_node: Mapping[int, int], server_round: int
+    replies: Iterable[Message],
+    client_of_node: Mapping[int, int],
+    server_round: int,
+    accuracy_key_of: Callable[[Mapping[str, Any]], str | None] | None = None,
 ) -> MetricRecord | None:
     """Mean and (population) spread of the per-client accuracies, over the clients with
-    a non-empty local test split that report ``accuracy`` (the simulator's definition);
-    ``None`` when none does. A client whose ``num-examples`` is not an integer in
-    ``[0, MAX_NUM_EXAMPLES]`` or whose ``accuracy`` is not a number in ``[0, 1]`` is
-    left out, with a warning."""
+    a non-empty local test split that report an accuracy (the simulator's definition);
+    ``None`` when none does. ``accuracy_key_of`` says under which key a reply's metrics
+    hold it (default: ``accuracy``). A client whose ``num-examples`` is not an integer in
+    ``[0, MAX_NUM_EXAMPLES]`` or whose accuracy is not a number in ``[0, 1]`` is left
+    out, with a warning."""
     accuracies: dict[int, float] = {}
     for reply in replies:
         client = client_of_node.get(reply.metadata.src_node_id)
@@ -163,12 +167,18 @@ def client_accuracy(
             )
             continue
         metrics = reply.content.metric_records.get(METRICS_KEY)
-        if client is None or metrics is None or ACCURACY not in metrics:
+        if client is None or metrics is None:
+            continue
+        if accuracy_key_of is not None:
+            key = accuracy_key_of(metrics)
+        else:
+            key = ACCURACY if ACCURACY in metrics else None
+        if key is None:
             continue  # a ClientApp of its own may name its metrics otherwise
         try:
             if integer(metrics, NUM_EXAMPLES, 0, low=0, high=MAX_NUM_EXAMPLES) > 0:
                 low, high = METRIC_RANGES[ACCURACY]
-                accuracies[client] = finite_number(metrics[ACCURACY], ACCURACY, low, high)
+                accuracies[client] = finite_number(metrics[key], key, low, high)
         except ValueError as error:
             logger.warning(
                 "round %d: client %s %s; left out of the client accuracy",

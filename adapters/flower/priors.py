@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 
 from fedplug.errors import TrainingError
 
+from .capabilities import quiet_flower
 from .decoding import MAX_NUM_EXAMPLES, MalformedReply, parse_integer
 from .records import (
     CLASS_COUNTS,
@@ -171,7 +172,12 @@ def gather_class_counts(
         )
         for node in node_ids
     ]
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    # One node first: a ClientApp without a query handler fails once, not on every node
+    # (all SuperNodes of a run execute the same ClientApp).
+    with quiet_flower(NO_QUERY_HANDLER):
+        replies = list(grid.send_and_receive(messages[:1], timeout=timeout))
+    if not (replies and replies[0].has_error() and NO_QUERY_HANDLER in replies[0].error.reason):
+        replies += list(grid.send_and_receive(messages[1:], timeout=timeout)) if messages[1:] else []
     answered = {reply.metadata.src_node_id: reply for reply in replies}
     reports: dict[int, tuple[int, int, list[int]]] = {}
     for node in node_ids:

@@ -23,6 +23,7 @@ from .records import EXTRAS_KEY, METRICS_KEY, PAYLOAD_KEY
 DESCRIBE = "a @app.query() handler returning FedplugTrainer.describe(data, message, context)"
 CLIENT_SIDE = "FedplugTrainer.fit, or fedplug's client pieces in its own @app.train() loop"
 DATA = "data=<context -> trainset>"
+MUST_ADD = ": the ClientApp must add "
 OWN_LOOP_PIECE = {
     "sampler": "RoundSampler({{'name': {name!r}}}, app=app)",
     "loss_transform": "FedplugLoss(loss_transform={{'name': {name!r}}}, app=app{data})",
@@ -65,13 +66,19 @@ def client_requirements(
         needs_total = needs_total | needs
     if not phrases:
         return None
-    line = "; ".join(phrases) + ": the ClientApp must add " + " and ".join(
+    line = "; ".join(phrases) + MUST_ADD + " and ".join(
         additions(needs_total, setup_phase)
     )
     pieces = own_loop_pieces(components, setup_phase)
     if pieces:
         line += " (in its own loop: " + " and ".join(pieces) + ")"
     return line
+
+
+def needs_only(requirement: str) -> str:
+    """The part of a :func:`client_requirements` line that says what the components need
+    (without what to add: logged before the ClientApp is asked what it provides)."""
+    return requirement.split(MUST_ADD, 1)[0]
 
 
 def own_loop_pieces(components: Sequence[Component], setup_phase: str | None = None) -> list[str]:

@@ -28,7 +28,7 @@ from fedplug.run.model import build_model
 
 from .node_sampling import NodeRule
 from .records import CONFIG_KEY, MODEL_KEY, NUM_EXAMPLES
-from .requirements import Component, client_requirements
+from .requirements import Component, client_requirements, needs_only
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
@@ -269,5 +269,5 @@ def log_summary(
     log("\t│\t└── evaluate: fraction_evaluate %.2f, min_evaluate_nodes %d", *evaluation)
     log(
         "\t└──> from each ClientApp: %s",
-        requirement or "arrays and metrics with num-examples (nothing more)",
+        needs_only(requirement) if requirement else "arrays and metrics with num-examples",
     )

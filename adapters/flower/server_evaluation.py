@@ -96,20 +96,9 @@ class AccuracyKeys:
             return metrics
         return MetricRecord({**dict(metrics.items()), ACCURACY: metrics[key]})
 
-    def alias_replies(self, replies: Iterable[Message]) -> None:
-        """Put the accuracy of every evaluate reply also under ``accuracy`` in its
-        ``metrics`` record, where :func:`.messages.client_accuracy` reads it. Called
-        after the replies' metrics are averaged, so the averaged record holds the
-        user's names only; Flower's loop reads no reply afterwards."""
-        for reply in replies:
-            if reply.has_error():
-                continue
-            metrics = reply.content.metric_records.get(METRICS_KEY)
-            if metrics is None:
-                continue
-            key = self.key_in(metrics, "clients' evaluate replies")
-            if key is not None and key != ACCURACY:
-                metrics[ACCURACY] = metrics[key]
+    def of_reply(self, metrics: Mapping[str, Any]) -> str | None:
+        """The accuracy's key in a client's evaluate reply (see :meth:`key_in`)."""
+        return self.key_in(metrics, "clients' evaluate replies")
 
 
 def central_evaluation(
@@ -216,8 +205,7 @@ def federated_metrics(
         if not reply.has_error() and reply.metadata.src_node_id in evaluating
     ]
     metrics = aggregate(usable, NUM_EXAMPLES) if usable else None
-    accuracy.alias_replies(replies)
-    spread = client_accuracy(replies, evaluating, round_number)
+    spread = client_accuracy(replies, evaluating, round_number, accuracy.of_reply)
     if spread is not None:
         metrics = metrics if metrics is not None else MetricRecord()
         for key, value in spread.items():

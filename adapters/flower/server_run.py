@@ -36,6 +36,7 @@ from .capabilities import (
     needs_client_pieces,
     probe_client_app,
     provided_line,
+    what_to_add,
 )
 from .node_sampling import NodeRule
 from .node_setup import NodeMessages, find_clients, prepare_components
@@ -191,7 +192,9 @@ class ServerRun:
         phases = [phase.name for _, phase in self.components.setup_phases()]
         if not needs_client_pieces(components, phases):
             return
-        capabilities = probe_client_app(grid, node_ids, settings.requirement, timeout)
+        capabilities = probe_client_app(
+            grid, node_ids, what_to_add(components, phases), timeout
+        )
         missing = missing_pieces(
             capabilities, components, phases, class_counts=settings.query_nodes
         )
