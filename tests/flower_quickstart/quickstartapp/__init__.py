@@ -1,0 +1,1 @@
+"""quickstartapp: Flower's PyTorch quickstart, offline."""
