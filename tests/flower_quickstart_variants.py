@@ -178,7 +178,7 @@ VARIANTS: tuple[Variant, ...] = (
             after(
                 CLIENT,
                 REPLY_ANCHOR,
-                '    scaffold.finish_round(content, learning_rate=msg.content["config"]["lr"])',
+                '    scaffold.finish_round(content)',
             ),
             *TRAIN_TAKES_CRITERION,
             Edit(
