@@ -11,12 +11,14 @@ strategies, the DP wrappers included, in a single ``run_simulation``.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid
+from fedplug.adapters.flower.capabilities import CAPABILITY_QUERY
 from fedplug.adapters.flower.records import (
     CHAIN_POSITION,
     CONFIG_KEY,
@@ -327,44 +329,53 @@ def test_fedplug_strategy_inside_flowers_dp_fixed_clipping(side: str) -> None:
 # ------------------------------------------------- the one line, when more is needed
 
 
+def stock_app_line(piece: str) -> str:
+    """The whole line (a regex) that stops a run on a stock ClientApp: the probe went
+    unanswered, no client trained, and ``piece`` is what to add to the app's own loop."""
+    return (
+        r"^the ClientApp runs no fedplug client piece \(node \d+ does not answer "
+        r"'query\.fedplug'\), so no client trained: add "
+        + re.escape(piece)
+        + r" to its @app\.train\(\) loop, or train with "
+        r"FedplugTrainer\.from_config\(train_config, app=app\)\.fit "
+        r"\(docs/flower\.md, 'Client-side algorithms'\)$"
+    )
+
+
 @pytest.mark.parametrize(
-    ("train", "expected"),
+    ("train", "piece"),
     [
         (
             {"loss_transform": {"name": "fedshift"}},
-            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
-            r"so no client trains; train.loss_transform 'fedshift' needs from "
-            r"every client its class counts before round 1.*: the ClientApp must add "
-            r"a @app.query\(\) handler returning FedplugTrainer.describe",
+            "FedplugLoss(loss_transform={'name': 'fedshift'}, app=app, data=<context -> trainset>)",
         ),
         (
             {"loss_transform": {"name": "feddisk"}},
-            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
-            r"so no client trains; train.loss_transform 'feddisk' needs from every client .*its setup phase 'feddisk' "
-            r"before round 1: the ClientApp must add a @app.train\('feddisk'\) handler returning "
-            r"FedplugTrainer.setup_phase",
+            "FedplugLoss(loss_transform={'name': 'feddisk'}, app=app, data=<context -> trainset>)",
         ),
         (
             {"aggregator": {"name": "scaffold"}},
-            r"the ClientApp runs no fedplug client piece \(node \d+ does not answer 'query.fedplug'\), "
-            r"so no client trains; train.aggregator 'scaffold' needs .*"
-            r"the ClientApp must add FedplugTrainer.fit, or fedplug's client pieces .*reply "
-            r"'fedplug.extras' \['delta_c'\].*FedplugLoss\(aggregator=\{'name': 'scaffold'\}, app=app\) "
-            r"with finish_round\(content, optimizer\)",
+            (
+                "FedplugLoss(aggregator={'name': 'scaffold'}, app=app) with finish_round(content) "
+                "on its reply"
+            ),
         ),
     ],
     ids=["fedshift", "feddisk", "scaffold"],
 )
 def test_an_algorithm_that_needs_more_says_what_in_one_line(
-    train: dict[str, Any], expected: str
+    train: dict[str, Any], piece: str
 ) -> None:
     strategy = strategy_for(train, num_classes=NUM_CLASSES, input_shape=(NUM_FEATURES,))
     assert strategy.client_requirements is not None
     assert "\n" not in strategy.client_requirements
-    with pytest.raises(TrainingError, match=expected) as raised:
-        run(strategy, LoopbackGrid(quickstart_app(), NUM_NODES))
+    grid = LoopbackGrid(quickstart_app(), NUM_NODES)
+    with pytest.raises(TrainingError, match=stock_app_line(piece)) as raised:
+        run(strategy, grid)
     assert "\n" not in str(raised.value)
     assert strategy.history == []  # said before any round was recorded
+    # Only the capability query went out: no class-count query, setup phase or train.
+    assert [message.metadata.message_type for message in grid.delivered] == [CAPABILITY_QUERY]
 
 
 # ------------------------------------------------------------------ resume

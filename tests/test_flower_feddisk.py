@@ -19,6 +19,12 @@ from fedplug.adapters.flower import (
     make_client_app,
     run_on_grid,
 )
+from fedplug.adapters.flower.capabilities import (
+    ANY_COMPONENT,
+    CAPABILITY_QUERY,
+    CLIENT_SLOTS,
+    declare,
+)
 from fedplug.adapters.flower.loopback import FIRST_NODE_ID, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
     EXPERIMENT_ID,
@@ -186,12 +192,12 @@ def test_a_users_client_app_with_a_data_loader_gets_the_same_weights() -> None:
     reference = compute_feddisk_weights(
         federation, loss_config, np.random.default_rng(loss_config.seed)
     )
-    trainer = FedplugTrainer(config.train, num_classes=federation.num_classes)
     loaders = [
         DataLoader(TensorDataset(client.train_x, client.train_y), batch_size=16)
         for client in federation.clients
     ]
     app = ClientApp()
+    trainer = FedplugTrainer(config.train, num_classes=federation.num_classes, app=app)
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
@@ -276,6 +282,7 @@ def test_phase_one_messages_carry_only_made_parameters_and_scalars(
 def client_app_failing_at(step: str, client: int) -> ClientApp:
     """The ready ClientApp, except that ``client``'s node raises at phase-1 ``step``."""
     app = ClientApp()
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
     app.query()(handle_query)
     app.train()(handle_train)
     app.evaluate()(handle_evaluate)
@@ -312,6 +319,8 @@ def test_a_node_that_leaves_during_phase_one_stops_the_run() -> None:
     def leave_after_local(message: Message) -> Message | None:
         reply = deliver(message)
         leaving = FIRST_NODE_ID + 2
+        if message.metadata.message_type != FEDDISK_MESSAGE_TYPE:
+            return reply
         step = str(message.content[CONFIG_KEY].get(STEP, ""))
         if message.metadata.dst_node_id == leaving and step == "local":
             grid.connected.discard(leaving)
@@ -325,11 +334,21 @@ def test_a_node_that_leaves_during_phase_one_stops_the_run() -> None:
 
 
 def test_a_client_app_without_the_feddisk_handler_is_told_how_to_add_it() -> None:
+    # The ready ClientApp's handlers, but no @app.train('feddisk'): the capability
+    # exchange finds the missing phase handler before phase 1 or any training starts.
     app = ClientApp()
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
     app.query()(handle_query)
     app.train()(handle_train)
-    with pytest.raises(TrainingError, match=r"step 'range'.*@app\.train\('feddisk'\)"):
-        run_on_grid(LoopbackGrid(app, NUM_CLIENTS), feddisk_experiment("cap"))
+    grid = LoopbackGrid(app, NUM_CLIENTS)
+    with pytest.raises(
+        TrainingError,
+        match=r"^[^\n]*the setup phase 'feddisk' runs before round 1: [^\n]*"
+        r"@app\.train\('feddisk'\)[^\n]*$",
+    ):
+        run_on_grid(grid, feddisk_experiment("cap"))
+    sent = {message.metadata.message_type for message in grid.delivered}
+    assert sent == {CAPABILITY_QUERY}
 
 
 def test_training_without_phase_one_weights_is_a_config_error() -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import LoopbackGrid, run_on_grid
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.loopback import FIRST_NODE_ID
 from fedplug.adapters.flower.messages import weighted_metrics
 from fedplug.adapters.flower.nodes import (
@@ -71,6 +72,9 @@ EXTRA_OF: dict[str, str | None] = {
     "fedmedian": None,
 }
 """The reply extra each aggregator reads (None: none)."""
+READY_APP_COMPONENTS = dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT)
+"""What a hand-built ready ClientApp declares, as ``make_client_app`` does: it builds
+whatever the server's config names."""
 
 Attack = Callable[[RecordDict], None]
 
@@ -95,6 +99,7 @@ def hostile_app(
 ) -> ClientApp:
     """The ready ClientApp on every node; node :data:`HOSTILE` tampers with its replies."""
     app = ClientApp()
+    declare(app, READY_APP_COMPONENTS)
 
     def hostile(handler: Any, attack: Attack | None) -> Any:
         def handle(message: Message, context: Context) -> Message:
@@ -305,6 +310,7 @@ def test_no_client_with_the_extras_still_stops_with_the_fix() -> None:
         del content[EXTRAS_KEY]
 
     app = ClientApp()
+    declare(app, READY_APP_COMPONENTS)
     app.query()(handle_query)
     app.evaluate()(handle_evaluate)
 
@@ -355,6 +361,7 @@ def test_absurd_evaluation_metrics_are_left_out(
     # Prepare: record what every client reports, then client 1 tampers with its reply.
     reported: dict[int, tuple[int, float]] = {}
     app = ClientApp()
+    declare(app, READY_APP_COMPONENTS)
     app.query()(handle_query)
     app.train()(handle_train)
 
@@ -585,6 +592,7 @@ def train_hostile_on_ray(message: Message, context: Context) -> Message:
 
 
 ray_client_app = ClientApp()
+declare(ray_client_app, READY_APP_COMPONENTS)
 ray_client_app.query()(handle_query)
 ray_client_app.train()(train_hostile_on_ray)
 ray_client_app.train("feddisk")(handle_setup_phase)

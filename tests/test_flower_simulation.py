@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import run_on_grid
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.nodes import (
     handle_evaluate,
     handle_query,
@@ -99,6 +100,8 @@ def train_or_fail(message: Message, context: Context) -> Message:
 
 
 client_app = ClientApp()
+# like make_client_app: it builds whatever the server's config names
+declare(client_app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
 client_app.query()(handle_query)
 client_app.train()(train_or_fail)
 client_app.train("feddisk")(handle_setup_phase)  # FedDisk's setup phase

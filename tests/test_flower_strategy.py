@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from fedplug.adapters.flower import FedplugStrategy, LoopbackGrid, make_client_app, run_on_grid
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.nodes import (
     experiment_message_config,
     handle_evaluate,
@@ -193,6 +194,8 @@ def faulty_client_app(
     """The ready ClientApp, except that some nodes raise or send broken models."""
     raised: set[int] = set()
     app = ClientApp()
+    # like make_client_app: it builds whatever the server's config names
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
     app.query()(handle_query)
     app.evaluate()(handle_evaluate)
 

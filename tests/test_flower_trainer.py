@@ -332,8 +332,8 @@ def test_user_client_app_with_fedplug_strategy_gathers_counts_and_runs_scaffold(
         "batch_size": 8,
         "rounds": 1,
     }
-    trainer = FedplugTrainer.from_config(train, num_classes=NUM_CLASSES)
     app = ClientApp()
+    trainer = FedplugTrainer.from_config(train, num_classes=NUM_CLASSES, app=app)
 
     @app.query()
     def query(message: Message, node_context: Context) -> Message:

@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 import timeout_plugins
 from fedplug.adapters.flower import FedplugStrategy, FedplugTrainer, LoopbackGrid, run_on_grid
 from fedplug.adapters.flower.apps import make_client_app
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.chains import (
     ReplyDeadlineGrid,
     no_reply_reason,
@@ -149,11 +150,11 @@ def test_a_users_fedplug_trainer_obeys_the_servers_timeout(hang_plugin, dropped)
         registry,
     )
     assert user_train.failures.client_timeout_seconds is None
-    trainer = FedplugTrainer(user_train, registry=registry, num_classes=4)
+    app = ClientApp()
+    trainer = FedplugTrainer(user_train, registry=registry, num_classes=4, app=app)
     generator = torch.Generator().manual_seed(0)
     shards = [(torch.randn(20, 12, generator=generator), torch.arange(20) % 4) for _ in range(4)]
     models = [torch.nn.Sequential(torch.nn.Linear(12, 4)) for _ in range(4)]
-    app = ClientApp()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -321,6 +322,8 @@ def query_with_hang_plugin(message: Message, context: Context) -> Message:
 
 
 ray_client_app = ClientApp()
+# like make_client_app: it builds whatever the server's config names
+declare(ray_client_app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
 ray_client_app.query()(query_with_hang_plugin)
 ray_client_app.train()(train_with_hang_plugin)
 ray_client_app.evaluate()(handle_evaluate)
