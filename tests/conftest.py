@@ -56,6 +56,8 @@ SMALL_EXPERIMENT: dict[str, Any] = {
 SLOW_FILES_FIRST = (
     "test_readme_commands.py",  # README's real-MNIST runs: a fifth of the suite's time
     "test_pipeline.py",  # `dvc repro` of the pipeline, then of edits to it: a sixth
+    "test_flower_quickstart.py",  # eight `flwr run`s of the quickstart app: about 3.5 min
+    "test_dvc_queue.py",  # two queued experiments on two DVC queue workers: about 3 min
     "test_tracking.py",
     "test_flower_deployment.py",
     "test_tracking_outage.py",
