@@ -113,3 +113,28 @@ def test_without_a_validation_split_no_round_reports_one(small_experiment: dict[
     result, _ = run_experiment(experiment(small_experiment), None)
 
     assert all("val_accuracy" not in record.as_dict() for record in result.history)
+
+
+def test_with_feature_noise_a_clients_validation_inputs_carry_its_noise(small_experiment: dict[str, Any]) -> None:
+    """Client k's generator shuffles, then draws its training, test and validation noise in
+    that order (by hand with numpy), so the training and test inputs keep their noise."""
+    config = experiment(small_experiment, validation_fraction=0.25, partition={"name": "feature_noise", "sigma": 0.3})
+    registry = default_registry()
+    dataset = load_dataset(config.data, registry)
+    federation = build_federation(config.data, registry, dataset=dataset)
+    arrays = federation.clients
+    x = np.asarray(dataset.train_x, dtype=np.float32)
+
+    expected = []
+    for k in range(len(arrays)):
+        own = arrays.indices[arrays.offsets[k] : arrays.offsets[k + 1]]
+        rng = np.random.default_rng([config.data.seed, k, SPLIT_STREAM])
+        shuffled = rng.permutation(own)
+        test, held = int(arrays.test_sizes[k]), int(arrays.validation_sizes[k])
+        std = float(arrays.noise_std[k])
+        noisy = [np.clip(x[ids] + rng.normal(0.0, std, size=x[ids].shape).astype(np.float32), 0, 1)
+                 for ids in (shuffled[test + held :], shuffled[:test], shuffled[test : test + held])]
+        assert np.array_equal(arrays[k].train_x.numpy(), noisy[0]) and np.array_equal(arrays[k].test_x.numpy(), noisy[1])
+        expected.append(noisy[2])
+
+    assert np.array_equal(federation.validation_set()[0].numpy(), np.concatenate(expected))
