@@ -133,6 +133,13 @@ class DataConfigBase(StrictModel):
     """K, the number of clients."""
     local_test_fraction: float = Field(0.2, ge=0, lt=1)
     """Share of each client's samples kept as its local test split."""
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    """Share of each client's training samples (what the local test split leaves) held
+    out as its validation split, seeded like it: never trained on; the global model's
+    ``val_accuracy`` and ``val_loss`` on the clients' validation samples are recorded
+    each round (hyperparameter search chooses on them, never on a test set). Default 0.0:
+    no validation split; then left out of the resolved config, so run folders,
+    checkpoints and study records of earlier versions still match."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seed of the partition and the local train/test split (at most 2**32 - 1)."""
     root: str = "data/raw"
@@ -148,6 +155,13 @@ class DataConfigBase(StrictModel):
         ``self``. :func:`load_experiment` calls it."""
         self._folder = Path(folder) if folder is not None else None
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_default_validation(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and self.validation_fraction == 0.0:
+            data.pop("validation_fraction", None)
+        return data
 
     def root_path(self) -> Path:
         """``root`` as the folder to read: an absolute ``root`` as it is, a relative one

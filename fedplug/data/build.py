@@ -55,7 +55,8 @@ def build_federation(
     """Load (or take) the dataset and partition; the federation keeps their arrays and
     builds a client's tensors when it is first asked for (:class:`ClientArrays`: client
     k's samples are shuffled by the generator ``[data.seed, k, 0x7E57]``, its local test
-    split cut off, its feature noise drawn; the last ``cache_clients`` clients built are
+    split and then its validation split (``data.validation_fraction``) cut off, its
+    feature noise drawn; the last ``cache_clients`` clients built are
     kept)."""
     if dataset is None:
         dataset = load_dataset(data_config, registry)
@@ -71,6 +72,7 @@ def build_federation(
         num_classes=dataset.num_classes,
         seed=data_config.seed,
         local_test_fraction=data_config.local_test_fraction,
+        validation_fraction=getattr(data_config, "validation_fraction", 0.0),
         noise_std=partition.noise_std,
         device=device,
         cache_clients=cache_clients,

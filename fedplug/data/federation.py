@@ -1,4 +1,5 @@
-"""A federation: a dataset split into clients, each with a local train and test split.
+"""A federation: a dataset split into clients, each with a local train and test split
+(and, when asked for, a validation split held out of its training samples).
 
 A federation built from a dataset (:func:`fedplug.data.build.build_federation`) holds
 arrays, not one object per client: :class:`ClientArrays` keeps the dataset's arrays, one
@@ -52,11 +53,16 @@ def local_test_sizes(sizes: np.ndarray, fraction: float) -> np.ndarray:
     return np.minimum(wanted, np.maximum(sizes - 1, 0))
 
 
-def shuffled_split(indices: np.ndarray, num_test: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def shuffled_split(
+    indices: np.ndarray, num_test: int, rng: np.random.Generator, num_validation: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Shuffle a client's indices with ``rng``; the first ``num_test`` form its local
-    test split, the rest its training split, both in the shuffled order."""
+    test split, the next ``num_validation`` its validation split, the rest its training
+    split, all in the shuffled order: ``(train, test, validation)``. Without a validation
+    split, the train and test splits are those of a federation that never had one."""
     shuffled = rng.permutation(indices)
-    return shuffled[num_test:], shuffled[:num_test]
+    held_out = num_test + num_validation
+    return shuffled[held_out:], shuffled[:num_test], shuffled[num_test:held_out]
 
 
 class ClientArrays(Sequence[ClientData]):
@@ -65,8 +71,10 @@ class ClientArrays(Sequence[ClientData]):
     Client k holds the training samples ``indices[offsets[k]:offsets[k + 1]]``. When it
     is built, its generator ``[seed, k, SPLIT_STREAM]`` shuffles them; the first
     ``floor(local_test_fraction * n_k)`` (at most n_k - 1) form its local test split, the
-    rest its training split; with ``noise_std`` its training inputs, then its test
-    inputs, get Gaussian noise from the same generator. Its tensors are gathered from
+    next ``floor(validation_fraction * m_k)`` of the m_k left (at most m_k - 1) its
+    validation split, the rest its training split; with ``noise_std`` its training
+    inputs, then its test inputs, then its validation inputs, get Gaussian noise from the
+    same generator. Its tensors are gathered from
     ``train_x``/``train_y`` and moved to ``device``. The last ``cache_clients`` clients
     built are kept, so a round's clients are gathered once.
 
@@ -86,6 +94,7 @@ class ClientArrays(Sequence[ClientData]):
         num_classes: int,
         seed: int,
         local_test_fraction: float,
+        validation_fraction: float = 0.0,
         noise_std: np.ndarray | None = None,
         device: torch.device | str = "cpu",
         cache_clients: int = DEFAULT_CACHE_CLIENTS,
@@ -104,7 +113,10 @@ class ClientArrays(Sequence[ClientData]):
         sizes = np.diff(self.offsets)
         self.test_sizes = local_test_sizes(sizes, local_test_fraction)
         """Each client's local test split size (length K)."""
-        self.train_sizes = sizes - self.test_sizes
+        self.validation_sizes = local_test_sizes(sizes - self.test_sizes, validation_fraction)
+        """Each client's validation split size (length K): held out of its training
+        samples, never trained on; the global model is evaluated on their union."""
+        self.train_sizes = sizes - self.test_sizes - self.validation_sizes
         """Each client's local training split size (length K)."""
         self._cache: OrderedDict[int, ClientData] = OrderedDict()
         self._class_counts: np.ndarray | None = None
@@ -146,12 +158,15 @@ class ClientArrays(Sequence[ClientData]):
 
     # ------------------------------------------------------------------ one client
 
-    def _split(self, client_id: int) -> tuple[np.random.Generator, np.ndarray, np.ndarray]:
-        """Client ``client_id``'s generator (after the shuffle) and its train and test ids."""
+    def _split(self, client_id: int) -> tuple[np.random.Generator, np.ndarray, np.ndarray, np.ndarray]:
+        """Client ``client_id``'s generator (after the shuffle) and its train, test and
+        validation ids."""
         rng = np.random.default_rng([self.seed, client_id, SPLIT_STREAM])
         own = self.indices[self.offsets[client_id] : self.offsets[client_id + 1]]
-        train_ids, test_ids = shuffled_split(own, int(self.test_sizes[client_id]), rng)
-        return rng, train_ids, test_ids
+        train_ids, test_ids, validation_ids = shuffled_split(
+            own, int(self.test_sizes[client_id]), rng, int(self.validation_sizes[client_id])
+        )
+        return rng, train_ids, test_ids, validation_ids
 
     def _inputs(
         self, client_id: int, rng: np.random.Generator, train_ids: np.ndarray, test_ids: np.ndarray
@@ -165,7 +180,7 @@ class ClientArrays(Sequence[ClientData]):
         return x_train, x_test
 
     def _build(self, client_id: int) -> ClientData:
-        rng, train_ids, test_ids = self._split(client_id)
+        rng, train_ids, test_ids, _ = self._split(client_id)
         x_train, x_test = self._inputs(client_id, rng, train_ids, test_ids)
         y_train = self.train_y[train_ids]
         return ClientData(
@@ -182,10 +197,10 @@ class ClientArrays(Sequence[ClientData]):
     def class_counts(self) -> np.ndarray:
         """The K x C matrix of local training class counts (computed once)."""
         if self._class_counts is None:
-            if self.test_sizes.any():
+            if self.test_sizes.any() or self.validation_sizes.any():
                 self._split_every_client()
             else:
-                # No local test split: a client trains on all its samples, in whatever order.
+                # No held-out split: a client trains on all its samples, in whatever order.
                 self._class_counts = counts_by_client(self.train_y, self.indices, self.offsets, self.num_classes)
         assert self._class_counts is not None
         self._class_counts.flags.writeable = False  # shared by every caller
@@ -211,8 +226,32 @@ class ClientArrays(Sequence[ClientData]):
 
     def _build_inputs(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Client ``client_id``'s test ids and (noisy) test inputs."""
-        rng, train_ids, test_ids = self._split(client_id)
+        rng, train_ids, test_ids, _ = self._split(client_id)
         return test_ids, self._inputs(client_id, rng, train_ids, test_ids)[1]
+
+    def validation_ids(self) -> np.ndarray:
+        """Every client's validation ids (rows of ``train_x``), concatenated in client order."""
+        if not self.validation_sizes.any():
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self._split(client_id)[3] for client_id in range(len(self))])
+
+    def validation_set(self) -> tuple[Tensor, Tensor]:
+        """Every client's validation split concatenated in client order (inputs, labels);
+        with ``noise_std``, each client's inputs carry its noise, drawn after its training
+        and test inputs' from its generator."""
+        ids = self.validation_ids()
+        x = self.train_x[ids]
+        if self.noise_std is not None and len(ids):
+            parts = []
+            for client_id in range(len(self)):
+                rng, train_ids, test_ids, validation_ids = self._split(client_id)
+                self._inputs(client_id, rng, train_ids, test_ids)  # advances rng past their noise
+                parts.append(add_feature_noise(self.train_x[validation_ids], float(self.noise_std[client_id]), rng))
+            x = np.concatenate(parts)
+        return (
+            torch.as_tensor(x, dtype=torch.float32).to(self.device),
+            torch.from_numpy(self.train_y[ids]).to(self.device),
+        )
 
     def _split_every_client(self) -> np.ndarray:
         """Every client's test ids concatenated in client order, and the class counts:
@@ -224,7 +263,7 @@ class ClientArrays(Sequence[ClientData]):
         test_ids = np.empty(int(self.test_sizes.sum()), dtype=np.int64)
         train_at = test_at = 0
         for client_id in range(len(self)):
-            _, train, test = self._split(client_id)
+            _, train, test, _ = self._split(client_id)
             train_labels[train_at : train_at + len(train)] = self.train_y[train]
             test_ids[test_at : test_at + len(test)] = test
             train_at += len(train)
@@ -284,6 +323,16 @@ class Federation:
         x = torch.cat([client.test_x for client in self.clients])
         y = torch.cat([client.test_y for client in self.clients])
         return x, y, sizes
+
+    def validation_set(self) -> tuple[Tensor, Tensor]:
+        """The clients' validation splits concatenated in client order (inputs, labels):
+        samples held out of their training data (``data.validation_fraction``) to choose
+        hyperparameters on, never the test sets. Empty without them (and for a federation
+        made in code from :class:`ClientData`, which has none)."""
+        if isinstance(self.clients, ClientArrays):
+            return self.clients.validation_set()
+        empty = torch.zeros((0, *self.input_shape), device=self.device)
+        return empty, torch.zeros(0, dtype=torch.long, device=self.device)
 
     @property
     def device(self) -> torch.device:

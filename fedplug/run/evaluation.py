@@ -1,5 +1,7 @@
-"""Evaluation of the global model: on the held-out test set and on every client's own
-local test split. Always with raw logits (no loss transform, no FedShift shift).
+"""Evaluation of the global model: on the held-out test set, on every client's own
+local test split and, when the federation has them (``data.validation_fraction``), on the
+union of the clients' validation splits. Always with raw logits (no loss transform, no
+FedShift shift).
 
 This is the only place a global model is evaluated: the simulator and the FedML
 coordinator use :class:`Evaluator` (a federation's test sets), a runtime that holds only
@@ -104,6 +106,7 @@ class Evaluator:
             torch.from_numpy(sizes).to(self.local_y.device),
         )
         self.num_clients = len(sizes)
+        self.validation_x, self.validation_y = federation.validation_set()
 
     def batches(self) -> list[Batch]:
         """The evaluation's batches: the held-out test set's, then the local splits'."""
@@ -118,8 +121,9 @@ class Evaluator:
         return predict_batch(model, x[rows], y[rows])
 
     def evaluate(self, model: nn.Module, spread: Spread | None = None) -> Evaluation:
-        """Accuracy and mean loss on the held-out test set, and the mean and spread of
-        the clients' accuracies on their local splits; ``spread`` may compute the batches."""
+        """Accuracy and mean loss on the held-out test set, the mean and spread of the
+        clients' accuracies on their local splits (``spread`` may compute these batches),
+        and accuracy and mean loss on the clients' validation splits (when there are any)."""
         batches = self.batches()
         results = spread(self, model, batches) if spread is not None else None
         if results is None:
@@ -137,7 +141,13 @@ class Evaluator:
             per_client = (hits / counts.clamp(min=1))[self.clients_with_tests.to(hits.device)]
             mean = float(per_client.mean())
             std = float(per_client.std(unbiased=False))
-        return Evaluation(accuracy, loss, mean, std)
+        validation_accuracy: float | None = None
+        validation_loss: float | None = None
+        if len(self.validation_y):
+            # Computed here, not spread: a few batches, and never part of the test numbers.
+            validation = evaluate_held_out(model, self.validation_x, self.validation_y, self.batch_size)
+            validation_accuracy, validation_loss = validation.accuracy, validation.loss
+        return Evaluation(accuracy, loss, mean, std, validation_accuracy, validation_loss)
 
 
 def _concatenate(results: list[BatchResult], device: torch.device) -> Tensor:

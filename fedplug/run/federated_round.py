@@ -62,6 +62,16 @@ class Evaluation:
     loss: float = float("nan")
     client_accuracy_mean: float = float("nan")
     client_accuracy_std: float = float("nan")
+    validation_accuracy: float | None = None
+    """On the clients' validation splits (``data.validation_fraction``); None without them."""
+    validation_loss: float | None = None
+
+    def validation_metrics(self) -> dict[str, float]:
+        """``val_accuracy`` and ``val_loss`` for the round's record; none without a
+        validation split (so a run without one records exactly what it did before)."""
+        if self.validation_accuracy is None or self.validation_loss is None:
+            return {}
+        return {"val_accuracy": self.validation_accuracy, "val_loss": self.validation_loss}
 
 
 # ------------------------------------------------------------------------- the round
@@ -509,7 +519,7 @@ class RoundCore:
             faults_straggler_timeouts=tally.straggler_timeouts,
             faults_corrupted=tally.corrupted,
             dropped=dropped,
-            metrics=self.round_metrics(plan) if plan.chains else {},
+            metrics={**(self.round_metrics(plan) if plan.chains else {}), **evaluation.validation_metrics()},
         )
 
     # ---------------------------------------------------------------- derived

@@ -125,7 +125,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     compute time (4 significant digits; only when the model reports one), ``setup_seconds`` the measured wall time of the run's setup phase
     (only when it took 0.01 s or more: a run without a setup phase takes none, one that
     loads a cached setup about none),
-    ``config_hash`` is :func:`~fedplug.study.run_folders.config_hash` of the run's config.
+    ``config_hash`` is :func:`~fedplug.study.run_folders.config_hash` of the run's config;
+    ``tuned`` the values the study's ``tune:`` search chose for it (only for a
+    :class:`~fedplug.study.tuning.TunedRun`).
     """
     analysis = _analysis(analysis)
     numbers = run_row(metrics, target, analysis)
@@ -175,6 +177,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     record["fedplug"] = (info.get("packages") or {}).get("fedplug")
     record["config_hash"] = config_hash(run.config.model_dump(mode="json"))
     record["overrides"] = list(overrides)
+    tuned = getattr(run, "tuned", None)
+    if tuned:
+        record["tuned"] = dict(tuned)
     return record
 
 

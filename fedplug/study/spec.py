@@ -10,7 +10,7 @@ import itertools
 import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedplug.analysis import Analysis, registered_analysis
 from fedplug.components import StrictConfig
@@ -87,6 +87,83 @@ class HeadlineSpec(StrictConfig):
     """Algorithm labels; default None: every algorithm."""
 
 
+class ParamRange(StrictConfig):
+    """A numeric range a sampler draws a parameter from (``{low: 0.005, high: 0.5, log: true}``)."""
+
+    low: float
+    high: float
+    log: bool = False
+    """Draw on a log scale (default False); needs ``low > 0``."""
+    integer: bool = False
+    """Draw whole numbers (default False), e.g. ``train.local_epochs``."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ParamRange:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log range needs low > 0, got {self.low}")
+        return self
+
+
+GridValue = bool | int | float | str | None
+"""A value a parameter can take in a list (what Optuna's samplers store)."""
+
+
+class TuneSpec(StrictConfig):
+    """A study's hyperparameter search (``tune:``): Optuna chooses ``params`` on validation
+    samples held out of the clients' training data, never the test sets; the study's runs
+    then train with the chosen values (:mod:`fedplug.study.tuning`, docs/pipeline.md)."""
+
+    params: dict[str, ParamRange | list[GridValue]] = Field(min_length=1)
+    """Dotted config path -> a list of values (``grid``, or categories for ``tpe``) or a
+    range ``{low, high, log, integer}`` (``tpe`` only), e.g. ``train.optimizer.lr``."""
+    sampler: Literal["tpe", "grid"] = "tpe"
+    """``tpe`` (Optuna's TPESampler) or ``grid`` (Optuna's GridSampler: every point once,
+    in an order ``seed`` shuffles); the best trial wins, the earliest of equals."""
+    trials: int | None = Field(None, ge=1, le=10_000)
+    """Trials per tuned algorithm; ``tpe`` needs it, ``grid`` defaults to every point."""
+    metric: Literal["val_accuracy", "val_loss"] = "val_accuracy"
+    """What is chosen on: ``val_accuracy`` (maximised) or ``val_loss`` (minimised), on
+    the union of the clients' validation samples."""
+    select: Literal["last", "best"] = "last"
+    """The metric's value at the ``last`` round (default) or the ``best`` over rounds."""
+    validation_fraction: float = Field(0.1, gt=0, lt=1)
+    """``data.validation_fraction`` of the trials: the share of each client's training
+    samples held out to choose on (default 0.1). The study's runs train on all of them."""
+    seed: int = Field(0, ge=0)
+    """Seed of the sampler (default 0)."""
+    pruner: Literal["none", "median"] = "none"
+    """``median``: Optuna's MedianPruner stops a trial whose metric after a round is
+    worse than the median of earlier trials' after the same round (default ``none``)."""
+    pruner_startup_trials: int = Field(2, ge=1)
+    """Trials that finish before the pruner may stop one (default 2)."""
+    pruner_warmup_rounds: int = Field(0, ge=0)
+    """Rounds of a trial the pruner lets pass before it may stop it (default 0)."""
+    per_algorithm: bool = True
+    """Tune each algorithm on its own (default True); False: tune the first algorithm and
+    give its values to every algorithm."""
+    cell: dict[str, str] = Field(default_factory=dict)
+    """Grid axis -> value label of the cell tuned on (default: the first cell; axes left
+    out take their first label). An algorithm that does not run there is tuned on its
+    first cell. Trials use the first draw and seed."""
+
+    @model_validator(mode="after")
+    def _fits_the_sampler(self) -> TuneSpec:
+        for path, values in self.params.items():
+            if isinstance(values, list) and not values:
+                raise ValueError(f"params.{path}: give at least one value")
+            if self.sampler == "grid" and not isinstance(values, list):
+                raise ValueError(f"params.{path}: the grid sampler needs a list of values, e.g. [0.01, 0.05, 0.1]")
+        if self.sampler == "tpe" and self.trials is None:
+            raise ValueError("sampler tpe needs `trials:` (how many to run per algorithm)")
+        return self
+
+
+TUNE_FORBIDDEN = {"train.seed": "seeds", "data.seed": "draws", "data.validation_fraction": "tune.validation_fraction"}
+"""Paths ``tune.params`` may not set, and what sets them instead."""
+
+
 class StudySpec(StrictConfig):
     """A study file (format and example: docs/pipeline.md, "Study files")."""
 
@@ -134,6 +211,9 @@ class StudySpec(StrictConfig):
     declares (:class:`fedplug.analysis.RoundMetricColumn`)."""
     plots: list[PlotSpec] = Field(default_factory=lambda: [PlotSpec(kind="curves")])
     """Figures of the report (default: the learning curves)."""
+    tune: TuneSpec | None = None
+    """A hyperparameter search run before the study's runs, whose choice they train with
+    (default None: none). Format: docs/pipeline.md, "Tuning a study"."""
 
     @field_validator("name")
     @classmethod
@@ -188,6 +268,7 @@ def parse_study(data: Any, source: str = "study", analysis: Analysis | None = No
             raise ConfigError(f"{source}: {field}: seeds are whole numbers >= 0, got {values}")
     _check_headline(spec, source)
     _check_cells_and_baselines(spec, source)
+    _check_tune(spec, source)
     _check_declared(spec, source, registered_analysis() if analysis is None else analysis)
     for plot in spec.plots:
         for field in ("axis", "rows", "columns", "panels"):
@@ -214,6 +295,25 @@ def _check_declared(spec: StudySpec, source: str, analysis: Analysis) -> None:
         if plot.kind not in kinds:
             raise ConfigError(f"{source}: plots: kind {plot.kind!r} is neither a study plot nor a figure a "
                               f"component declares; kinds: {', '.join(kinds)}")
+
+
+def _check_tune(spec: StudySpec, source: str) -> None:
+    """What ``tune:`` can be checked for without the runs' configs (the parameter paths
+    themselves are checked against them: :func:`fedplug.study.tuning.check_tune_params`)."""
+    if spec.tune is None:
+        return
+    for path in spec.tune.params:
+        if path in TUNE_FORBIDDEN:
+            raise ConfigError(f"{source}: tune.params: {path} is set by the study's `{TUNE_FORBIDDEN[path]}:`; "
+                              "remove it from tune.params")
+        if path.split(".")[0] not in ("train", "data") or len(path.split(".")) < 2:
+            raise ConfigError(f"{source}: tune.params: {path!r} is not a config path; give a dotted path under "
+                              "train. or data., e.g. train.optimizer.lr")
+    for axis, label in spec.tune.cell.items():
+        if axis not in spec.grid:
+            raise ConfigError(f"{source}: tune.cell: {axis!r} is not a grid axis; axes: {', '.join(spec.grid) or '(none)'}")
+        if label not in spec.grid[axis]:
+            raise ConfigError(f"{source}: tune.cell.{axis}: {label!r} is not one of its labels ({', '.join(spec.grid[axis])})")
 
 
 def _sets_seed(key: str, value: Any, section: str) -> bool:

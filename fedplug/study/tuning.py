@@ -1,0 +1,494 @@
+"""A study's hyperparameter search (``tune:``): Optuna chooses the parameters of each
+algorithm on validation samples held out of the clients' training data, and the study's
+runs train with the chosen values.
+
+For each tuned algorithm (or once, ``per_algorithm: false``), one Optuna study (a seeded
+``TPESampler``, or a ``GridSampler``, which tries its points in an order its seed shuffles) runs
+``trials`` trials. A trial trains the algorithm's run of the tuned cell (first draw and
+seed) with the trial's values and ``data.validation_fraction`` set, reports the round's
+``val_accuracy`` (or ``val_loss``) to Optuna after every round, and is stopped by the
+``median`` pruner when it falls behind. Trials never read a test set: the objective and
+the pruner see only the validation metrics (:meth:`fedplug.data.federation.Federation.validation_set`).
+
+Every trial is an MLflow run nested under one tuning parent run per study folder
+(experiment ``study-<name>``, found again by its tag ``fedplug.parent = tune:<folder>``).
+The choice is written to ``<folder>/tuned.json`` (algorithm -> values, trials, best
+value), reused while the ``tune:`` section and the tuned run's config are unchanged, and
+recorded in every run's record (``tuned``). The runner calls :func:`apply_tuning` once.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedplug.config import flatten, set_dotted, validate_experiment
+from fedplug.data.build import build_federation
+from fedplug.errors import ConfigError, TrainingError
+from fedplug.registry import Registry
+from fedplug.run.model import resolve_device
+from fedplug.run.results import RoundRecord, RunResult
+from fedplug.study.expansion import StudyRun
+from fedplug.study.spec import StudySpec, TuneSpec, algorithm_cells, cell_id, grid_cells
+
+TUNED_NAME = "tuned.json"
+"""The file in the study folder that keeps the choice (:func:`apply_tuning`)."""
+EVERY_ALGORITHM = "all"
+"""The key of ``tuned.json``'s one entry with ``per_algorithm: false``."""
+
+
+@dataclass(frozen=True)
+class TunedRun(StudyRun):
+    """A study run whose config holds values chosen by the study's ``tune:`` search."""
+
+    tuned: dict[str, Any] = field(default_factory=dict)
+    """Config path -> chosen value, as written to the run's record."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one search chose: the values, the trials behind them, the best metric."""
+
+    params: dict[str, Any]
+    value: float
+    trials: int
+    pruned: int
+    tuned_on: str
+    """The run id whose config the trials trained (with the trial's values)."""
+    fingerprint: str
+    """:func:`search_fingerprint` of the search: it is reused while this matches."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "value": self.value, "trials": self.trials, "pruned": self.pruned,
+                "tuned_on": self.tuned_on, "fingerprint": self.fingerprint}
+
+
+# ---------------------------------------------------------------------- checking
+
+
+def check_tune_params(spec: StudySpec, runs: Sequence[StudyRun], registry: Registry | None = None) -> None:
+    """Refuse (one line) a ``tune.params`` path that a tuned algorithm's config lacks,
+    naming the known keys beside it, or a value the config refuses (each value of a list,
+    a range's ends), before anything trains.
+
+    Raises:
+        ConfigError: e.g. ``train.optimizer.lrr`` (did you mean ``train.optimizer.lr``?).
+    """
+    if spec.tune is None:
+        return
+    for algorithm in tuned_algorithms(spec):
+        config = tuning_run(spec, runs, algorithm).config
+        known = flatten(config)
+        sections = {".".join(key.split(".")[:depth]) for key in known for depth in range(1, key.count(".") + 1)}
+        for path in spec.tune.params:
+            if path not in known and path not in sections:
+                raise ConfigError(f"{spec.name}: tune.params: {unknown_path_message(path, algorithm, known)}")
+            space = spec.tune.params[path]
+            for value in space if isinstance(space, list) else [space.low, space.high]:
+                with_values(config, {path: value}, registry)
+
+
+def unknown_path_message(path: str, algorithm: str, known: Mapping[str, Any]) -> str:
+    """``'train.optimizer.lrr' is not a key of algorithm 'fedavg''s config; did you mean
+    'train.optimizer.lr'? keys under train.optimizer: ...``."""
+    parts = path.split(".")
+    prefix = ""
+    for depth in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:depth])
+        if any(key.startswith(candidate + ".") for key in known):
+            prefix = candidate
+            break
+    siblings = sorted(key for key in known if key.startswith(prefix + ".")) if prefix else sorted(known)
+    close = difflib.get_close_matches(path, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{path!r} is not a key of algorithm {algorithm!r}'s config{hint} "
+            f"keys{' under ' + prefix if prefix else ''}: {', '.join(siblings)}")
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def tuned_algorithms(spec: StudySpec) -> list[str]:
+    """The algorithms a search runs for: each (``per_algorithm``), else the first."""
+    algorithms = list(spec.algorithms)
+    return algorithms if spec.tune is None or spec.tune.per_algorithm else algorithms[:1]
+
+
+def tuning_cell(spec: StudySpec, algorithm: str) -> str:
+    """The id of the cell ``algorithm`` is tuned in: the first cell matching
+    ``tune.cell`` that the algorithm runs in, else its first cell."""
+    wanted = spec.tune.cell if spec.tune is not None else {}
+    runs_in = algorithm_cells(spec, algorithm)
+    for cell in grid_cells(spec.grid):
+        if all(cell.get(axis) == label for axis, label in wanted.items()) and cell_id(cell) in runs_in:
+            return cell_id(cell)
+    return runs_in[0]
+
+
+def tuning_run(spec: StudySpec, runs: Sequence[StudyRun], algorithm: str) -> StudyRun:
+    """The run whose config ``algorithm``'s trials train: its first in the tuned cell."""
+    cell = tuning_cell(spec, algorithm)
+    for run in runs:
+        if run.algorithm == algorithm and run.cell_id == cell:
+            return run
+    raise ConfigError(f"{spec.name}: tune: algorithm {algorithm!r} has no run in cell {cell!r}")
+
+
+def with_values(config: Any, values: Mapping[str, Any], registry: Registry | None) -> Any:
+    """``config`` with each dotted path of ``values`` set, validated again.
+
+    Raises:
+        ConfigError: a value the config refuses (the message names it).
+    """
+    document = copy.deepcopy(config.model_dump(mode="json"))
+    for path, value in values.items():
+        document = set_dotted(document, path, value)
+    try:
+        updated = validate_experiment(document, registry)
+    except ConfigError as error:
+        reason = str(error).removeprefix("invalid config:").strip().replace("\n", "; ")
+        raise ConfigError(f"tune: {dict(values)} gives an invalid config: {reason}") from None
+    updated.data.read_against(getattr(config.data, "_folder", None))  # a relative data.root, read as before
+    return updated
+
+
+def trial_config(config: Any, tune: TuneSpec, values: Mapping[str, Any], registry: Registry | None) -> Any:
+    """A trial's config: ``config`` with the trial's ``values`` and the validation split."""
+    return with_values(config, {**values, "data.validation_fraction": tune.validation_fraction}, registry)
+
+
+def search_fingerprint(tune: TuneSpec, config: Any) -> str:
+    """What a search's choice depends on: the ``tune:`` section and the tuned run's config."""
+    content = json.dumps({"tune": tune.model_dump(mode="json"), "config": config.model_dump(mode="json")},
+                         sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- one search
+
+
+def objective_value(history: Sequence[RoundRecord], tune: TuneSpec) -> float:
+    """The trial's value: its validation metric at the last round, or the best over rounds."""
+    values = [round_value(record, tune) for record in history]
+    if tune.select == "last":
+        return values[-1]
+    return max(values) if tune.metric == "val_accuracy" else min(values)
+
+
+def round_value(record: RoundRecord, tune: TuneSpec) -> float:
+    """A round's validation metric; a NaN (a diverged loss) counts as the worst value.
+
+    Raises:
+        TrainingError: the round has no validation metric (a runtime without the split).
+    """
+    if tune.metric not in record.metrics:
+        raise TrainingError(f"round {record.round} reports no {tune.metric}; the runtime evaluates no validation split")
+    value = float(record.metrics[tune.metric])
+    if math.isnan(value):
+        return -math.inf if tune.metric == "val_accuracy" else math.inf
+    return value
+
+
+def make_sampler(tune: TuneSpec) -> Any:
+    """Optuna's sampler for ``tune``: a seeded TPESampler (its first half of the trials,
+    at most 10, drawn at random), or a GridSampler over the lists."""
+    import optuna
+
+    if tune.sampler == "grid":
+        return optuna.samplers.GridSampler(dict(tune.params), seed=tune.seed)  # type: ignore[arg-type]
+    trials = tune.trials or 1
+    return optuna.samplers.TPESampler(seed=tune.seed, n_startup_trials=max(1, min(10, trials // 2)))
+
+
+def make_pruner(tune: TuneSpec) -> Any:
+    """Optuna's MedianPruner with ``tune``'s settings, or a pruner that never prunes."""
+    import optuna
+
+    if tune.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=tune.pruner_startup_trials,
+                                           n_warmup_steps=tune.pruner_warmup_rounds)
+    return optuna.pruners.NopPruner()
+
+
+def grid_points(tune: TuneSpec) -> list[dict[str, Any]]:
+    """Every combination of the lists (the grid's points)."""
+    paths = list(tune.params)
+    lists = [tune.params[path] for path in paths]
+    return [dict(zip(paths, values)) for values in itertools.product(*lists)]  # type: ignore[arg-type]
+
+
+def number_of_trials(tune: TuneSpec) -> int:
+    """``trials``, at most the number of grid points for ``grid``."""
+    if tune.sampler == "grid":
+        points = len(grid_points(tune))
+        return points if tune.trials is None else min(points, tune.trials)
+    return int(tune.trials or 1)
+
+
+def suggest(trial: Any, tune: TuneSpec) -> dict[str, Any]:
+    """The trial's values, one Optuna suggestion per path."""
+    values: dict[str, Any] = {}
+    for path, space in tune.params.items():
+        if isinstance(space, list):
+            values[path] = trial.suggest_categorical(path, space)
+        elif space.integer:
+            values[path] = trial.suggest_int(path, int(space.low), int(space.high), log=space.log)
+        else:
+            values[path] = trial.suggest_float(path, space.low, space.high, log=space.log)
+    return values
+
+
+Train = Callable[[Any, Sequence[Callable[[RoundRecord], None]]], RunResult]
+"""Trains a config with round observers (the trial's reporter), returning its result."""
+OpenTracker = Callable[[Any, int, Mapping[str, Any]], Any]
+"""Opens a trial's tracker: (config, trial number, values) -> :class:`fedplug.tracking.observer.Tracker`."""
+
+
+def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train, open_trial_tracker: OpenTracker,
+           *, label: str = "", report: Callable[[str], None] = print) -> Any:
+    """Run one Optuna study on ``config`` (the tuned run's) and return it, every trial
+    trained by ``train`` and logged by the tracker ``open_trial_tracker`` opens."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    direction = "maximize" if tune.metric == "val_accuracy" else "minimize"
+    study = optuna.create_study(direction=direction, sampler=make_sampler(tune), pruner=make_pruner(tune))
+    total = number_of_trials(tune)
+
+    def objective(trial: Any) -> float:
+        values = suggest(trial, tune)
+        trial_config_ = trial_config(config, tune, values, registry)
+        tracker = open_trial_tracker(trial_config_, trial.number, values)
+
+        def report_round(record: RoundRecord) -> None:
+            trial.report(round_value(record, tune), record.round)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"{tune.metric} after round {record.round} behind the median")
+
+        try:
+            result = train(trial_config_, [tracker.log_round, report_round])
+        except optuna.TrialPruned:
+            tracker.set_tags({"tune.state": "pruned"})
+            tracker.finish()
+            report(f"tune {label}: trial {trial.number + 1}/{total} {values} pruned")
+            raise
+        except BaseException:
+            tracker.fail()
+            raise
+        value = objective_value(result.history, tune)
+        tracker.log_result(result)
+        tracker.set_tags({"tune.state": "complete", "tune.value": repr(value)})
+        tracker.finish()
+        report(f"tune {label}: trial {trial.number + 1}/{total} {values} -> {tune.metric} {value:.4f}")
+        return value
+
+    study.optimize(objective, n_trials=total, catch=(TrainingError,))
+    return study
+
+
+def best_choice(study: Any, run_id: str, fingerprint: str, label: str) -> Choice:
+    """The values of ``study``'s best finished trial (the first of equals).
+
+    Raises:
+        TrainingError: no trial finished (all were pruned or failed).
+    """
+    import optuna
+
+    finished = [trial for trial in study.trials if trial.state == optuna.trial.TrialState.COMPLETE]
+    if not finished:
+        raise TrainingError(f"tune {label}: no trial finished ({len(study.trials)} pruned or failed); widen the "
+                            "ranges, add trials or turn the pruner off")
+    best = study.best_trial
+    pruned = sum(trial.state == optuna.trial.TrialState.PRUNED for trial in study.trials)
+    return Choice(dict(best.params), float(best.value), len(study.trials), pruned, run_id, fingerprint)
+
+
+# ---------------------------------------------------------------------- the hook
+
+
+@dataclass
+class TuningTracking:
+    """Where trials are logged: the MLflow store and the tuning parent run."""
+
+    uri: str
+    parent: str
+    experiment: str
+    root: Path
+
+
+def apply_tuning(
+    spec: StudySpec,
+    runs: Sequence[StudyRun],
+    out: Path,
+    registry: Registry | None,
+    *,
+    mlflow_root: Path | None,
+    fingerprint: str,
+    legacy: Any = None,
+    search_allowed: bool = True,
+) -> list[StudyRun]:
+    """The study's runs with the values its ``tune:`` search chose (``runs`` as they are
+    without ``tune:``), each a :class:`TunedRun` whose record keeps them.
+
+    Checks the parameter paths first (:func:`check_tune_params`). A search whose
+    fingerprint matches its entry in ``out/tuned.json`` is reused; the others run now
+    (unless ``search_allowed`` is False: then one line says so) and are written there,
+    under a claim of ``out`` with the study folder's ``fingerprint`` and ``legacy`` rule
+    (:func:`fedplug.output_folder.claim`). ``mlflow_root``: the project root whose MLflow
+    store the trials are logged to (``base.tracking``, as the runner chooses it); None
+    logs nothing.
+
+    Raises:
+        ConfigError: an unknown parameter path, a value the config refuses, a search
+            needed when ``search_allowed`` is False.
+        TrainingError: every trial of a search was pruned or failed.
+    """
+    tune = spec.tune
+    if tune is None:
+        return list(runs)
+    check_tune_params(spec, runs, registry)
+    saved = read_tuned(out / TUNED_NAME)
+    choices: dict[str, Choice] = {}
+    tracking: TuningTracking | None = None
+    federations: dict[str, Any] = {}
+    for algorithm in tuned_algorithms(spec):
+        key = algorithm if tune.per_algorithm else EVERY_ALGORITHM
+        run = tuning_run(spec, runs, algorithm)
+        wanted = search_fingerprint(tune, run.config)
+        entry = saved.get(key)
+        if isinstance(entry, dict) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == wanted:
+            choices[key] = Choice(**entry)
+            continue
+        if not search_allowed:
+            raise ConfigError(f"{spec.name}: tune: {out / TUNED_NAME} holds no choice for {algorithm!r} with the "
+                              "current tune section and config; run the study without --report-only to tune first")
+        if tracking is None and mlflow_root is not None:
+            tracking = open_tuning_parent(spec, run.config, out, mlflow_root)
+        train = federation_trainer(registry, federations)
+        study = search(tune, run.config, registry, train, trial_tracker_opener(spec, algorithm, tracking, registry),
+                       label=algorithm)
+        choices[key] = best_choice(study, run.run_id, wanted, algorithm)
+        print(f"tune {algorithm}: chose {choices[key].params} ({tune.metric} {choices[key].value:.4f}, "
+              f"{choices[key].trials} trials, {choices[key].pruned} pruned)", flush=True)
+        saved[key] = choices[key].as_dict()
+        write_tuned(out, saved, fingerprint, legacy)
+    if tracking is not None:
+        log_tuning_summary(tracking, choices, out)
+    return [tuned_run(run, choices.get(run.algorithm if tune.per_algorithm else EVERY_ALGORITHM), registry)
+            for run in runs]
+
+
+def tuned_run(run: StudyRun, choice: Choice | None, registry: Registry | None) -> StudyRun:
+    """``run`` with ``choice``'s values in its config, as a :class:`TunedRun`."""
+    if choice is None:
+        return run
+    config = with_values(run.config, choice.params, registry)
+    fields = {name: getattr(run, name) for name in StudyRun.__dataclass_fields__}
+    return TunedRun(**{**fields, "config": config}, tuned=dict(choice.params))
+
+
+def federation_trainer(registry: Registry | None, federations: dict[str, Any]) -> Train:
+    """Trains a trial config in memory (no run folder), building each data config's
+    federation once (``federations`` caches them by data config)."""
+    from fedplug.experiment import run_experiment
+
+    def train(config: Any, observers: Sequence[Callable[[RoundRecord], None]]) -> RunResult:
+        key = json.dumps(config.data.model_dump(mode="json"), sort_keys=True)
+        if key not in federations:
+            federations.clear()  # one federation in memory at a time
+            federations[key] = build_federation(config.data, registry_or_default(registry),
+                                                resolve_device(config.train.device))
+        result, _ = run_experiment(config, None, registry=registry, observers=observers, federation=federations[key])
+        return result
+
+    return train
+
+
+def registry_or_default(registry: Registry | None) -> Registry:
+    from fedplug.plugins import default_registry
+
+    return registry if registry is not None else default_registry()
+
+
+# ---------------------------------------------------------------------- files and MLflow
+
+
+def read_tuned(path: Path) -> dict[str, dict[str, Any]]:
+    """``tuned.json``'s entries (empty when it is missing or unreadable: the searches run again)."""
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def write_tuned(out: Path, entries: Mapping[str, Any], fingerprint: str, legacy: Any) -> None:
+    """Write ``tuned.json`` into the claimed study folder ``out``."""
+    from fedplug.output_folder import claim, write_text
+
+    with claim(out, fingerprint, legacy=legacy, force_option=None):
+        write_text(out / TUNED_NAME, json.dumps(entries, indent=2, sort_keys=True) + "\n")
+
+
+def open_tuning_parent(spec: StudySpec, config: Any, out: Path, mlflow_root: Path) -> TuningTracking:
+    """The study folder's tuning parent run (created on first use), in the store the
+    study's runs log to: ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else the
+    project's."""
+    from fedplug.project import find_or_create_parent_run, project_root, relocate_project_store
+    from fedplug.tracking import choose_tracking_uri
+
+    root = project_root(mlflow_root / "params.yaml")
+    target = choose_tracking_uri(config.tracking.uri, config.tracking.fallback_to_local, root)
+    relocate_project_store(target.uri, root)
+    experiment = f"study-{spec.name}"
+    resolved = out.resolve()
+    try:
+        key = f"tune:{resolved.relative_to(root)}"
+    except ValueError:
+        key = f"tune:{resolved}"
+    parent = find_or_create_parent_run(target.uri, experiment, key, f"{out.name}-tuning",
+                                       tags={"fedplug.study": spec.name, "fedplug.tuning": "true"})
+    print(f"study {spec.name}: tuning logged to MLflow parent run {parent} at {target.uri}", flush=True)
+    return TuningTracking(target.uri, parent, experiment, root)
+
+
+def trial_tracker_opener(spec: StudySpec, algorithm: str, tracking: TuningTracking | None,
+                         registry: Registry | None) -> OpenTracker:
+    """Opens each trial's MLflow run, nested under the tuning parent (a tracker that logs
+    nothing without ``tracking``)."""
+    from fedplug.tracking.observer import Tracker, open_tracker
+
+    def open_trial(config: Any, number: int, values: Mapping[str, Any]) -> Any:
+        if tracking is None:
+            return Tracker({})
+        tags = {"fedplug.algorithm": algorithm, "study.name": spec.name, "tune.trial": str(number),
+                **{f"tune.{path}": repr(value) for path, value in values.items()}}
+        return open_tracker(config, None, run_name=f"{algorithm}-trial{number}", parent=tracking.parent, tags=tags,
+                            resume=False, project_root=tracking.root, experiment_name=tracking.experiment,
+                            uri=tracking.uri, backends=["mlflow"], enabled=True, registry=registry)
+
+    return open_trial
+
+
+def log_tuning_summary(tracking: TuningTracking, choices: Mapping[str, Choice], out: Path) -> None:
+    """The choices on the tuning parent run (``<algorithm>.<path>`` and
+    ``<algorithm>.best_value``, ``tuned.json``), then FINISHED."""
+    from fedplug.project import log_parent_summary
+
+    metrics: dict[str, float] = {}
+    for key, choice in choices.items():
+        metrics[f"{key}.best_value"] = choice.value
+        for path, value in choice.params.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[f"{key}.{path}"] = float(value)
+    log_parent_summary(tracking.uri, tracking.parent, metrics, [("", out / TUNED_NAME)])
+
+

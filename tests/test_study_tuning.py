@@ -1,0 +1,258 @@
+"""A study's ``tune:`` search: Optuna's grid and TPE samplers choose a learning rate on
+validation samples (never a test set), the median pruner stops a hopeless trial, every trial
+is an MLflow run nested under the tuning parent, the choice reaches every run and its record,
+and an unknown parameter is one line before anything trains."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fedplug.config import validate_experiment
+from fedplug.errors import ConfigError
+from fedplug.experiment import run_experiment
+from fedplug.plugins import default_registry
+from fedplug.study import tuning
+from fedplug.study.expansion import expand_study
+from fedplug.study.records import load_records
+from fedplug.study.spec import parse_study
+from fedplug.study.tuning import TUNED_NAME, apply_tuning
+
+ROOT = Path(__file__).resolve().parents[1]
+FINGERPRINT = "fedplug study tiny"
+
+BASE: dict[str, Any] = {
+    "study": {"target_accuracy": 0.5},
+    "tracking": {"enabled": False},
+    "data": {
+        "dataset": {"name": "synthetic", "num_train": 600, "num_test": 100, "num_features": 12, "num_classes": 4},
+        "partition": {"name": "iid"},
+        "num_clients": 4,
+        "local_test_fraction": 0.2,
+        "seed": 0,
+    },
+    "train": {
+        "model": {"name": "mlp", "hidden": [16]},
+        "rounds": 3,
+        "local_epochs": 3,
+        "batch_size": 8,
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "engine": "sequential",
+    },
+}
+LEARNING_RATES = [0.02, 0.3, 1.5]
+SEED_03_FIRST = 1
+"""A grid seed with which Optuna's GridSampler tries lr 0.3 before lr 1e-6."""
+
+
+def spec_dict(tune: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    spec = {
+        "name": "tiny",
+        "base": copy.deepcopy(BASE),
+        "grid": {"clients": {"4": {}, "6": {"data.num_clients": 6}}},
+        "algorithms": {"fedavg": {}},
+        "seeds": [0],
+        "plots": [],
+        "tune": {"validation_fraction": 0.2, **tune},
+    }
+    spec.update(changes)
+    return spec
+
+
+def tune_grid(out: Path, **tune: Any) -> tuple[Any, list[Any]]:
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": LEARNING_RATES}, **tune}))
+    runs = expand_study(spec)
+    return spec, apply_tuning(spec, runs, out, None, mlflow_root=None, fingerprint=FINGERPRINT)
+
+
+def validation_accuracy(lr: float) -> float:
+    """The last round's val_accuracy of the first cell's run trained with ``lr`` (by hand)."""
+    document = copy.deepcopy(BASE)
+    document["train"]["optimizer"]["lr"] = lr
+    document["train"]["seed"] = 0
+    document["data"]["validation_fraction"] = 0.2
+    result, _ = run_experiment(validate_experiment(document), None)
+    return result.history[-1].metrics["val_accuracy"]
+
+
+def test_the_grid_chooses_the_learning_rate_with_the_best_validation_accuracy(tmp_path: Path) -> None:
+    accuracies = [validation_accuracy(lr) for lr in LEARNING_RATES]
+    best = LEARNING_RATES[accuracies.index(max(accuracies))]
+    assert accuracies.count(max(accuracies)) == 1, "one learning rate must be best for this test to mean anything"
+
+    _, runs = tune_grid(tmp_path / "out")
+
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())["fedavg"]
+    assert chosen["params"] == {"train.optimizer.lr": best} and chosen["value"] == max(accuracies)
+    assert chosen["trials"] == 3 and chosen["pruned"] == 0 and chosen["tuned_on"] == "4__fedavg__d0s0"
+    assert [run.config.train.optimizer.lr for run in runs] == [best, best]
+    assert all(run.tuned == {"train.optimizer.lr": best} for run in runs)
+    # The study's runs train on every training sample: the validation split is only the trials'.
+    assert all(run.config.data.validation_fraction == 0.0 for run in runs)
+
+
+def test_the_test_set_takes_no_part_in_the_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials whose federation has its test labels scrambled choose the same, with the same values."""
+    _, plain = tune_grid(tmp_path / "plain")
+    build = tuning.build_federation
+
+    def scrambled(*args: Any, **kwargs: Any) -> Any:
+        federation = build(*args, **kwargs)
+        federation.test_y = (federation.test_y + 1) % federation.num_classes  # every test label wrong
+        return federation
+
+    monkeypatch.setattr(tuning, "build_federation", scrambled)
+    _, scrambled_runs = tune_grid(tmp_path / "scrambled")
+
+    first = json.loads((tmp_path / "plain" / TUNED_NAME).read_text())
+    second = json.loads((tmp_path / "scrambled" / TUNED_NAME).read_text())
+    assert first == second
+    assert [run.tuned for run in plain] == [run.tuned for run in scrambled_runs]
+
+
+def test_tpe_runs_its_trials_reproducibly_and_a_matching_choice_is_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tune = {"sampler": "tpe", "trials": 4, "seed": 7, "params": {"train.optimizer.lr": {"low": 0.01, "high": 1.0, "log": True}}}
+    spec = parse_study(spec_dict(tune))
+    runs = expand_study(spec)
+
+    apply_tuning(spec, runs, tmp_path / "a", None, mlflow_root=None, fingerprint=FINGERPRINT)
+    apply_tuning(spec, runs, tmp_path / "b", None, mlflow_root=None, fingerprint=FINGERPRINT)
+
+    first = json.loads((tmp_path / "a" / TUNED_NAME).read_text())["fedavg"]
+    assert first == json.loads((tmp_path / "b" / TUNED_NAME).read_text())["fedavg"]
+    assert first["trials"] == 4 and 0.01 <= first["params"]["train.optimizer.lr"] <= 1.0
+    assert capsys.readouterr().out.count("trial 4/4") == 2
+    # Again with the same tune section and config: tuned.json's choice, no trial.
+    again = apply_tuning(spec, runs, tmp_path / "a", None, mlflow_root=None, fingerprint=FINGERPRINT)
+    assert "trial" not in capsys.readouterr().out
+    assert again[0].tuned == first["params"]
+
+
+def test_the_median_pruner_stops_a_trial_that_learns_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The grid's seed has lr 0.3 tried first; then lr 1e-6 (the model stays about at its
+    initialisation) has a higher validation loss after round 1 and is pruned there."""
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.3, 1e-6]}, "seed": SEED_03_FIRST,
+                                  "metric": "val_loss", "pruner": "median", "pruner_startup_trials": 1}))
+
+    runs = apply_tuning(spec, expand_study(spec), tmp_path / "out", None, mlflow_root=None, fingerprint=FINGERPRINT)
+
+    assert "trial 1/2 {'train.optimizer.lr': 0.3} ->" in capsys.readouterr().out, "the grid's order changed: pick another seed"
+
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())["fedavg"]
+    assert chosen["pruned"] == 1 and chosen["trials"] == 2 and chosen["params"] == {"train.optimizer.lr": 0.3}
+    assert runs[0].tuned == {"train.optimizer.lr": 0.3}
+
+
+def test_trials_are_mlflow_runs_nested_under_the_tuning_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": LEARNING_RATES}}))
+
+    apply_tuning(spec, expand_study(spec), tmp_path / "out", None, mlflow_root=tmp_path, fingerprint=FINGERPRINT)
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("study-tiny")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [run for run in runs if "fedplug.parent" in run.data.tags]
+    trials = [run for run in runs if "mlflow.parentRunId" in run.data.tags]
+    assert len(parents) == 1 and len(trials) == 3 and len(runs) == 4
+    parent = parents[0]
+    assert parent.data.tags["fedplug.parent"] == f"tune:{(tmp_path / 'out').resolve().relative_to(tmp_path.resolve())}"
+    assert {run.data.tags["mlflow.parentRunId"] for run in trials} == {parent.info.run_id}
+    assert sorted(run.data.params["train.optimizer.lr"] for run in trials) == sorted(str(lr) for lr in LEARNING_RATES)
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())["fedavg"]
+    for trial in trials:
+        history = client.get_metric_history(trial.info.run_id, "val_accuracy")
+        assert sorted(metric.step for metric in history) == [1, 2, 3] and trial.info.status == "FINISHED"
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["fedavg.best_value"] == pytest.approx(chosen["value"])
+    assert parent.data.metrics["fedavg.train.optimizer.lr"] == chosen["params"]["train.optimizer.lr"]
+
+
+def load_runner() -> Any:
+    path = ROOT / "pipelines" / "studies" / "run_study.py"
+    module_spec = importlib.util.spec_from_file_location("run_study", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path = tmp_path / "tiny.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.05, 0.5]}},
+                                                  algorithms={"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}})))
+    out, results = tmp_path / "out", tmp_path / "tiny.jsonl"
+    command = [str(spec_path), "--no-mlflow", "--out", str(out), "--results", str(results)]
+
+    assert load_runner().main(command) == 0
+
+    chosen = json.loads((out / TUNED_NAME).read_text())
+    records = load_records(results)
+    assert len(records) == 4 and set(chosen) == {"fedavg", "fedavgm"}
+    for record in records:
+        lr = chosen[record["algorithm"]]["params"]["train.optimizer.lr"]
+        assert record["tuned"] == {"train.optimizer.lr": lr}
+        config = yaml.safe_load((out / record["run"] / "config.yaml").read_text())
+        assert config["train"]["optimizer"]["lr"] == lr and "validation_fraction" not in config["data"]
+    # Resumed: the choice and the runs are reused, nothing trains.
+    capsys.readouterr()
+    assert load_runner().main(command) == 0
+    printed = capsys.readouterr().out
+    assert "4 runs, 4 done, 0 to train" in printed and "trial" not in printed
+
+
+def test_an_unknown_parameter_is_one_line_before_anything_trains(tmp_path: Path) -> None:
+    spec_path = tmp_path / "tiny.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lrr": [0.1]}})))
+    out = tmp_path / "out"
+
+    with pytest.raises(ConfigError) as raised:
+        load_runner().main([str(spec_path), "--no-mlflow", "--out", str(out)])
+
+    message = str(raised.value)
+    assert "\n" not in message and "'train.optimizer.lrr'" in message
+    assert "did you mean 'train.optimizer.lr'" in message and "train.optimizer.momentum" in message
+    assert not out.exists()
+
+
+def test_a_value_the_config_refuses_is_one_line_before_anything_trains(tmp_path: Path) -> None:
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.1, 0.0]}}))
+
+    with pytest.raises(ConfigError) as raised:
+        apply_tuning(spec, expand_study(spec), tmp_path / "out", None, mlflow_root=None, fingerprint=FINGERPRINT)
+
+    assert "\n" not in str(raised.value) and "train.optimizer.lr: Input should be greater than 0" in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("tune", "expected"), [
+    ({"sampler": "grid", "params": {"train.optimizer.lr": {"low": 0.01, "high": 0.1}}}, "needs a list of values"),
+    ({"sampler": "tpe", "params": {"train.optimizer.lr": [0.1]}}, "needs `trials:`"),
+    ({"sampler": "grid", "params": {"train.seed": [1, 2]}}, "train.seed is set by the study's `seeds:`"),
+    ({"sampler": "grid", "params": {"lr": [0.1]}}, "'lr' is not a config path"),
+    ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "cell": {"clients": "7"}}, "tune.cell.clients: '7'"),
+    ({"sampler": "tpe", "trials": 2, "params": {"train.optimizer.lr": {"low": 0, "high": 1, "log": True}}}, "low > 0"),
+])
+def test_a_malformed_tune_section_is_refused_when_the_study_is_read(tune: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError, match="tune") as raised:
+        parse_study(spec_dict(tune))
+
+    assert expected in str(raised.value)
+
+
+def test_tune_cell_picks_the_cell_the_trials_train(tmp_path: Path) -> None:
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "cell": {"clients": "6"}}))
+
+    apply_tuning(spec, expand_study(spec), tmp_path / "out", default_registry(), mlflow_root=None, fingerprint=FINGERPRINT)
+
+    assert json.loads((tmp_path / "out" / TUNED_NAME).read_text())["fedavg"]["tuned_on"] == "6__fedavg__d0s0"
