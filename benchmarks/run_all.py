@@ -170,6 +170,13 @@ BENCHMARKS = [
         writes_json=True,
     ),
     Benchmark("flower_overhead", "bench_flower_overhead.py"),
+    Benchmark(
+        "flower_class_counts",
+        "bench_flower_class_counts.py",
+        ["--threads", "1"],
+        ["--threads", "1", "--samples-per-node", "500", "--repeats", "1"],
+        writes_json=True,
+    ),
     Benchmark("test_suite", "bench_test_suite.py", writes_json=True, timeout_seconds=7200),
 ]
 NAMES = [benchmark.name for benchmark in BENCHMARKS]
@@ -1168,6 +1175,37 @@ def render_memory(results: Path) -> str:
     return "\n\n".join(parts)
 
 
+CLASS_COUNT_WAYS = {
+    "dataloader_batches": "iterating the DataLoader's batches",
+    "sample_by_sample": "reading every sample",
+    "column_as_list": "label column as a Python list (before)",
+    "label_column": "label column through Arrow (now)",
+}
+
+
+def render_class_counts(results: Path) -> str:
+    meta = _load(results, "flower_class_counts", ".meta.json")
+    data = _load(results, "flower_class_counts", ".json")
+    if not data:
+        return _status_line(meta)
+    rows = [
+        [label, f"{data['ways'][way]['median_seconds']:.3f}", _spread(data["ways"][way]["seconds"])]
+        for way, label in CLASS_COUNT_WAYS.items()
+    ]
+    before = data["ways"]["dataloader_batches"]["median_seconds"]
+    after = data["ways"]["label_column"]["median_seconds"]
+    return "\n\n".join([
+        _status_line(meta),
+        f"{data['nodes']} nodes x {data['samples_per_node']} images, "
+        f"{sum(data['train_rows_per_node'])} training rows, {data['threads']} torch thread(s), "
+        f"median of {data['repeats']} (load average at the start "
+        f"{data['machine']['load_average'][0]:.1f}):",
+        _table(["how a node reads its labels", "all nodes answer (s)", "runs (s)"], rows),
+        f"Reading the labels without the images: {before:.2f} s -> {after:.2f} s "
+        f"({before / after:.0f}x).",
+    ])
+
+
 def render_text(results: Path, name: str, missing_hint: str = "") -> str:
     meta = _load(results, name, ".meta.json")
     text = _load(results, name, ".txt")
@@ -1375,6 +1413,18 @@ C=62):
 ## 6. Flower adapter overhead
 
 {render_text(results, "flower_overhead")}
+
+### The class-count query of a 10-node quickstart setup
+
+FedShift's prior and FedGSP's groups need every node's class counts before round 1. A
+quickstart-shaped node holds a `datasets.Dataset` partition of PNG images behind
+`with_transform(apply_transforms)` and a shuffling DataLoader; the node's answer is timed
+four ways (`benchmarks/bench_flower_class_counts.py`): iterating the DataLoader's batches
+(every image decoded), reading sample by sample, the label column as a Python list
+(fedplug before issue #25), and the label column through Arrow with no transform run
+(fedplug now, `adapters/flower/local_data.py`). Every way gives the same counts.
+
+{render_class_counts(results)}
 
 ## 7. The test suite
 

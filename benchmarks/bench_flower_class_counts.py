@@ -21,7 +21,7 @@ with its labels read four ways, timed for all nodes together (median of ``--repe
 
 Every way must give the same counts on every node; the script fails otherwise.
 
-Run: ``.venv/bin/python benchmarks/flower_class_count_query.py [--threads 1] [--json out.json]``
+Run: ``.venv/bin/python benchmarks/bench_flower_class_counts.py [--threads 1] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = benchlib.set_threads(args.threads)
     machine = benchlib.machine_description()
     benchlib.print_machine(
-        "flower_class_count_query: the class-count query of a 10-node quickstart setup", machine
+        "flower_class_counts: the class-count query of a 10-node quickstart setup", machine
     )
     print(f"torch threads: {threads}")
     started = time.perf_counter()
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         f"reading the labels without the images: {before:.3f} s -> {after:.3f} s ({before / after:.0f}x)"
     )
     result = {
-        "benchmark": "flower_class_count_query",
+        "benchmark": "flower_class_counts",
         "machine": machine,
         "threads": threads,
         "nodes": args.nodes,
