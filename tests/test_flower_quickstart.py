@@ -202,7 +202,7 @@ def run_status(superlink: dict[str, Any], output: str) -> str:
 
 
 MISCONFIGURATION_LINE = {
-    "scaffold-momentum": ("momentum=0.9", "refused to train, so the run stopped"),
+    "scaffold-momentum": ("momentum=0.9", "fedplug stopped the run: node"),
     "fedshift-stock-client": (
         "FedplugLoss(loss_transform={'name': 'fedshift'}, app=app",
         "the ClientApp runs no fedplug client piece",

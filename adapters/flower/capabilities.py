@@ -141,7 +141,7 @@ def stop_at_configuration_error(replies: Iterable[Message]) -> None:
         line = configuration_error_in(reply)
         if line is not None:
             raise TrainingError(
-                f"node {reply.metadata.src_node_id} refused to train, so the run stopped: {line}"
+                f"node {reply.metadata.src_node_id} refused to train: {line}"
             )
 
 

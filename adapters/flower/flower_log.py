@@ -3,8 +3,10 @@
 A fedplug error (:class:`~fedplug.errors.FedplugError`) already says what to fix, so
 when it ends a ServerApp, Flower's records of it ("Simulation raised an exception" with
 ``exc_info``, or a record whose message is ``traceback.format_exc()``, as
-``flwr.simulation.run_simulation`` logs) become that line: ``<ErrorType>: <message>``.
-Any other exception keeps its traceback. :class:`FedplugErrorsInOneLine` does it;
+``flwr.simulation.run_simulation`` logs) become that line:
+``fedplug stopped the run: <message>`` (the line of
+``apps.OneLineFedplugErrors``, so either filter gives the same log). Any other
+exception keeps its traceback. :class:`FedplugErrorsInOneLine` does it;
 :func:`report_fedplug_errors_in_one_line` puts it on Flower's ``flwr`` logger and its
 handlers once per process (:class:`~fedplug.adapters.flower.FedplugStrategy` calls it).
 Design: docs/flower.md, 'Design notes: errors in Flower's log'.
@@ -19,6 +21,7 @@ from fedplug.errors import FedplugError
 
 FLOWER_LOGGER = "flwr"
 TRACEBACK_HEADER = "Traceback (most recent call last):"
+STOPPED = "fedplug stopped the run: "
 _LAST_FEDPLUG_ERROR = re.compile(r"^fedplug\.errors\.(\w+): ", re.MULTILINE)
 
 
@@ -34,9 +37,10 @@ def fedplug_error_of(error: BaseException | None) -> FedplugError | None:
     return None
 
 
-def one_line(kind: str, message: str) -> str:
-    """``<kind>: <message>`` on one line (a multi-line message joined by spaces)."""
-    return f"{kind}: {' '.join(message.split())}"
+def one_line(message: str) -> str:
+    """``fedplug stopped the run: <message>`` on one line (a multi-line message joined
+    by spaces)."""
+    return STOPPED + " ".join(message.split())
 
 
 def fedplug_line_of_traceback(text: str) -> str | None:
@@ -52,7 +56,7 @@ def fedplug_line_of_traceback(text: str) -> str | None:
     rest = text[found.end() :]
     if TRACEBACK_HEADER in rest:
         return None  # another exception followed the fedplug error
-    return one_line(found.group(1), rest)
+    return one_line(rest)
 
 
 class FedplugErrorsInOneLine(logging.Filter):
@@ -62,8 +66,7 @@ class FedplugErrorsInOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = fedplug_error_of(record.exc_info[1] if record.exc_info else None)
         if error is not None:
-            record.msg = f"{record.getMessage()}: {one_line(type(error).__name__, str(error))}"
-            record.args = None
+            record.msg, record.args = one_line(str(error)), None
             record.exc_info, record.exc_text = None, None
             return True
         if record.exc_info is None and isinstance(record.msg, str):
