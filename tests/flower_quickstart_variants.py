@@ -221,6 +221,39 @@ VARIANTS: tuple[Variant, ...] = (
 )
 
 
+MISCONFIGURED: tuple[Variant, ...] = (
+    Variant(
+        "scaffold-momentum",
+        "FedplugStrategy",
+        "SCAFFOLD with the quickstart's SGD momentum 0.9 left in place and the learning "
+        "rate passed to `finish_round`: refused at the first optimiser step, in one line",
+        (
+            client_import("FedplugLoss"),
+            piece('scaffold = FedplugLoss(aggregator={"name": "scaffold"}, app=app)'),
+            criterion_argument("scaffold.begin_round(msg, context, model)"),
+            after(
+                CLIENT,
+                REPLY_ANCHOR,
+                '    scaffold.finish_round(content, learning_rate=msg.content["config"]["lr"])',
+            ),
+            *TRAIN_TAKES_CRITERION,
+            *served_by_fedplug('{"aggregator": {"name": "scaffold"}}, model=Net()'),
+        ),
+    ),
+    Variant(
+        "fedshift-stock-client",
+        "FedplugStrategy",
+        "a FedShift server with the quickstart's ClientApp unchanged: refused before any "
+        "client trains, in one line naming the piece to add",
+        served_by_fedplug(
+            '{"loss_transform": {"name": "fedshift"}}, model=Net(), num_classes=10'
+        ),
+    ),
+)
+"""Documented misconfigurations, run to check that they fail in one line before any
+client trains; kept out of the docs' table, which lists working variants only."""
+
+
 # ------------------------------------------------------------------ apply, count
 
 

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flower_quickstart_variants import VARIANTS, Variant, docs_block, edited_files, write_variant
+from flower_quickstart_variants import (
+    MISCONFIGURED,
+    VARIANTS,
+    Variant,
+    docs_block,
+    edited_files,
+    write_variant,
+)
 from test_flower_deployment import free_port, stop, wait_for_port
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -48,7 +55,7 @@ def test_the_quickstart_table_in_the_docs_is_current() -> None:
 
 
 def test_every_variant_applies_to_the_base_app_and_compiles() -> None:
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, *MISCONFIGURED):
         for path, text in edited_files(variant).items():
             compile(text, f"{variant.name}:{path}", "exec")
 
@@ -176,6 +183,56 @@ def test_each_variant_runs_under_flwr_run(
         assert variant.name in json.dumps(result["fedplug_config"]), result["fedplug_config"]
         if variant.name == "feddisk":
             assert run["setup_rounds"] > 0, run  # the density-ratio phase ran before round 1
+
+
+def run_status(superlink: dict[str, Any], output: str) -> str:
+    """The status ``flwr ls`` gives the run ``flwr run`` started (its output names it)."""
+    started = re.search(r"Successfully started run (\d+)", output)
+    assert started is not None, output[-3000:]
+    listed = subprocess.run(
+        [str(BIN / "flwr"), "ls", CONNECTION, "--run-id", started[1], "--format", "json"],
+        capture_output=True,
+        check=True,
+        env=superlink["environment"],
+        cwd=superlink["cwd"],
+        timeout=120,
+    )
+    (run,) = json.loads(listed.stdout)["runs"]
+    return str(run["status"])
+
+
+MISCONFIGURATION_LINE = {
+    "scaffold-momentum": ("momentum=0.9", "fedplug stopped the run: node"),
+    "fedshift-stock-client": (
+        "FedplugLoss(loss_transform={'name': 'fedshift'}, app=app",
+        "the ClientApp runs no fedplug client piece",
+    ),
+}
+"""Per misconfigured variant: what its one line names, and a phrase only that line holds."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", MISCONFIGURED, ids=lambda variant: variant.name)
+def test_a_misconfigured_quickstart_fails_in_one_line_before_any_client_trains(
+    superlink: dict[str, Any], tmp_path: Path, variant: Variant
+) -> None:
+    # Prepare: the quickstart with the misconfigured variant's edits.
+    app = write_variant(variant, tmp_path / "app")
+    result_file = tmp_path / "result.json"
+    # Execute
+    output = flwr_run(superlink, app, result_file)
+    (tmp_path / "flwr-run.log").write_text(output)
+    print(output)
+    # Assert: one fedplug line naming what to fix, no traceback, no round finished,
+    # the run marked failed.
+    names, phrase = MISCONFIGURATION_LINE[variant.name]
+    lines = [line for line in output.splitlines() if names in line]
+    assert len(lines) == 1, output[-5000:]
+    assert phrase in lines[0], lines[0]
+    assert "Traceback" not in output, output[-5000:]
+    assert not result_file.exists(), output[-5000:]
+    assert not re.search(r"aggregate_train: Received", output), output[-5000:]
+    assert run_status(superlink, output) == "finished:failed", output[-5000:]
 
 
 if __name__ == "__main__":

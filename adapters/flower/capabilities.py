@@ -13,6 +13,13 @@ handler, which answers a :data:`CAPABILITY_QUERY` message with a ConfigRecord
 - ``handlers``: the message types the app answers (``"query.default"``,
   ``"train.feddisk"``, ...), read from the app when the probe arrives.
 
+The first declaration also installs :func:`configuration_errors_as_replies` on the app,
+a Flower mod around every handler: a fedplug :class:`~fedplug.errors.ConfigError` raised
+inside one (FedplugLoss's optimiser check at the first ``optimizer.step()``) becomes an
+error reply whose reason starts with :data:`CONFIGURATION_ERROR`, not an exception that
+the simulation engine logs with its traceback on every node; the server stops the run
+at the first such reply (:func:`configuration_error_in`).
+
 Server side: :func:`probe_client_app` sends the query to one node (every SuperNode of a
 Flower run executes the same ClientApp, so one answer describes them all) and
 :func:`missing_pieces` compares the answer with what the config needs. A stock ClientApp
@@ -24,15 +31,15 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
-from fedplug.errors import TrainingError
+from fedplug.errors import ConfigError, TrainingError
 
 from .requirements import Component, own_loop_pieces
 
@@ -49,6 +56,13 @@ NO_HANDLER = f"No query function registered with name '{CAPABILITY_ACTION}'"
 """What Flower 1.41 answers the probe with when no fedplug piece was given the app."""
 CLASS_COUNT_HANDLER = "query.default"
 GUIDE = "docs/flower.md, 'Client-side algorithms'"
+CONFIGURATION_ERROR = "fedplug configuration error: "
+"""How the reason of a reply from :func:`configuration_errors_as_replies` starts."""
+CLIENT_APP_RAISED_EXCEPTION = 2
+"""Flower's ``ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (``flwr.common.constant``, not public)."""
+
+Handler = Callable[[Message, Context], Message]
+"""A ClientApp handler (Flower's ``ClientAppCallable``)."""
 
 _declared: weakref.WeakKeyDictionary[ClientApp, set[tuple[str, str]]] = (
     weakref.WeakKeyDictionary()
@@ -66,7 +80,69 @@ def declare(app: ClientApp, components: Mapping[str, str]) -> None:
     declared = _declared.setdefault(app, set())
     declared.update(components.items())
     if first:
+        install_reply_mod(app)
         app.query(CAPABILITY_ACTION)(CapabilityHandler(app, declared))
+
+
+def configuration_errors_as_replies(
+    message: Message, context: Context, call_next: Handler
+) -> Message:
+    """A Flower mod: a fedplug ConfigError raised by the handler becomes an error reply
+    (reason :data:`CONFIGURATION_ERROR` + the error's line), which the server turns into
+    one line; any other exception goes on to Flower unchanged."""
+    try:
+        return call_next(message, context)
+    except ConfigError as error:
+        reason = CONFIGURATION_ERROR + " ".join(str(error).split())
+        return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
+
+
+def install_reply_mod(app: ClientApp) -> None:
+    """Put :func:`configuration_errors_as_replies` around ``app``'s handlers, once:
+    those registered later get it from ``app._mods`` (Flower wraps a handler in the
+    app's mods when it is registered), those already registered are wrapped here."""
+    mods = getattr(app, "_mods", None)
+    handlers = getattr(app, "_registered_funcs", None)
+    if not isinstance(mods, list) or not isinstance(handlers, dict):
+        return  # a Flower release that renamed them: errors keep Flower's handling
+    if configuration_errors_as_replies in mods:
+        return
+    mods.append(configuration_errors_as_replies)
+    for name, handler in handlers.items():
+        handlers[name] = _with_reply_mod(handler)
+
+
+def _with_reply_mod(handler: Handler) -> Handler:
+    def wrapped(message: Message, context: Context) -> Message:
+        return configuration_errors_as_replies(message, context, handler)
+
+    return wrapped
+
+
+def configuration_error_in(reply: Message) -> str | None:
+    """The client's one line when ``reply`` is a fedplug configuration-error reply
+    (:func:`configuration_errors_as_replies`), else None."""
+    if not reply.has_error():
+        return None
+    reason = str(reply.error.reason)
+    if not reason.startswith(CONFIGURATION_ERROR):
+        return None
+    return reason[len(CONFIGURATION_ERROR) :]
+
+
+def stop_at_configuration_error(replies: Iterable[Message]) -> None:
+    """Stop the run at the first configuration-error reply: every node runs the same
+    ClientApp, so retrying or counting it as one client's failure cannot help.
+
+    Raises:
+        TrainingError: the client's line, naming its node.
+    """
+    for reply in replies:
+        line = configuration_error_in(reply)
+        if line is not None:
+            raise TrainingError(
+                f"node {reply.metadata.src_node_id} refused to train: {line}"
+            )
 
 
 class CapabilityHandler:

@@ -24,6 +24,7 @@ from fedplug.components import MODEL_SHAPE, ClientNeeds, RoundPlan
 from fedplug.run.federated_round import AggregatedRound
 from fedplug.run.vectors import tensors_num_bytes
 
+from .capabilities import stop_at_configuration_error
 from .chains import ReplyDeadlineGrid, RoundInProgress, reply_wait
 from .messages import train_message
 from .node_setup import NodeMessages
@@ -100,8 +101,14 @@ class TrainExchange:
         return self.round
 
     def absorb(self, replies: Iterable[Message]) -> None:
-        """Take the replies of one exchange into their chains, and count them."""
+        """Take the replies of one exchange into their chains, and count them.
+
+        Raises:
+            TrainingError: a node replied with a fedplug configuration error (its
+                ClientApp refused to train): the run stops at once, with its line.
+        """
         replies = list(replies)
+        stop_at_configuration_error(replies)
         errors = sum(reply.has_error() for reply in replies)
         results, failures = self.received
         self.received = (results + len(replies) - errors, failures + errors)

@@ -31,6 +31,7 @@ from fedplug.run.round_screen import Outcome
 from fedplug.run.vectors import vector_to_model
 
 from .chains import ReplyDeadlineGrid
+from .flower_log import report_fedplug_errors_in_one_line
 from .messages import MetricsAggregation, weighted_metrics
 from .node_sampling import NodeRule
 from .node_setup import NodeMessages
@@ -168,6 +169,7 @@ class FedplugStrategy(Strategy):
         evaluate_fn: CentralEvaluation | None = None,
         accuracy_key: str | None = None,
     ) -> None:
+        report_fedplug_errors_in_one_line()  # before anything here can raise one
         if registry is None:
             from fedplug.plugins import default_registry
 
