@@ -16,6 +16,9 @@ from typing import Any
 
 LOOPBACK_RUN_ID = 1
 SERVER_NODE_ID = 1
+CLIENT_APP_RAISED_EXCEPTION = 2
+"""Flower's ``ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (``flwr.common.constant``, not
+public; ``tests/test_flower_user_errors.py`` checks the value)."""
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ import torch
 import yaml
 from fedplug.adapters.flower import make_client_app
 from fedplug.adapters.flower.apps import (
-    OneLineFedplugErrors,
     experiment_from_run_config,
     load_experiment_source,
-    report_fedplug_errors_in_one_line,
     resolve_data_root,
     run_on_grid,
+)
+from fedplug.adapters.flower.flower_log import (
+    FedplugErrorsInOneLine,
+    report_fedplug_errors_in_one_line,
 )
 from fedplug.adapters.flower.loopback import LoopbackGrid, ensure_task_identity
 from fedplug.adapters.flower.nodes import (
@@ -211,7 +213,7 @@ def test_a_fedplug_error_ending_the_server_app_is_logged_in_one_line() -> None:
     finally:
         flower_log.removeHandler(collect)
     # Assert: ours in one line without traceback; anything else untouched.
-    assert sum(isinstance(each, OneLineFedplugErrors) for each in flower_log.filters) == 1
+    assert sum(isinstance(each, FedplugErrorsInOneLine) for each in flower_log.filters) == 1
     ours, other = collect.records
     assert ours.getMessage() == "fedplug stopped the run: only 2 of the 10 nodes connected"
     assert ours.exc_info is None

@@ -230,6 +230,7 @@ def test_a_misconfigured_quickstart_fails_in_one_line_before_any_client_trains(
     assert len(lines) == 1, output[-5000:]
     assert phrase in lines[0], lines[0]
     assert "Traceback" not in output, output[-5000:]
+    assert "An exception was raised" not in output, output[-5000:]  # no stray engine line
     assert not result_file.exists(), output[-5000:]
     assert not re.search(r"aggregate_train: Received", output), output[-5000:]
     assert run_status(superlink, output) == "finished:failed", output[-5000:]

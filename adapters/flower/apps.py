@@ -29,7 +29,7 @@ from fedplug.config import (
     with_algorithm,
 )
 from fedplug.data.build import load_dataset
-from fedplug.errors import ConfigError, FedplugError
+from fedplug.errors import ConfigError
 from fedplug.output_folder import claim, write_atomically
 from fedplug.registry import Registry
 from fedplug.run.model import resolve_device
@@ -43,6 +43,7 @@ from fedplug.run_folder import (
 )
 
 from .capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
+from .flower_log import report_fedplug_errors_in_one_line
 from .nodes import (
     experiment_message_config,
     handle_evaluate,
@@ -69,10 +70,6 @@ RUN_CONFIG_NODE_WAIT = "fedplug-node-wait-seconds"
 RUN_CONFIG_RESUME = "fedplug-resume"
 RUN_CONFIG_TRACK = "fedplug-track"
 CHECKPOINT_FILE = "checkpoint.pt"
-
-FLOWER_LOGGER = "flwr"
-"""Flower's logger: what it logs reaches ``flwr run --stream`` (the ServerApp process's
-output is streamed) and the console of ``run_simulation``."""
 DEFAULT_DATA_ROOT = "data/raw"
 """``data.root`` when a config leaves it out (the config schema's default)."""
 
@@ -152,27 +149,6 @@ def experiment_from_run_config(
     if path:
         data = resolve_data_root(data, Path(path).expanduser().resolve().parent)
     return validate_experiment(data, registry)
-
-
-class OneLineFedplugErrors(logging.Filter):
-    """On Flower's logger: a :class:`~fedplug.errors.FedplugError` that ends the ServerApp
-    already says what to fix, so Flower's "ServerApp raised an exception" with its
-    traceback becomes that one line. Other exceptions keep their traceback; the
-    ServerApp still exits non-zero and the run is marked failed (Flower does both)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, FedplugError):
-            record.msg, record.args = "fedplug stopped the run: %s", (error,)
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def report_fedplug_errors_in_one_line() -> None:
-    """Install :class:`OneLineFedplugErrors` on Flower's logger (once per process)."""
-    flower_log = logging.getLogger(FLOWER_LOGGER)
-    if not any(isinstance(each, OneLineFedplugErrors) for each in flower_log.filters):
-        flower_log.addFilter(OneLineFedplugErrors())
 
 
 def run_on_grid(

@@ -40,6 +40,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from fedplug.errors import ConfigError, TrainingError
+from fedplug.flower_internals import CLIENT_APP_RAISED_EXCEPTION
 
 from .requirements import Component, own_loop_pieces
 
@@ -58,8 +59,6 @@ CLASS_COUNT_HANDLER = "query.default"
 GUIDE = "docs/flower.md, 'Client-side algorithms'"
 CONFIGURATION_ERROR = "fedplug configuration error: "
 """How the reason of a reply from :func:`configuration_errors_as_replies` starts."""
-CLIENT_APP_RAISED_EXCEPTION = 2
-"""Flower's ``ErrorCode.CLIENT_APP_RAISED_EXCEPTION`` (``flwr.common.constant``, not public)."""
 
 Handler = Callable[[Message, Context], Message]
 """A ClientApp handler (Flower's ``ClientAppCallable``)."""
@@ -311,8 +310,14 @@ def probe_client_app(
     return parse_capabilities(record)
 
 
+FLOWER_BACKEND_ERROR = "An exception was raised when processing a message by"
+"""The line Flower's simulation engine logs before a ClientApp's exception (dropped with
+the probe's expected one: the probe goes to one node, so nothing else is in flight)."""
+
+
 class _DropRecords(logging.Filter):
-    """Drops the records that carry ``text`` (Flower's log of the probe's expected error)."""
+    """Drops the records that carry ``text`` (Flower's log of the probe's expected error)
+    and the simulation engine's line announcing it."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
@@ -320,7 +325,7 @@ class _DropRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if self.text in message:
+        if self.text in message or message.startswith(FLOWER_BACKEND_ERROR):
             return False
         return not (record.exc_info and self.text in str(record.exc_info[1]))
 

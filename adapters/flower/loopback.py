@@ -26,6 +26,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from fedplug.flower_internals import (
+    CLIENT_APP_RAISED_EXCEPTION,
     LOOPBACK_RUN_ID,
     SERVER_NODE_ID,
     empty_run,
@@ -42,8 +43,6 @@ __all__ = [
 ]
 
 FIRST_NODE_ID = 1000
-CLIENT_APP_RAISED_EXCEPTION = 1
-"""Flower's ``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``."""
 
 
 class LoopbackGrid(Grid):
