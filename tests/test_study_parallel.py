@@ -86,6 +86,11 @@ def two_nodes() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    # Cluster records its address for a bare ray.init() to join (/tmp/ray/ray_current_cluster):
+    # forget it, or Flower simulations of other tests (make test's other worker) would land here.
+    from ray._common.utils import reset_ray_address
+
+    reset_ray_address()
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()

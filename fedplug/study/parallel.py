@@ -173,7 +173,10 @@ def ray_session(address: str | None, jobs: int | None) -> Iterator[int]:
         check_reachable(address)
     try:
         if address is None:
-            ray.init(num_cpus=jobs, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+            # "local": a new Ray of our own, never the cluster RAY_ADDRESS or `ray start` left
+            # on this machine (ray.init's default joins those).
+            ray.init(address="local", num_cpus=jobs, include_dashboard=False, logging_level=logging.ERROR,
+                     log_to_driver=False)
         else:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, TimeoutError) as error:
