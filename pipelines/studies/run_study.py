@@ -35,12 +35,22 @@ folder (named after it, found again by its tag ``fedplug.parent``, so a resumed 
 adds to the same parent). After training, the summary goes to the parent run too (metrics
 ``<cell labels>/<algorithm>.<column>``, e.g. ``0.1/fedavgm0.9.final_accuracy``), which is
 marked FINISHED.
+
+**Parallel.** ``--jobs N`` (default: all cores) trains the pending runs as Ray tasks, N at a
+time, one torch thread each (:mod:`fedplug.study.parallel`); ``--jobs 1``, or a single
+pending run, trains them here one after another. ``--address ray://host:10001`` (or
+``host:6379``, or ``auto``) sends them to a running Ray cluster instead (docs/pipeline.md,
+"Studies on a Ray cluster"). Results are the sequential runner's. A run that fails in a
+Ray task is listed in ``<out>/failed.json`` (with why) and the others go on; the runner
+then exits with status 1, and later invocations skip the listed runs until
+``--retry-failed`` trains them again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -84,7 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="train only runs whose id contains this text")
     parser.add_argument("--redo-mismatched", action="store_true",
                         help="delete run folders trained or started with other settings and train them again")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="runs trained at once as Ray tasks (default: all cores, or the cluster's CPUs with "
+                        "--address); 1 trains them one after another in this process")
+    parser.add_argument("--address", default=None, metavar="ADDRESS",
+                        help="train on the running Ray cluster at ADDRESS (ray://host:10001, host:6379 or auto)")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="train again the runs that failed before (listed in <out>/failed.json)")
     args = parser.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        from fedplug.errors import ConfigError
+
+        raise ConfigError(f"--jobs {args.jobs}: give at least 1 (1 trains the runs one after another)")
 
     from fedplug.config import read_yaml
     from fedplug.plugins import default_registry
@@ -110,14 +131,19 @@ def main(argv: list[str] | None = None) -> int:
           + (f", {len(plan.mismatched)} of other settings" if plan.mismatched else "")
           + f", {len(plan.todo)} to train -> {out}", flush=True)
     parent = None
+    failed: list[str] = []
     if not args.report_only:
         if plan.mismatched and not args.redo_mismatched:
             raise_mismatch(plan.mismatched, out)
+        todo = skip_failed(spec, plan.todo + [run for run, _ in plan.mismatched], out, retry=args.retry_failed)
+        kept = {run.run_id for run in todo}
         for run, reason in plan.mismatched:
-            remove_run_folder(out / run.run_id)
-            print(f"study {spec.name}: deleted {out / run.run_id} ({reason}); training it again", flush=True)
-        parent = train_all(spec, plan.todo + [run for run, _ in plan.mismatched], out, registry,
-                           mlflow=not args.no_mlflow, redo=args.redo_mismatched, runs=runs)
+            if run.run_id in kept:
+                remove_run_folder(out / run.run_id)
+                print(f"study {spec.name}: deleted {out / run.run_id} ({reason}); training it again", flush=True)
+        parent = train_all(spec, todo, out, registry, mlflow=not args.no_mlflow, redo=args.redo_mismatched,
+                           runs=runs, jobs=args.jobs, address=args.address)
+        failed = settle_failures(spec, runs, out, todo)
     elif plan.mismatched:
         print(f"study {spec.name}: WARNING: {len(plan.mismatched)} run folders of other settings are left out of the "
               f"report, e.g. {plan.mismatched[0][0].run_id}: {plan.mismatched[0][1]}", file=sys.stderr)
@@ -134,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     write_study_report(spec, runs, records, out)
     if parent is not None:
         log_study_summary(parent, out, list(spec.grid))
-    return 0
+    return 1 if failed else 0
 
 
 def display_path(path: Path | None) -> str:
@@ -310,10 +336,11 @@ def default_out(name: str, runs: list[Any]) -> Path:
 
 
 def train_all(spec: Any, todo: list[Any], out: Path, registry: Any, *, mlflow: bool, redo: bool,
-              runs: list[Any]) -> StudyParent | None:
+              runs: list[Any], jobs: int | None = 1, address: str | None = None) -> StudyParent | None:
     """Train ``todo`` (in study order), reusing one federation for runs that share a data
-    config; returns the MLflow parent run (None without MLflow or when nothing was left
-    to train)."""
+    config: here one after another when ``jobs`` (None: all cores) or the number of runs is
+    1 and no Ray ``address`` is given, else as Ray tasks (:func:`train_parallel`). Returns
+    the MLflow parent run (None without MLflow or when nothing was left to train)."""
     from fedplug.data.build import build_federation
     from fedplug.run.model import resolve_device
 
@@ -337,6 +364,9 @@ def train_all(spec: Any, todo: list[Any], out: Path, registry: Any, *, mlflow: b
             tags={"fedplug.study": spec.name},
         ))
         print(f"study {spec.name}: MLflow parent run {parent.run_id} at {target.uri}", flush=True)
+    if address is not None or min(jobs or os.cpu_count() or 1, len(todo)) > 1:
+        train_parallel(spec, todo, out, runs, parent, redo=redo, jobs=jobs, address=address)
+        return parent
     set_torch_threads()
     cached_key, federation = None, None
     for index, run in enumerate(todo, 1):
@@ -351,6 +381,88 @@ def train_all(spec: Any, todo: list[Any], out: Path, registry: Any, *, mlflow: b
         print(f"[{index}/{len(todo)}] {run.run_id}: final accuracy {summary['final_accuracy']:.4f}, "
               f"{time.perf_counter() - started:.0f} s", flush=True)
     return parent
+
+
+def train_parallel(spec: Any, todo: list[Any], out: Path, runs: list[Any], parent: StudyParent | None, *,
+                   redo: bool, jobs: int | None, address: str | None) -> None:
+    """:func:`train_all` on Ray: each run one task (:func:`train_task`), ``jobs`` at a time
+    (None: all cores, or the cluster's CPUs), one progress bar; a failed run goes into
+    ``failed.json`` (:func:`record_failure`) and the others go on."""
+    from fedplug.study.parallel import RunProgress, RunTask, ray_session, train_on_ray
+
+    tasks = [RunTask.of(spec, run, out / run.run_id, parent, redo) for run in todo]
+    if address is None:
+        jobs = min(jobs or os.cpu_count() or 1, len(todo))
+    with ray_session(address, jobs) as in_flight:
+        print(f"study {spec.name}: training {len(todo)} runs as Ray tasks, {in_flight} at a time on "
+              f"{address or 'a local Ray'}", flush=True)
+        progress = RunProgress(len(todo))
+        try:
+            train_on_ray(tasks, train_task, in_flight=in_flight,
+                         on_outcome=lambda outcome: (progress.update(outcome), record_failure(spec, runs, out, outcome)))
+        finally:
+            progress.close()
+
+
+def train_task(spec: Any, run: Any, folder: Path, registry: Any, federation: Any, parent: StudyParent | None, *,
+               redo: bool, provenance: dict[str, Any]) -> dict[str, Any]:
+    """One run in a Ray task (:func:`fedplug.study.parallel.train_in_worker` calls it):
+    :func:`check_checkpoint`, then :func:`train_one` with ``provenance`` (the Ray node)."""
+    check_checkpoint(run, folder, federation, redo=redo)
+    return train_one(spec, run, folder, registry, federation, parent, provenance=provenance)
+
+
+def record_failure(spec: Any, runs: list[Any], out: Path, outcome: Any) -> None:
+    """Add a failed run's outcome to the study folder's ``failed.json`` (under a short claim
+    of the folder, like the report)."""
+    if outcome.error is None:
+        return
+    from fedplug.output_folder import claim, write_text
+    from fedplug.study.parallel import FAILED_NAME, read_failures, updated_failures
+
+    with claim(out, study_fingerprint(spec), legacy=study_layout(runs), force_option=None):
+        failures = updated_failures(read_failures(out), [outcome], when=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        write_text(out / FAILED_NAME, json.dumps(failures, indent=2) + "\n")
+
+
+def skip_failed(spec: Any, todo: list[Any], out: Path, *, retry: bool) -> list[Any]:
+    """``todo`` without the runs ``failed.json`` lists (one line says so), or all of it with
+    ``retry`` (``--retry-failed``)."""
+    from fedplug.study.parallel import FAILED_NAME, read_failures
+
+    failures = read_failures(out)
+    skipped = [run for run in todo if run.run_id in failures]
+    if not skipped or retry:
+        return todo
+    first = skipped[0].run_id
+    print(f"study {spec.name}: skipping {len(skipped)} runs that failed before (listed in {out / FAILED_NAME}), e.g. "
+          f"{first}: {failures[first]['error']}; --retry-failed trains them again", flush=True)
+    return [run for run in todo if run.run_id not in failures]
+
+
+def settle_failures(spec: Any, runs: list[Any], out: Path, todo: list[Any]) -> list[str]:
+    """Drop the runs that are now done from ``failed.json`` (the file goes when none is
+    left), print the runs of ``todo`` that failed, and return their ids."""
+    from fedplug.output_folder import claim, write_text
+    from fedplug.study import run_folder_state
+    from fedplug.study.parallel import FAILED_NAME, read_failures
+
+    failures = read_failures(out)
+    left = {run_id: entry for run_id, entry in failures.items()
+            if not any(run.run_id == run_id and run_folder_state(run, out / run_id).status == "done" for run in runs)}
+    if left != failures:
+        with claim(out, study_fingerprint(spec), legacy=study_layout(runs), force_option=None) as owned:
+            if left:
+                write_text(out / FAILED_NAME, json.dumps(left, indent=2) + "\n")
+            else:
+                owned.remove(FAILED_NAME)
+    failed = [run.run_id for run in todo if run.run_id in left]
+    for run_id in failed:
+        print(f"study {spec.name}: run {run_id} FAILED: {left[run_id]['error']}", file=sys.stderr)
+    if failed:
+        print(f"study {spec.name}: {len(failed)} of {len(todo)} runs failed (listed in {out / FAILED_NAME}); fix the "
+              "cause and run again with --retry-failed", file=sys.stderr)
+    return failed
 
 
 def check_checkpoint(run: Any, folder: Path, federation: Any, *, redo: bool) -> None:
@@ -402,9 +514,10 @@ def git_dirty(root: Path = ROOT) -> bool | None:
 
 
 def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
-              parent: StudyParent | None) -> dict[str, Any]:
+              parent: StudyParent | None, *, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
-    of ``parent`` (nothing logged when ``parent`` is None)."""
+    of ``parent`` (nothing logged when ``parent`` is None); ``provenance`` adds entries to
+    ``provenance.json`` (e.g. the Ray node)."""
     from fedplug.output_folder import claim, files_named
     from fedplug.run_folder import output_fingerprint
 
@@ -412,18 +525,18 @@ def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
     # did not write is refused).
     with claim(folder, output_fingerprint(run.config), legacy=files_named(RUN_FILES), option="run folder",
                force_option=None):
-        return train_claimed(spec, run, folder, registry, federation, parent)
+        return train_claimed(spec, run, folder, registry, federation, parent, provenance=provenance)
 
 
 def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
-                  parent: StudyParent | None) -> dict[str, Any]:
+                  parent: StudyParent | None, *, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """:func:`train_one` in the claimed ``folder``."""
     from fedplug.experiment import run_experiment
     from fedplug.run_folder import git_commit, write_json
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 
-    write_json(folder / PROVENANCE_NAME, {"git_commit": git_commit(ROOT), "git_dirty": git_dirty()})
+    write_json(folder / PROVENANCE_NAME, {"git_commit": git_commit(ROOT), "git_dirty": git_dirty(), **(provenance or {})})
     tags = {f"study.{axis}": label for axis, label in run.cell.items()}
     tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed),
                  "study.draw": str(run.draw)})

@@ -1,0 +1,136 @@
+"""Study runner on Ray: a 24-run MLP study on MNIST, sequential (``--jobs 1``) against
+parallel (``--jobs 2``), same results.
+
+Writes a study spec to a temporary folder: real MNIST (the ``mnist`` dataset plugin),
+100 clients from ``dirichlet_client`` at alpha 0.1 and 1, FedAvg and FedAvgM (beta 0.9),
+2 partition draws x 3 seeds, a one-hidden-layer MLP (64 units), 10 clients a round,
+``--rounds`` rounds (default 150, about 10-15 s a run on one core). Then runs
+``pipelines/studies/run_study.py`` on it twice, each into a fresh folder with
+``--no-mlflow``: ``--jobs 1`` (in process, one after another) and ``--jobs N`` (Ray tasks,
+one torch thread each, a local Ray started by the runner). It checks that the two results
+files are identical apart from wall times (``train_seconds``, ``setup_seconds``), and prints
+both wall times, their ratio (issue #24's target: >= 1.7x with 2 jobs on 2 cores) and the
+torch thread count. The exit status is 1 when the results differ, not when the target is
+missed (a benchmark, not a timed test).
+
+``--quick``: 4 runs (alpha 0.1, draw 0, seeds 0 and 1) of 5 rounds, to check the script.
+
+Run: ``.venv/bin/python benchmarks/bench_study_jobs.py [--jobs 2] [--rounds 150] [--quick] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib
+
+RUNNER = benchlib.REPO_ROOT / "pipelines" / "studies" / "run_study.py"
+DEFAULT_JSON = benchlib.REPO_ROOT / "benchmarks" / "results" / "bench_study_jobs.json"
+TIMING_FIELDS = ("train_seconds", "setup_seconds")
+"""Record fields that are wall times: the only ones a parallel run may change."""
+TARGET_SPEEDUP = 1.7
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once in the parallel pass (default 2)")
+    parser.add_argument("--rounds", type=int, default=150, help="rounds per run (default 150)")
+    parser.add_argument("--quick", action="store_true", help="4 runs of 5 rounds, to check the script")
+    parser.add_argument("--json", default=str(DEFAULT_JSON), help=f"write the result here (default {DEFAULT_JSON})")
+    return parser.parse_args(argv)
+
+
+def study_spec(rounds: int, quick: bool) -> dict[str, Any]:
+    """The study: 2 cells x 2 algorithms x 2 draws x 3 seeds = 24 runs (``quick``: 1 x 2 x 1 x 2)."""
+    alphas = {"0.1": {"data.partition.alpha": 0.1}} if quick else {
+        "0.1": {"data.partition.alpha": 0.1}, "1": {"data.partition.alpha": 1.0}}
+    return {
+        "name": "bench-study-jobs",
+        "description": "Benchmark of run_study.py --jobs (benchmarks/bench_study_jobs.py).",
+        "base": {
+            "study": {"target_accuracy": 0.85},
+            "data": {"dataset": {"name": "mnist"}, "partition": {"name": "dirichlet_client", "alpha": 1.0},
+                     "num_clients": 100, "local_test_fraction": 0.2, "seed": 0, "root": str(benchlib.DATA_ROOT)},
+            "train": {"model": {"name": "mlp", "hidden": [64]}, "client_fraction": 0.1, "rounds": rounds,
+                      "local_epochs": 1, "batch_size": 50, "optimizer": {"name": "sgd", "lr": 0.05},
+                      "engine": "sequential", "device": "cpu"},
+        },
+        "grid": {"alpha": alphas},
+        "algorithms": {"fedavg": {}, "fedavgm0.9": {"aggregator": {"name": "fedavgm", "momentum": 0.9}}},
+        "draws": [0] if quick else [0, 1],
+        "seeds": [0, 1] if quick else [0, 1, 2],
+        "plots": [],
+    }
+
+
+def run_study(spec: Path, out: Path, results: Path, jobs: int) -> float:
+    """Wall seconds of ``run_study.py spec --jobs jobs`` into ``out`` (raises on failure)."""
+    command = [sys.executable, str(RUNNER), str(spec), "--no-mlflow", "--jobs", str(jobs), "--out", str(out),
+               "--results", str(results)]
+    print(f"$ {' '.join(command)}", flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=benchlib.REPO_ROOT, env={**os.environ, "FEDPLUG_TORCH_THREADS": "1"})
+    return time.perf_counter() - started
+
+
+def comparable_records(results: Path) -> list[dict[str, Any]]:
+    """The results file's records without their wall times."""
+    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    return [{key: value for key, value in record.items() if key not in TIMING_FIELDS} for record in records]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rounds = 5 if args.quick else args.rounds
+    threads = benchlib.set_threads(1)
+    machine = benchlib.machine_description()
+    spec_document = study_spec(rounds, args.quick)
+    runs = (len(spec_document["grid"]["alpha"]) * len(spec_document["algorithms"]) * len(spec_document["draws"])
+            * len(spec_document["seeds"]))
+    benchlib.print_machine(f"study_jobs: a {runs}-run MLP study, --jobs 1 against --jobs {args.jobs}", machine)
+    with tempfile.TemporaryDirectory(prefix="fedplug-bench-study-jobs-") as folder:
+        root = Path(folder)
+        spec = root / "study.yaml"
+        spec.write_text(yaml.safe_dump(spec_document, sort_keys=False))
+        seconds = {}
+        for jobs in (1, args.jobs):
+            seconds[jobs] = run_study(spec, root / f"jobs{jobs}", root / f"jobs{jobs}.jsonl", jobs)
+        sequential, parallel = (comparable_records(root / f"jobs{jobs}.jsonl") for jobs in (1, args.jobs))
+    same = sequential == parallel and len(sequential) == runs
+    speedup = seconds[1] / seconds[args.jobs]
+    print(f"--jobs 1: {seconds[1]:.1f} s; --jobs {args.jobs}: {seconds[args.jobs]:.1f} s; "
+          f"{speedup:.2f}x (target >= {TARGET_SPEEDUP}x with 2 jobs on 2 cores: "
+          f"{'met' if speedup >= TARGET_SPEEDUP else 'missed'}); torch threads {threads} per run")
+    print(f"results files: {'identical' if same else 'DIFFERENT'} apart from wall times ({runs} runs, {rounds} rounds)")
+    benchlib.write_result(args.json, {
+        "benchmark": "study_jobs",
+        "machine": machine,
+        "quick": args.quick,
+        "runs": runs,
+        "rounds": rounds,
+        "jobs": args.jobs,
+        "torch_threads": threads,
+        "seconds_jobs_1": round(seconds[1], 2),
+        f"seconds_jobs_{args.jobs}": round(seconds[args.jobs], 2),
+        "speedup": round(speedup, 3),
+        "target_speedup": TARGET_SPEEDUP,
+        "same_results": same,
+        "load_average_end": benchlib.load_average(),
+    })
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
