@@ -1,13 +1,14 @@
 """Study runner on Ray: a 24-run MLP study on MNIST, sequential (``--jobs 1``) against
-parallel (``--jobs 2``), same results.
+parallel (``--jobs 2``) and on a two-node local Ray cluster, same results.
 
 Writes a study spec to a temporary folder: real MNIST (the ``mnist`` dataset plugin),
 100 clients from ``dirichlet_client`` at alpha 0.1 and 1, FedAvg and FedAvgM (beta 0.9),
 2 partition draws x 3 seeds, a one-hidden-layer MLP (64 units), 10 clients a round,
 ``--rounds`` rounds (default 150, about 10-15 s a run on one core). Then runs
-``pipelines/studies/run_study.py`` on it twice, each into a fresh folder with
+``pipelines/studies/run_study.py`` on it three times, each into a fresh folder with
 ``--no-mlflow``: ``--jobs 1`` (in process, one after another) and ``--jobs N`` (Ray tasks,
-one torch thread each, a local Ray started by the runner). It checks that the two results
+one torch thread each, a local Ray started by the runner) and ``--jobs 2 --address`` of a
+two-node local cluster (``ray.cluster_utils.Cluster``, one CPU per node). It checks that the results
 files are identical apart from wall times (``train_seconds``, ``setup_seconds``), and prints
 both wall times, their ratio (issue #24's target: >= 1.7x with 2 jobs on 2 cores) and the
 torch thread count. The exit status is 1 when the results differ, not when the target is
@@ -75,14 +76,29 @@ def study_spec(rounds: int, quick: bool) -> dict[str, Any]:
     }
 
 
-def run_study(spec: Path, out: Path, results: Path, jobs: int) -> float:
-    """Wall seconds of ``run_study.py spec --jobs jobs`` into ``out`` (raises on failure)."""
+def run_study(spec: Path, out: Path, results: Path, jobs: int, address: str | None = None) -> float:
+    """Wall seconds of ``run_study.py spec --jobs jobs [--address address]`` into ``out``
+    (raises on failure)."""
     command = [sys.executable, str(RUNNER), str(spec), "--no-mlflow", "--jobs", str(jobs), "--out", str(out),
-               "--results", str(results)]
+               "--results", str(results)] + (["--address", address] if address else [])
     print(f"$ {' '.join(command)}", flush=True)
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=benchlib.REPO_ROOT, env={**os.environ, "FEDPLUG_TORCH_THREADS": "1"})
     return time.perf_counter() - started
+
+
+def two_node_cluster() -> Any:
+    """A local Ray cluster of two nodes with one CPU each (``ray.cluster_utils.Cluster``,
+    as ``tests/test_study_parallel.py`` starts it); shut it down after use."""
+    from ray._common.utils import reset_ray_address
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    reset_ray_address()  # no bare ray.init() elsewhere joins it
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
 
 
 def comparable_records(results: Path) -> list[dict[str, Any]]:
@@ -108,12 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         for jobs in (1, args.jobs):
             seconds[jobs] = run_study(spec, root / f"jobs{jobs}", root / f"jobs{jobs}.jsonl", jobs)
         sequential, parallel = (comparable_records(root / f"jobs{jobs}.jsonl") for jobs in (1, args.jobs))
-    same = sequential == parallel and len(sequential) == runs
+        cluster = two_node_cluster()
+        try:
+            seconds["cluster"] = run_study(spec, root / "cluster", root / "cluster.jsonl", 2, cluster.address)
+        finally:
+            cluster.shutdown()
+        on_cluster = comparable_records(root / "cluster.jsonl")
+    same = sequential == parallel == on_cluster and len(sequential) == runs
     speedup = seconds[1] / seconds[args.jobs]
     print(f"--jobs 1: {seconds[1]:.1f} s; --jobs {args.jobs}: {seconds[args.jobs]:.1f} s; "
           f"{speedup:.2f}x (target >= {TARGET_SPEEDUP}x with 2 jobs on 2 cores: "
           f"{'met' if speedup >= TARGET_SPEEDUP else 'missed'}); torch threads {threads} per run")
-    print(f"results files: {'identical' if same else 'DIFFERENT'} apart from wall times ({runs} runs, {rounds} rounds)")
+    print(f"two-node local cluster (2 x 1 CPU, --address): {seconds['cluster']:.1f} s, "
+          f"{seconds[1] / seconds['cluster']:.2f}x")
+    print(f"results files: {'identical' if same else 'DIFFERENT'} apart from wall times ({runs} runs, {rounds} rounds;"
+          " sequential, --jobs, cluster)")
     benchlib.write_result(args.json, {
         "benchmark": "study_jobs",
         "machine": machine,
@@ -125,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_jobs_1": round(seconds[1], 2),
         f"seconds_jobs_{args.jobs}": round(seconds[args.jobs], 2),
         "speedup": round(speedup, 3),
+        "seconds_two_node_cluster": round(seconds["cluster"], 2),
+        "speedup_two_node_cluster": round(seconds[1] / seconds["cluster"], 3),
         "target_speedup": TARGET_SPEEDUP,
         "same_results": same,
         "load_average_end": benchlib.load_average(),
