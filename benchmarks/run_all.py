@@ -177,7 +177,7 @@ BENCHMARKS = [
         ["--threads", "1", "--samples-per-node", "500", "--repeats", "1"],
         writes_json=True,
     ),
-    Benchmark("study_jobs", "bench_study_jobs.py", ["--rounds", "100"], ["--quick"], writes_json=True),
+    Benchmark("study_jobs", "bench_study_jobs.py", quick_arguments=["--quick"], writes_json=True),
     Benchmark("test_suite", "bench_test_suite.py", writes_json=True, timeout_seconds=7200),
 ]
 NAMES = [benchmark.name for benchmark in BENCHMARKS]

@@ -104,12 +104,10 @@ def readme_connection() -> tuple[str, str]:
     return name[1], recipe[1] + "\n"
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A SuperLink and two SuperNodes on free loopback ports; a fresh Flower home set up
-    with the README's lines (``flwr config list``, then its ``cat >>`` block)."""
-    tmp_path = tmp_path_factory.mktemp("deployment")
-    link_port = free_port()
+def fresh_flower_home(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh Flower home in ``tmp_path`` (``flwr config list`` writes its config.toml)
+    and the environment that uses it, with telemetry, the update check, runtime
+    dependency installation and fedplug's plugin autoload off."""
     home = tmp_path / "flwr-home"  # does not exist yet: a fresh Flower home
     environment = {
         **os.environ,
@@ -117,6 +115,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "FLWR_HOME": str(home),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
     subprocess.run(
@@ -127,6 +126,16 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         cwd=tmp_path,
         timeout=120,
     )
+    return home, environment
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A SuperLink and two SuperNodes on free loopback ports; a fresh Flower home set up
+    with the README's lines (``flwr config list``, then its ``cat >>`` block)."""
+    tmp_path = tmp_path_factory.mktemp("deployment")
+    link_port = free_port()
+    home, environment = fresh_flower_home(tmp_path)
     connection, block = readme_connection()
     with (home / "config.toml").open("a") as config:
         config.write(block.replace(RECIPE_PORT, str(link_port)))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from flower_quickstart_variants import (
     edited_files,
     write_variant,
 )
-from test_flower_deployment import free_port, stop, wait_for_port
+from test_flower_deployment import free_port, fresh_flower_home, stop, wait_for_port
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs" / "flower.md"
@@ -79,24 +78,7 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     ``quickstart-simulation`` in a fresh Flower home."""
     tmp_path = tmp_path_factory.mktemp("superlink")
     port = free_port()
-    home = tmp_path / "flwr-home"  # does not exist yet: a fresh Flower home
-    environment = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "FLWR_HOME": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FEDPLUG_DISABLE_PLUGIN_AUTOLOAD": "1",
-    }
-    subprocess.run(
-        [str(BIN / "flwr"), "config", "list"],
-        check=True,
-        capture_output=True,
-        env=environment,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    home, environment = fresh_flower_home(tmp_path)
     with (home / "config.toml").open("a") as config:
         config.write(f'\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     log = tmp_path / "superlink.log"
