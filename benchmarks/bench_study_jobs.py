@@ -39,8 +39,10 @@ import benchlib
 
 RUNNER = benchlib.REPO_ROOT / "pipelines" / "studies" / "run_study.py"
 DEFAULT_JSON = benchlib.REPO_ROOT / "benchmarks" / "results" / "bench_study_jobs.json"
-TIMING_FIELDS = ("train_seconds", "setup_seconds")
-"""Record fields that are wall times: the only ones a parallel run may change."""
+TIMING_FIELDS = ("train_seconds", "setup_seconds", "commit", "dirty")
+"""Record fields that are not results: the wall times, which a parallel run changes, and
+the checkout's commit and dirty flag, which a commit made while the benchmark runs
+changes."""
 TARGET_SPEEDUP = 1.7
 
 

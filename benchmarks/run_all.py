@@ -1199,8 +1199,7 @@ def render_class_counts(results: Path) -> str:
         _status_line(meta),
         f"{data['nodes']} nodes x {data['samples_per_node']} images, "
         f"{sum(data['train_rows_per_node'])} training rows, {data['threads']} torch thread(s), "
-        f"median of {data['repeats']} (load average at the start "
-        f"{data['machine']['load_average'][0]:.1f}):",
+        f"median of {data['repeats']}:",
         _table(["how a node reads its labels", "all nodes answer (s)", "runs (s)"], rows),
         f"Reading the labels without the images: {before:.2f} s -> {after:.2f} s "
         f"({before / after:.0f}x).",

@@ -24,14 +24,14 @@ from flwr.clientapp import ClientApp
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fedplug.component_config import ComponentConfig
 from fedplug.components import TRAIN_LOSS, LocalTraining, LossTransform
-from fedplug.config import ALGORITHM_SLOTS, OptimizerConfig
+from fedplug.config import OptimizerConfig
 from fedplug.errors import ConfigError
 from fedplug.registry import Registry
 from fedplug.run.local_training import check_reply_metrics, mean_loss
 from fedplug.run.vectors import model_to_vector, split_like
 
+from . import optimizer_rules
 from .capabilities import declare
 from .local_data import DEFAULT_LABEL_KEY
 from .own_loop_common import (
@@ -157,7 +157,7 @@ class FedplugLoss:
         self._reads_optimizer = (
             self.needs.client_state
             or self.needs.reply_extras
-            or _constrains_optimizer(self.trainer.config)
+            or optimizer_rules.constrains_optimizer(self.trainer.config)
         )
         self._step_hook: weakref.finalize | None = None
         self._round: _Round | None = None
@@ -324,7 +324,7 @@ class FedplugLoss:
         round_ = self._round
         if round_ is None or optimizer is round_.optimizer or optimizer in round_.other_optimizers:
             return
-        if not _steps_parameters_of(optimizer, round_.model):
+        if not optimizer_rules.steps_parameters_of(optimizer, round_.model):
             round_.other_optimizers.add(optimizer)
             return
         self._check_optimizer(optimizer)
@@ -474,13 +474,17 @@ class FedplugLoss:
         """The round's (learning rate, momentum): the optimiser's where one was seen (the
         keywords must agree with it), else the keywords (checked as a plain SGD update)."""
         if optimizer is not None:
-            seen = {"learning_rate": _learning_rate(optimizer), "momentum": _momentum(optimizer)}
+            seen = {
+                "learning_rate": optimizer_rules.learning_rate(optimizer),
+                "momentum": optimizer_rules.momentum(optimizer),
+            }
             given = {"learning_rate": learning_rate, "momentum": momentum}
             for keyword, value in given.items():
                 if value is not None and not math.isclose(float(value), seen[keyword], rel_tol=1e-6):
                     raise ConfigError(
                         f"finish_round got {keyword}={value} but the round's optimizer "
-                        f"{_describe(optimizer)} has {seen[keyword]}: leave {keyword}= out "
+                        f"{optimizer_rules.describe(optimizer)} has {seen[keyword]}: "
+                        f"leave {keyword}= out "
                         "(the optimizer is read) or make them agree"
                     )
             return seen["learning_rate"], seen["momentum"]
@@ -515,12 +519,13 @@ class FedplugLoss:
         """Check the user's optimiser against every component's ``incompatibilities``,
         described as ``train.optimizer`` (SGD as ``sgd``, Adam and its subclasses as
         ``adam``, any other by its class name)."""
-        self._check_rule(_optimizer_config(optimizer), f"your optimizer {_describe(optimizer)}")
+        shown = f"your optimizer {optimizer_rules.describe(optimizer)}"
+        self._check_rule(optimizer_rules.optimizer_config(optimizer), shown)
 
     def _check_rule(self, rule: OptimizerConfig, shown: str) -> None:
         """Raise a one-line ConfigError naming ``shown`` and what to change when a
         component's ``incompatibilities`` reject ``rule`` as the run's optimiser."""
-        reasons = _optimizer_reasons(self.trainer.config, rule)
+        reasons = optimizer_rules.optimizer_reasons(self.trainer.config, rule)
         if reasons:
             raise ConfigError(f"{shown} does not fit " + "; ".join(reasons))
 
@@ -572,67 +577,6 @@ def _add_to_sum(running: Tensor | None, value: Tensor) -> Tensor:
     if running is None:
         running = torch.zeros((), dtype=torch.float64, device=value.device)
     return running + value
-
-
-def _constrains_optimizer(train: Any) -> bool:
-    """Whether a component of ``train`` declares incompatibilities (the only place a
-    component can reject the run's optimiser), so the user's optimiser must be seen."""
-    return any(
-        type(getattr(train, slot)).incompatibilities is not ComponentConfig.incompatibilities
-        for slot in ALGORITHM_SLOTS
-    )
-
-
-def _optimizer_reasons(train: Any, rule: OptimizerConfig) -> list[str]:
-    """Every component's reasons against ``rule`` as ``train.optimizer``, worded for an
-    optimiser in the user's own loop (``the optimizer's momentum``)."""
-    with_rule = train.model_copy(update={"optimizer": rule})
-    return [
-        f"{slot} {component.name!r}: " + reason.replace("train.optimizer.", "the optimizer's ")
-        for slot in ALGORITHM_SLOTS
-        for component in [getattr(with_rule, slot)]
-        for reason in component.incompatibilities(with_rule)
-    ]
-
-
-def _optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
-    """``optimizer`` as a ``train.optimizer`` (not validated: only the components judge)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        name = "sgd"
-    elif isinstance(optimizer, torch.optim.Adam):
-        name = "adam"
-    else:
-        name = type(optimizer).__name__.lower()
-    group = optimizer.param_groups[0]
-    return OptimizerConfig.model_construct(
-        name=name,
-        lr=_learning_rate(optimizer),
-        momentum=_momentum(optimizer),
-        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-    )
-
-
-def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
-
-
-def _momentum(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
-
-
-def _describe(optimizer: torch.optim.Optimizer) -> str:
-    """``SGD(lr=0.1, momentum=0.9)``: the optimiser as the user built it."""
-    group = optimizer.param_groups[0]
-    shown = [f"lr={_learning_rate(optimizer):g}"]
-    if "momentum" in group:
-        shown.append(f"momentum={_momentum(optimizer):g}")
-    return f"{type(optimizer).__name__}({', '.join(shown)})"
-
-
-def _steps_parameters_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    """Whether ``optimizer`` updates any parameter of ``model``."""
-    ids = {id(parameter) for parameter in model.parameters()}
-    return any(id(parameter) in ids for group in optimizer.param_groups for parameter in group["params"])
 
 
 def _output_width(model: nn.Module, data: Any, trainer: FedplugTrainer) -> int:
