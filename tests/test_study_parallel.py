@@ -270,6 +270,22 @@ def test_two_workers_of_one_node_build_each_data_config_once(tmp_path: Path, mon
     assert study_outputs(out, results, run_ids) == study_outputs(reference, reference_results, run_ids)
 
 
+@pytest.mark.slow
+def test_a_federation_its_node_cannot_build_fails_its_runs_with_the_data_error(tmp_path: Path) -> None:
+    spec_path = spec_file(tmp_path, data={"num_clients": 400})  # the synthetic dataset has 300 samples
+    out = tmp_path / "out"
+
+    assert load_runner().main([str(spec_path), "--no-mlflow", "--jobs", "2", "--out", str(out),
+                               "--results", str(tmp_path / "results.jsonl")]) == 1
+
+    failures = json.loads((out / FAILED_NAME).read_text())
+    assert sorted(failures) == RUN_IDS
+    for failure in failures.values():  # the holder's DataError, one line, as without Ray
+        assert failure["error"] == "data.num_clients is 400 but dataset 'synthetic' has only 300 training " \
+            "samples; use fewer clients"
+        assert "traceback" not in failure
+
+
 def run_folder_pid(folder: Path) -> int | None:
     """The process id the run folder's lock names (the Ray worker training it)."""
     try:

@@ -151,8 +151,8 @@ class FederationHolder:
 def node_federation(data: str, node: str) -> tuple[Any, str]:
     """The federation of ``data`` (as :meth:`FederationHolder.federation` takes it) from
     node ``node``'s holder, and ``built`` or ``node`` (see :class:`RunOutcome`); ``(None,
-    "task")`` when the node has no holder or it died. A build that fails raises its own
-    error, as a run without Ray does."""
+    "task")`` when the node has no holder or it died. A build that fails fails the run with
+    the build's own error (Ray passes it on), as a run without Ray does."""
     import ray
 
     try:
@@ -163,8 +163,6 @@ def node_federation(data: str, node: str) -> tuple[Any, str]:
         [ref], built = ray.get(holder.federation.remote(data))
     except ray.exceptions.RayActorError:
         return None, "task"
-    except ray.exceptions.RayTaskError as error:
-        raise (error.cause or error) from None
     return ray.get(ref), "built" if built else "node"
 
 
