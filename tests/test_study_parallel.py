@@ -1,7 +1,8 @@
 """Studies on Ray (``run_study.py --jobs N`` / ``--address``): the runs of a tiny study
 trained as Ray tasks, on a local Ray and on a real two-node cluster on this machine, give
-the sequential runner's results; a failing run is recorded and retried on request; a
-worker killed mid-run resumes its run; an unreachable cluster is one line."""
+the sequential runner's results, each federation built once per node; a failing run is
+recorded and retried on request; a worker killed mid-run resumes its run; an unreachable
+cluster is one line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,23 +49,26 @@ def without_timing(value: Any) -> Any:
     return value
 
 
-def spec_file(tmp_path: Path, rounds: int = 3, **base_changes: Any) -> Path:
-    """A 4-run study (2 algorithms x 2 seeds) on the synthetic dataset."""
+def spec_file(tmp_path: Path, rounds: int = 3, draws: list[int] | None = None, **base_changes: Any) -> Path:
+    """A 4-run study on the synthetic dataset: 2 algorithms x 2 seeds on one partition
+    draw (:data:`RUN_IDS`), or x 2 ``draws`` (2 data configs) with seed 0."""
     base = copy.deepcopy(BASE)
     base["train"]["rounds"] = rounds
     for section, changes in base_changes.items():
         base[section].update(changes)
     spec = {"name": "tiny", "base": base, "grid": {"alpha": {"0.5": {"data.partition.alpha": 0.5}}},
             "algorithms": {"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}},
-            "seeds": [0, 1], "plots": []}
+            "seeds": [0, 1] if draws is None else [0], "plots": []}
+    if draws is not None:
+        spec["draws"] = draws
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
 
-def study_outputs(out: Path, results: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def study_outputs(out: Path, results: Path, run_ids: list[str] = RUN_IDS) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Each run's metrics.json and the results file's records, without wall times."""
-    metrics = {run_id: without_timing(json.loads((out / run_id / "metrics.json").read_text())) for run_id in RUN_IDS}
+    metrics = {run_id: without_timing(json.loads((out / run_id / "metrics.json").read_text())) for run_id in run_ids}
     records = [without_timing(json.loads(line)) for line in results.read_text().splitlines()]
     return metrics, records
 
@@ -97,6 +102,22 @@ def two_nodes() -> Iterator[Any]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def recorded_outcomes(monkeypatch: pytest.MonkeyPatch) -> list[RunOutcome]:
+    """The :class:`RunOutcome` of every run the runner trains on Ray from now on."""
+    from fedplug.study import parallel
+
+    outcomes: list[RunOutcome] = []
+    train_on_ray = parallel.train_on_ray
+
+    def recording(*args: Any, **kwargs: Any) -> list[RunOutcome]:
+        these = train_on_ray(*args, **kwargs)
+        outcomes.extend(these)
+        return these
+
+    monkeypatch.setattr(parallel, "train_on_ray", recording)  # the runner imports it when it trains
+    return outcomes
 
 
 # ------------------------------------------------------------------------------ pure pieces
@@ -160,6 +181,7 @@ def test_runs_land_on_both_nodes_of_a_cluster_and_equal_the_sequential_runs(
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the nodes were started before: the runs get the uri passed
     out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    outcomes = recorded_outcomes(monkeypatch)
 
     assert load_runner().main([str(spec_file(tmp_path)), "--out", str(out), "--results", str(results),
                                "--address", two_nodes.address]) == 0
@@ -167,6 +189,10 @@ def test_runs_land_on_both_nodes_of_a_cluster_and_equal_the_sequential_runs(
     assert study_outputs(out, results) == sequential
     nodes = {json.loads((out / run_id / "provenance.json").read_text())["ray_node"] for run_id in RUN_IDS}
     assert nodes == {node.node_id for node in two_nodes.list_all_nodes()} and len(nodes) == 2
+    # The runs' one data config was built once on each node, then read from that node.
+    assert sorted(outcome.run_id for outcome in outcomes) == RUN_IDS
+    assert Counter(outcome.node for outcome in outcomes if outcome.federation == "built") == dict.fromkeys(nodes, 1)
+    assert {outcome.federation for outcome in outcomes} <= {"built", "node", "process"}
     # Every run is a child of the study's one parent run in the one MLflow store.
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("study-tiny").experiment_id])
@@ -219,6 +245,45 @@ def test_a_failing_run_is_recorded_the_others_finish_and_retry_failed_trains_it(
     assert load_runner().main([*command, "--retry-failed", "--redo-mismatched"]) == 0
     assert not (out / FAILED_NAME).exists()
     assert study_outputs(out, results) == sequential
+
+
+@pytest.mark.slow
+def test_two_workers_of_one_node_build_each_data_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: 2 partition draws (2 data configs) x 2 algorithms, the sequential reference.
+    spec_path = spec_file(tmp_path, draws=[0, 1])
+    run_ids = [f"0.5__{algorithm}__d{draw}s0" for draw in (0, 1) for algorithm in ("fedavg", "fedavgm")]
+    reference, reference_results = tmp_path / "reference", tmp_path / "reference.jsonl"
+    assert load_runner().main([str(spec_path), "--no-mlflow", "--jobs", "1", "--out", str(reference),
+                               "--results", str(reference_results)]) == 0
+    out, results = tmp_path / "out", tmp_path / "results.jsonl"
+    outcomes = recorded_outcomes(monkeypatch)
+
+    # Execute: two runs at a time on a local Ray (one node, two worker processes).
+    assert load_runner().main([str(spec_path), "--no-mlflow", "--jobs", "2", "--out", str(out),
+                               "--results", str(results)]) == 0
+
+    # Assert: the two runs of a draw start together, yet its federation is built once.
+    assert sorted(outcome.run_id for outcome in outcomes) == sorted(run_ids)
+    built = [outcome.run_id.split("__")[-1] for outcome in outcomes if outcome.federation == "built"]
+    assert sorted(built) == ["d0s0", "d1s0"]
+    assert {outcome.federation for outcome in outcomes} <= {"built", "node", "process"}
+    assert study_outputs(out, results, run_ids) == study_outputs(reference, reference_results, run_ids)
+
+
+@pytest.mark.slow
+def test_a_federation_its_node_cannot_build_fails_its_runs_with_the_data_error(tmp_path: Path) -> None:
+    spec_path = spec_file(tmp_path, data={"num_clients": 400})  # the synthetic dataset has 300 samples
+    out = tmp_path / "out"
+
+    assert load_runner().main([str(spec_path), "--no-mlflow", "--jobs", "2", "--out", str(out),
+                               "--results", str(tmp_path / "results.jsonl")]) == 1
+
+    failures = json.loads((out / FAILED_NAME).read_text())
+    assert sorted(failures) == RUN_IDS
+    for failure in failures.values():  # the holder's DataError, one line, as without Ray
+        assert failure["error"] == "data.num_clients is 400 but dataset 'synthetic' has only 300 training " \
+            "samples; use fewer clients"
+        assert "traceback" not in failure
 
 
 def run_folder_pid(folder: Path) -> int | None:

@@ -5,9 +5,13 @@
 the runner's own training function, so a run trained here is the run the sequential runner
 trains (the same run folder, per-round checkpoint and MLflow child run). What else it does:
 
-- **Data once per worker process.** Each Ray worker process keeps the last federation it
-  built (keyed by the data config and device), so runs that share a federation, which the
-  study puts next to each other, build it once per worker process, not once per run.
+- **Data once per node.** Each node has a :class:`FederationHolder` (a Ray actor,
+  :func:`start_holders`): the first task on a node that asks for a data config has the
+  holder build that federation there and put it into the node's object store; every later
+  task on the node reads it from there (numpy arrays without a copy) instead of building.
+  A worker process also keeps the last federation it used, for its next run on the same
+  data. Runs on a GPU (``train.device`` cuda, or auto on a node with one) build their own,
+  once per worker process.
 - **Failures are per run.** A run that raises is reported as a :class:`RunOutcome` with one
   line saying why (its traceback too, unless it is a fedplug error, which already says
   what to fix); the other runs go on. A worker that dies mid-run (killed, out of memory) is
@@ -28,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +47,9 @@ RETRIES_AFTER_CRASH = 1
 retry resumes the run from its checkpoint."""
 CONNECT_TIMEOUT_S = 10.0
 """How long ``--address`` may take to accept a TCP connection (Ray itself waits minutes)."""
+FEDERATIONS_PER_NODE = 2
+"""How many federations a node's :class:`FederationHolder` keeps (the last ones asked for):
+a study lists the runs of one data config together, so the runs in flight span few."""
 
 
 class TrainRun(Protocol):
@@ -92,31 +100,100 @@ class RunOutcome(NamedTuple):
     """The Ray node id that trained it (None when it failed)."""
     seconds: float
     """Wall time from submission to the result."""
+    federation: str | None = None
+    """Where its federation came from (None when it failed): ``built`` (its node's holder
+    built it for this run), ``node`` (the holder had it), ``process`` (the worker process
+    kept it from its previous run) or ``task`` (the task built it itself: a run on a GPU, or
+    a node without a holder)."""
 
 
 # ------------------------------------------------------------------------------ in the worker
+
+def holder_name(node_id: str) -> str:
+    """The name of node ``node_id``'s :class:`FederationHolder` (in the Ray job's namespace)."""
+    return f"fedplug-federations-{node_id}"
+
+
+class FederationHolder:
+    """One node's federations on the CPU (a Ray actor pinned to the node,
+    :func:`start_holders`): the first time a task of the node asks for a data config, the
+    holder builds its federation (reading ``data.root`` on this node) and puts it into the
+    node's object store; later tasks get the object there. Ray runs an actor's calls one at
+    a time, so tasks asking at once wait for one build. Keeps the last ``keep`` federations."""
+
+    def __init__(self, keep: int = FEDERATIONS_PER_NODE) -> None:
+        from fedplug.plugins import default_registry
+
+        self.registry = default_registry()  # the plugins load here as in the tasks
+        self.keep = keep
+        self.federations: OrderedDict[str, Any] = OrderedDict()
+        """Data config (its JSON document, keys sorted) -> the federation's object ref."""
+
+    def federation(self, data: str) -> tuple[list[Any], bool]:
+        """The object ref of the federation of ``data`` (a data config's JSON document,
+        keys sorted), in a list so that Ray hands over the ref, not the federation; and
+        whether this call built it."""
+        import ray
+
+        from fedplug.config import validate_section
+        from fedplug.data.build import build_federation
+
+        built = data not in self.federations
+        if built:
+            while len(self.federations) >= self.keep:
+                self.federations.popitem(last=False)  # the node's store frees it once no task uses it
+            config = validate_section("data", json.loads(data), self.registry)
+            self.federations[data] = ray.put(build_federation(config, self.registry, "cpu"))
+        self.federations.move_to_end(data)
+        return [self.federations[data]], built
+
+
+def node_federation(data: str, node: str) -> tuple[Any, str]:
+    """The federation of ``data`` (as :meth:`FederationHolder.federation` takes it) from
+    node ``node``'s holder, and ``built`` or ``node`` (see :class:`RunOutcome`); ``(None,
+    "task")`` when the node has no holder or it died. A build that fails fails the run with
+    the build's own error (Ray passes it on), as a run without Ray does."""
+    import ray
+
+    try:
+        holder = ray.get_actor(holder_name(node))
+    except ValueError:  # a node that joined the cluster after the study started
+        return None, "task"
+    try:
+        [ref], built = ray.get(holder.federation.remote(data))
+    except ray.exceptions.RayActorError:
+        return None, "task"
+    return ray.get(ref), "built" if built else "node"
+
 
 _FEDERATION: dict[str, Any] = {}
 """This worker process's last federation (``key``, ``federation``)."""
 
 
-def cached_federation(config: Any, registry: Any) -> Any:
-    """The federation of ``config.data`` on ``config.train.device``, built once per worker
-    process while consecutive runs share it; only one is kept in memory."""
+def worker_federation(config: Any, registry: Any, node: str) -> tuple[Any, str]:
+    """The federation of ``config.data`` on ``config.train.device`` and where it came from
+    (see :class:`RunOutcome`): this process's last one when it is the same, else its node's
+    (:func:`node_federation`) on the CPU, else built here. The process keeps only the last."""
     from fedplug.data.build import build_federation
     from fedplug.run.model import resolve_device
 
-    key = json.dumps([config.data.model_dump(mode="json"), config.train.device], sort_keys=True)
-    if _FEDERATION.get("key") != key:
-        _FEDERATION.clear()  # free the previous one first
-        _FEDERATION["federation"] = build_federation(config.data, registry, resolve_device(config.train.device))
-        _FEDERATION["key"] = key
-    return _FEDERATION["federation"]
+    data = json.dumps(config.data.model_dump(mode="json"), sort_keys=True)
+    device = resolve_device(config.train.device)
+    key = json.dumps([data, str(device)])
+    if _FEDERATION.get("key") == key:
+        return _FEDERATION["federation"], "process"
+    _FEDERATION.clear()  # free the previous one first
+    federation, source = node_federation(data, node) if device.type == "cpu" else (None, "task")
+    if federation is None:
+        federation = build_federation(config.data, registry, device)
+    _FEDERATION.update(key=key, federation=federation)
+    return federation, source
 
 
 def train_in_worker(train: TrainRun, task: RunTask) -> dict[str, Any]:
     """The body of a run's Ray task: one torch thread, the run's config validated again,
-    then ``train``; returns the summary, the node id and this process's id."""
+    its federation (:func:`worker_federation`), then ``train``; returns the summary, the
+    node id, this process's id and where the federation came from."""
     import ray
     import torch
 
@@ -131,9 +208,10 @@ def train_in_worker(train: TrainRun, task: RunTask) -> dict[str, Any]:
                           "(validating its JSON document gives another config); train it with --jobs 1")
     run = dataclasses.replace(task.run, config=config)
     node = ray.get_runtime_context().get_node_id()
-    summary = train(task.spec, run, task.folder, registry, cached_federation(config, registry), task.parent,
-                    redo=task.redo, provenance={"ray_node": node})
-    return {"summary": summary, "node": node, "pid": os.getpid()}
+    federation, source = worker_federation(config, registry, node)
+    summary = train(task.spec, run, task.folder, registry, federation, task.parent, redo=task.redo,
+                    provenance={"ray_node": node})
+    return {"summary": summary, "node": node, "pid": os.getpid(), "federation": source}
 
 
 # ------------------------------------------------------------------------------ in the driver
@@ -202,11 +280,25 @@ def describe_failure(error: BaseException) -> tuple[str, str | None]:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": "), None
 
 
+def start_holders() -> list[Any]:
+    """A :class:`FederationHolder` (no CPU of its own) pinned to each alive node with CPUs,
+    named :func:`holder_name` in this Ray job's namespace (another study on the cluster
+    has its own), or the one already there; their handles."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    holder = ray.remote(num_cpus=0)(FederationHolder)
+    return [holder.options(name=holder_name(node["NodeID"]), get_if_exists=True,
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+            for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0]
+
+
 def train_on_ray(tasks: list[RunTask], train: TrainRun, *, in_flight: int,
                  on_outcome: Callable[[RunOutcome], None]) -> list[RunOutcome]:
     """Train ``tasks`` in this order, at most ``in_flight`` at a time, on the connected Ray
     (:func:`ray_session`); ``on_outcome`` hears of each run as it ends. Interrupted, the
-    runs still in flight are cancelled (their checkpoints stay, so they resume)."""
+    runs still in flight are cancelled (their checkpoints stay, so they resume). Each node's
+    :class:`FederationHolder` lives as long as this call, its federations with it."""
     import ray
 
     module = sys.modules.get(getattr(train, "__module__", "") or "")
@@ -216,6 +308,7 @@ def train_on_ray(tasks: list[RunTask], train: TrainRun, *, in_flight: int,
         ray.cloudpickle.register_pickle_by_value(module)
     remote = ray.remote(num_cpus=1, max_retries=RETRIES_AFTER_CRASH)(train_in_worker)
     train_ref = ray.put(train)
+    holders = start_holders()
     queue = list(tasks)
     pending: dict[Any, tuple[RunTask, float]] = {}
     outcomes = []
@@ -233,6 +326,8 @@ def train_on_ray(tasks: list[RunTask], train: TrainRun, *, in_flight: int,
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
+        for holder in holders:
+            ray.kill(holder)
     return outcomes
 
 
@@ -245,7 +340,8 @@ def collect(ref: Any, run_id: str, started: float) -> RunOutcome:
     except ray.exceptions.RayError as error:
         line, details = describe_failure(error)
         return RunOutcome(run_id, None, line, details, None, time.perf_counter() - started)
-    return RunOutcome(run_id, done["summary"], None, None, done["node"], time.perf_counter() - started)
+    return RunOutcome(run_id, done["summary"], None, None, done["node"], time.perf_counter() - started,
+                      done["federation"])
 
 
 # ------------------------------------------------------------------------------ the record of failures
