@@ -1465,8 +1465,8 @@ one torch thread each) and `--jobs 2 --address` of a two-node local cluster
 
 On N nodes of c cores, a study of n runs of t seconds takes about n t / (N c) plus
 what does not parallelise: starting Ray and its workers (a few seconds, once), each
-worker process building each federation it meets once (the data load: about 1 s for
-MNIST; a FEMNIST federation takes longer, and every worker pays it), and the MLflow
+node building each federation once (the data load: about 1 s for MNIST; a FEMNIST
+federation takes longer, and every node pays it), and the MLflow
 writes (one child run per run, a few small requests per round: a tracking server on a
 cluster, not one sqlite file on shared storage, which serialises writers). Runs much
 shorter than Ray's per-task overhead (tens of milliseconds) or than the federation
