@@ -1459,7 +1459,8 @@ A 24-run MLP study on real MNIST (100 `dirichlet_client` clients, 2 cells x 2 al
 2 draws x 3 seeds, 10 clients a round) trained by `pipelines/studies/run_study.py` three
 times into fresh folders: `--jobs 1` (in process), `--jobs 2` (Ray tasks on a local Ray,
 one torch thread each) and `--jobs 2 --address` of a two-node local cluster
-(`ray.cluster_utils.Cluster`, one CPU per node) (`benchmarks/bench_study_jobs.py`):
+(`ray.cluster_utils.Cluster`, one CPU and a 2 GiB object store per node)
+(`benchmarks/bench_study_jobs.py`):
 
 {render_study_jobs(results)}
 
