@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from conftest import SMALL_EXPERIMENT
 from fedplug.adapters.flower import LoopbackGrid, run_on_grid
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.nodes import handle_evaluate, handle_query, handle_train
 from fedplug.adapters.flower.records import (
     ACCURACY,
@@ -157,6 +158,7 @@ mutations = st.one_of(
 def tampering_app(train: list[Mutation], evaluate: list[Mutation]) -> ClientApp:
     """The ready ClientApp; node :data:`HOSTILE` applies the mutations to its replies."""
     app = ClientApp()
+    declare(app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))  # as make_client_app does
     app.query()(handle_query)
 
     def tampered(handler: Any, changes: list[Mutation]) -> Any:

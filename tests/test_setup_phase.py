@@ -131,6 +131,7 @@ def experiment() -> Any:
 def users_client_app(trainer: FedplugTrainer, federation: Any) -> ClientApp:
     """A user's ClientApp: FedplugTrainer on each node's shard, with the phase's handler."""
     app = ClientApp()
+    trainer.declare_on(app)  # the server asks the app what it runs before round 1
 
     def shard(context: Context) -> tuple[Tensor, Tensor]:
         client = federation.clients[int(context.node_config["partition-id"])]

@@ -140,7 +140,12 @@ class FedplugTrainer:
         """What the aggregator's server side sends with every model, as it declares it."""
         self._data_cache: dict[int, tuple[Any, torch.device, LocalData]] = {}
         if app is not None:
-            declare(app, {slot: getattr(train_config, slot).name for slot in CLIENT_SLOTS})
+            self.declare_on(app)
+
+    def declare_on(self, app: ClientApp) -> None:
+        """Declare this trainer's components on ``app``'s capability handler (what
+        ``app=`` does at construction), for a trainer built before its ClientApp."""
+        declare(app, {slot: getattr(self.config, slot).name for slot in CLIENT_SLOTS})
 
     @classmethod
     def from_config(
