@@ -4,11 +4,10 @@ A fedplug error (:class:`~fedplug.errors.FedplugError`) already says what to fix
 when it ends a ServerApp, Flower's records of it ("Simulation raised an exception" with
 ``exc_info``, or a record whose message is ``traceback.format_exc()``, as
 ``flwr.simulation.run_simulation`` logs) become that line:
-``fedplug stopped the run: <message>`` (the line of
-``apps.OneLineFedplugErrors``, so either filter gives the same log). Any other
-exception keeps its traceback. :class:`FedplugErrorsInOneLine` does it;
-:func:`report_fedplug_errors_in_one_line` puts it on Flower's ``flwr`` logger and its
-handlers once per process (:class:`~fedplug.adapters.flower.FedplugStrategy` calls it).
+``fedplug stopped the run: <message>``. Any other exception keeps its traceback.
+:class:`FedplugErrorsInOneLine` does it; :func:`report_fedplug_errors_in_one_line` puts
+it on Flower's ``flwr`` logger and its handlers once per process
+(:class:`~fedplug.adapters.flower.FedplugStrategy` and the ready apps call it).
 Design: docs/flower.md, 'Design notes: errors in Flower's log'.
 """
 
