@@ -121,6 +121,20 @@ def class_count_loss(name: str) -> tuple[Edit, ...]:
     )
 
 
+def scaffold_loop(finish_round: str, *task_edits: Edit) -> tuple[Edit, ...]:
+    """SCAFFOLD's client in the user's loop: the criterion, ``finish_round`` called as
+    ``finish_round`` on the reply, the ``task_edits``, and the FedplugStrategy server."""
+    return (
+        client_import("FedplugLoss"),
+        piece('scaffold = FedplugLoss(aggregator={"name": "scaffold"}, app=app)'),
+        criterion_argument("scaffold.begin_round(msg, context, model)"),
+        after(CLIENT, REPLY_ANCHOR, f"    scaffold.{finish_round}"),
+        *TRAIN_TAKES_CRITERION,
+        *task_edits,
+        *served_by_fedplug('{"aggregator": {"name": "scaffold"}}, model=Net()'),
+    )
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "fedavgm",
@@ -171,22 +185,13 @@ VARIANTS: tuple[Variant, ...] = (
         "scaffold",
         "FedplugStrategy",
         "the criterion, `finish_round` on the reply, and SGD without momentum",
-        (
-            client_import("FedplugLoss"),
-            piece('scaffold = FedplugLoss(aggregator={"name": "scaffold"}, app=app)'),
-            criterion_argument("scaffold.begin_round(msg, context, model)"),
-            after(
-                CLIENT,
-                REPLY_ANCHOR,
-                '    scaffold.finish_round(content)',
-            ),
-            *TRAIN_TAKES_CRITERION,
+        scaffold_loop(
+            "finish_round(content)",
             Edit(
                 TASK,
                 "optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)",
                 "optimizer = torch.optim.SGD(net.parameters(), lr=lr)",
             ),
-            *served_by_fedplug('{"aggregator": {"name": "scaffold"}}, model=Net()'),
         ),
     ),
     Variant(
@@ -227,18 +232,7 @@ MISCONFIGURED: tuple[Variant, ...] = (
         "FedplugStrategy",
         "SCAFFOLD with the quickstart's SGD momentum 0.9 left in place and the learning "
         "rate passed to `finish_round`: refused at the first optimiser step, in one line",
-        (
-            client_import("FedplugLoss"),
-            piece('scaffold = FedplugLoss(aggregator={"name": "scaffold"}, app=app)'),
-            criterion_argument("scaffold.begin_round(msg, context, model)"),
-            after(
-                CLIENT,
-                REPLY_ANCHOR,
-                '    scaffold.finish_round(content, learning_rate=msg.content["config"]["lr"])',
-            ),
-            *TRAIN_TAKES_CRITERION,
-            *served_by_fedplug('{"aggregator": {"name": "scaffold"}}, model=Net()'),
-        ),
+        scaffold_loop('finish_round(content, learning_rate=msg.content["config"]["lr"])'),
     ),
     Variant(
         "fedshift-stock-client",

@@ -31,7 +31,7 @@ from flower_quickstart_variants import (
     edited_files,
     write_variant,
 )
-from test_flower_deployment import free_port, fresh_flower_home, stop, wait_for_port
+from test_flower_deployment import free_port, fresh_flower_home, run_status, stop, wait_for_port
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs" / "flower.md"
@@ -103,7 +103,7 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         )
     try:
         wait_for_port(port, process, 120, log)
-        yield {"environment": environment, "cwd": tmp_path, "log": log}
+        yield {"connection": CONNECTION, "environment": environment, "cwd": tmp_path, "log": log}
     finally:
         stop([process])
 
@@ -131,17 +131,24 @@ def flwr_run(superlink: dict[str, Any], app: Path, result_file: Path) -> str:
     return completed.stdout.decode() + completed.stderr.decode()
 
 
+def run_variant(superlink: dict[str, Any], variant: Variant, tmp_path: Path) -> tuple[str, Path]:
+    """``flwr run`` of the quickstart with ``variant``'s edits, written into ``tmp_path``:
+    its output (also kept in ``tmp_path/flwr-run.log``) and where its ServerApp writes
+    the result."""
+    app = write_variant(variant, tmp_path / "app")
+    result_file = tmp_path / "result.json"
+    output = flwr_run(superlink, app, result_file)
+    (tmp_path / "flwr-run.log").write_text(output)
+    return output, result_file
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: variant.name)
 def test_each_variant_runs_under_flwr_run(
     superlink: dict[str, Any], tmp_path: Path, variant: Variant
 ) -> None:
-    # Prepare: the quickstart with the variant's edits.
-    app = write_variant(variant, tmp_path / "app")
-    result_file = tmp_path / "result.json"
-    # Execute
-    output = flwr_run(superlink, app, result_file)
-    (tmp_path / "flwr-run.log").write_text(output)
+    # Execute: the quickstart with the variant's edits.
+    output, result_file = run_variant(superlink, variant, tmp_path)
     # Assert: the ServerApp finished every round with every sampled node's reply and
     # finite metrics, under the strategy the variant names.
     assert result_file.exists(), output[-5000:]
@@ -167,22 +174,6 @@ def test_each_variant_runs_under_flwr_run(
             assert run["setup_rounds"] > 0, run  # the density-ratio phase ran before round 1
 
 
-def run_status(superlink: dict[str, Any], output: str) -> str:
-    """The status ``flwr ls`` gives the run ``flwr run`` started (its output names it)."""
-    started = re.search(r"Successfully started run (\d+)", output)
-    assert started is not None, output[-3000:]
-    listed = subprocess.run(
-        [str(BIN / "flwr"), "ls", CONNECTION, "--run-id", started[1], "--format", "json"],
-        capture_output=True,
-        check=True,
-        env=superlink["environment"],
-        cwd=superlink["cwd"],
-        timeout=120,
-    )
-    (run,) = json.loads(listed.stdout)["runs"]
-    return str(run["status"])
-
-
 MISCONFIGURATION_LINE = {
     "scaffold-momentum": ("momentum=0.9", "fedplug stopped the run: node"),
     "fedshift-stock-client": (
@@ -198,12 +189,8 @@ MISCONFIGURATION_LINE = {
 def test_a_misconfigured_quickstart_fails_in_one_line_before_any_client_trains(
     superlink: dict[str, Any], tmp_path: Path, variant: Variant
 ) -> None:
-    # Prepare: the quickstart with the misconfigured variant's edits.
-    app = write_variant(variant, tmp_path / "app")
-    result_file = tmp_path / "result.json"
-    # Execute
-    output = flwr_run(superlink, app, result_file)
-    (tmp_path / "flwr-run.log").write_text(output)
+    # Execute: the quickstart with the misconfigured variant's edits.
+    output, result_file = run_variant(superlink, variant, tmp_path)
     print(output)
     # Assert: one fedplug line naming what to fix, no traceback, no round finished,
     # the run marked failed.
