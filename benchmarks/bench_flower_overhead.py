@@ -46,6 +46,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import torch
 from fedplug.adapters.flower import central_evaluation, run_on_grid
+from fedplug.adapters.flower.capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from fedplug.adapters.flower.nodes import (
     experiment_message_config,
     handle_evaluate,
@@ -149,6 +150,8 @@ def train(message: Message, context: Context) -> Message:
 
 
 client_app = ClientApp()
+# the ready ClientApp's declaration (make_client_app's): it runs whatever the server names
+declare(client_app, dict.fromkeys(CLIENT_SLOTS, ANY_COMPONENT))
 client_app.query()(handle_query)
 client_app.train()(train)
 client_app.evaluate()(handle_evaluate)
