@@ -6,13 +6,13 @@ and an unknown parameter is one line before anything trains."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_study import load_runner
 
 from fedplug.config import validate_experiment
 from fedplug.errors import ConfigError
@@ -24,7 +24,6 @@ from fedplug.study.records import load_records
 from fedplug.study.spec import parse_study
 from fedplug.study.tuning import TUNED_NAME, apply_tuning
 
-ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINT = "fedplug study tiny"
 
 BASE: dict[str, Any] = {
@@ -177,14 +176,6 @@ def test_trials_are_mlflow_runs_nested_under_the_tuning_parent(tmp_path: Path, m
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["fedavg.best_value"] == pytest.approx(chosen["value"])
     assert parent.data.metrics["fedavg.train.optimizer.lr"] == chosen["params"]["train.optimizer.lr"]
-
-
-def load_runner() -> Any:
-    path = ROOT / "pipelines" / "studies" / "run_study.py"
-    module_spec = importlib.util.spec_from_file_location("run_study", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
