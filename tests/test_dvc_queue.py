@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import time
@@ -20,8 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
-import yaml
-from test_pipeline import PROJECT_FILES, REPO, VENV_BIN, dvc, environment, sh, tiny_params
+from test_pipeline import REPO, VENV_BIN, dvc, environment, reproduced_project, tiny_params
 
 LEARNING_RATES = ("0.01", "0.1")
 """The two queued values of ``train.optimizer.lr`` (the baseline commit trains with 0.5)."""
@@ -117,21 +115,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A git repository holding the pipeline and the tiny study, reproduced once (the
     baseline a sweep starts from). Nothing runs in it any more when the module ends."""
     root = tmp_path_factory.mktemp("queue")
-    for name in PROJECT_FILES:
-        source, target = REPO / name, root / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_dir():
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, target)
-    (root / "params.yaml").write_text(yaml.safe_dump(queue_params(), sort_keys=False))
-    shutil.copy2(REPO / ".gitignore", root / ".gitignore")
-    sh(root, "git", "init", "-q")
-    sh(root, "git", "add", "-A")
-    sh(root, "git", "commit", "-qm", "pipeline")
-    dvc(root, "repro")
-    sh(root, "git", "add", "-A")
-    sh(root, "git", "commit", "-qm", "reproduced")
+    reproduced_project(root, queue_params())
     yield root
     stop_queue(root)
 

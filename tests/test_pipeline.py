@@ -346,10 +346,9 @@ def set_params(repo: Path, change: Any) -> None:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A git repository holding the pipeline and a tiny study, reproduced once."""
-    root = tmp_path_factory.mktemp("pipeline")
+def reproduced_project(root: Path, params: dict[str, Any]) -> str:
+    """The project's pipeline files in ``root`` with ``params`` as its params.yaml, a git
+    repository committed before and after one ``dvc repro``; that repro's output."""
     for name in PROJECT_FILES:
         source, target = REPO / name, root / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -357,15 +356,23 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target)
-    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy2(REPO / ".gitignore", root / ".gitignore")  # the project's: what stays out of git
     sh(root, "git", "init", "-q")
     sh(root, "git", "add", "-A")
     sh(root, "git", "commit", "-qm", "pipeline")
     output = dvc(root, "repro")
-    assert ran(output) == {"download", "partition", "setup", "evaluate"} | TRAIN_STAGES
     sh(root, "git", "add", "-A")
     sh(root, "git", "commit", "-qm", "reproduced")
+    return output
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A git repository holding the pipeline and a tiny study, reproduced once."""
+    root = tmp_path_factory.mktemp("pipeline")
+    output = reproduced_project(root, tiny_params())
+    assert ran(output) == {"download", "partition", "setup", "evaluate"} | TRAIN_STAGES
     yield root
 
 
