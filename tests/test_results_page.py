@@ -15,7 +15,7 @@ import yaml
 
 from fedplug.errors import ConfigError, DataError
 from fedplug.study.records import load_records
-from fedplug.study.statistics import mean_std, paired_comparison, partition_comparison, summarise
+from fedplug.study.statistics import mean_std, paired_comparison, partition_comparison, plateaued, summarise
 from fedplug.study.tables import partition_text, summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_mean_std_and_paired_wins_by_hand(tmp_path: Path) -> None:
     assert paired["difference_std"] == pytest.approx(0.025166, abs=1e-6)
 
     table = summary_table(rows, ["alpha"], 0.8, labels={"fedprox": "FedProx (mu 0.01)"}, baseline="fedavg")
-    assert "| 0.1 | fedavg | 4 (2×2) | 0.8100 ± 0.0258 | 0.8200 ± 0.0258 | 4 (2/4 reached) | 1.0 kB | (baseline) |  |" in table
+    assert "| 0.1 | fedavg | 4 (2×2) | 0.8100 ± 0.0258 | 0.8200 ± 0.0258 | too short | 4 (2/4 reached) | 1.0 kB | (baseline) |  |" in table
     assert "| 0.1 | FedProx (mu 0.01) | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in table
     # Per draw, FedProx - FedAvg: draw 0 mean(0.05, 0) = 0.025, draw 1 0.02; over the 2
     # draws mean 0.0225, s = 0.005 / sqrt(2), t(0.975, 1) = 12.7062: half-width 0.03177.
@@ -110,6 +110,23 @@ def test_mean_std_and_paired_wins_by_hand(tmp_path: Path) -> None:
     # The last-3-rounds headline is a different column, same machinery.
     last3 = summarise(load_records(path), "last3_accuracy", baseline="fedavg")
     assert last3[0]["last3_accuracy"] == pytest.approx(0.80) and last3[1]["paired"]["wins"] == 2
+
+
+def test_plateau_rule_by_hand() -> None:
+    # Best of the last 10 rounds against the best before them, tolerance 0.002.
+    rising = [0.5, 0.6] + [0.6 + 0.001 * k for k in range(1, 11)]  # last 10 best 0.610: +0.010
+    flat = [0.5, 0.7] + [0.7015] * 10  # +0.0015
+    dipped = [0.5, 0.9] + [0.8] * 10  # the last rounds are worse: flat, not rising
+
+    assert plateaued(rising) is False
+    assert plateaued(flat) is True and plateaued(dipped) is True
+    assert plateaued(flat, tolerance=0.001) is False
+    assert plateaued([0.5] * 10) is None and plateaued([None] * 2 + [0.5] * 10) is None
+    rows = summarise([
+        {"run": f"c__a__d0s{seed}", "cell": {"x": "c"}, "algorithm": "a", "draw": 0, "seed": seed, "accuracy": curve}
+        for seed, curve in enumerate([rising, flat, [0.5] * 3])
+    ])
+    assert (rows[0]["plateaued"], rows[0]["plateau_known"]) == (1, 2)
 
 
 def test_partition_comparison_by_hand() -> None:

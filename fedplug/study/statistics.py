@@ -57,6 +57,27 @@ def paired_comparison(values: dict[tuple[int, int], float | None],
     }
 
 
+PLATEAU_WINDOW = 10
+PLATEAU_TOLERANCE = 0.002
+"""The plateau rule (issue #23): a run has plateaued when the best accuracy of its last
+:data:`PLATEAU_WINDOW` rounds is less than :data:`PLATEAU_TOLERANCE` above the best before
+them."""
+
+
+def plateaued(accuracy: Sequence[float | None], window: int = PLATEAU_WINDOW,
+              tolerance: float = PLATEAU_TOLERANCE) -> bool | None:
+    """Whether a run's accuracy curve has flattened: ``max(last window rounds) -
+    max(earlier rounds) < tolerance``. None when the run has ``window`` rounds or fewer
+    (too short to tell) or no accuracy in one of the two parts."""
+    if len(accuracy) <= window:
+        return None
+    earlier = [value for value in accuracy[:-window] if value is not None]
+    last = [value for value in accuracy[-window:] if value is not None]
+    if not earlier or not last:
+        return None
+    return max(last) - max(earlier) < tolerance
+
+
 def partition_comparison(values: dict[tuple[int, int], float | None],
                          reference: dict[tuple[int, int], float | None],
                          confidence: float = 0.95) -> dict[str, Any]:
@@ -103,7 +124,8 @@ def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
               analysis: Analysis | None = None) -> list[dict[str, Any]]:
     """One row per grid cell x algorithm (in record order): the cell's axis labels,
     ``cell`` (its id), ``algorithm``, ``runs``, ``draws`` and ``seeds`` (distinct counts),
-    ``reached`` (runs that reached the target), each of :func:`summary_columns` (of
+    ``reached`` (runs that reached the target), ``plateaued`` and ``plateau_known`` (runs
+    whose curve has flattened by :func:`plateaued`, and runs long enough to tell), each of :func:`summary_columns` (of
     ``analysis``) as the mean
     over the runs with a value (the target columns: the runs that reached it) plus
     ``<column>_std`` (sample std), ``metric`` (the headline metric's name),
@@ -124,6 +146,9 @@ def summarise(records: Sequence[dict[str, Any]], metric: str = "final_accuracy",
         row["draws"] = len({member["draw"] for member in members})
         row["seeds"] = len({member["seed"] for member in members})
         row["reached"] = sum(member.get("rounds_to_target") is not None for member in members)
+        flattened = [plateaued(member.get("accuracy") or []) for member in members]
+        row["plateau_known"] = sum(value is not None for value in flattened)
+        row["plateaued"] = sum(value is True for value in flattened)
         for column in columns:
             row[column], row[f"{column}_std"] = mean_std(member.get(column) for member in members)
         row["metric"] = metric

@@ -33,6 +33,15 @@ def _rounds(row: dict[str, Any], key: str) -> str:
     return text if row["reached"] == row["runs"] else f"{text} ({row['reached']}/{row['runs']} reached)"
 
 
+def _plateaued(row: dict[str, Any]) -> str:
+    """``k/n`` runs plateaued (:func:`~fedplug.study.statistics.plateaued`), ``too short``
+    when no run has enough rounds to tell."""
+    known = row.get("plateau_known", 0)
+    if not known:
+        return "too short"
+    return f"{row['plateaued']}/{known}" + (f" ({row['runs'] - known} too short)" if known < row["runs"] else "")
+
+
 def _runs(row: dict[str, Any]) -> str:
     if row["runs"] == row["draws"] * row["seeds"]:
         return f"{row['runs']} ({row['draws']}×{row['seeds']})"
@@ -71,8 +80,8 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
                   columns: Sequence[str] = (), baselines: dict[str, str] | None = None,
                   analysis: Analysis | None = None) -> str:
     """The summary table as markdown: one line per grid cell x algorithm, the headline
-    metric (mean ± std over runs) first, best-over-rounds beside it, then rounds and bytes
-    to ``target``, the setup rounds where any run has them, ``columns`` (a declared column
+    metric (mean ± std over runs) first, best-over-rounds beside it, the runs whose curve
+    has flattened (:func:`_plateaued`), then rounds and bytes to ``target``, the setup rounds where any run has them, ``columns`` (a declared column
     of ``analysis`` with its title and decimals, default: the registered components'),
     and the comparison with each row's reference (``baseline``, or the algorithm's
     ``baselines`` entry, named in the cell): the mean difference over partition draws with
@@ -86,6 +95,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
     header = [*axes, "algorithm", "runs (draws×seeds)", f"{metric_name(metric)} (mean ± std)"]
     if metric != "best_accuracy":
         header.append("best acc (over rounds)")
+    header.append("plateaued")
     header.append(f"rounds to {target_label}")
     if show_setup:
         header += ["setup rounds", f"effective rounds to {target_label}"]
@@ -103,6 +113,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
                                                      _cell(row[metric], row[f"{metric}_std"])]
         if metric != "best_accuracy":
             cells.append(_cell(row["best_accuracy"], row["best_accuracy_std"]))
+        cells.append(_plateaued(row))
         cells.append(_rounds(row, "rounds_to_target"))
         if show_setup:
             cells += [f"{row['setup_rounds']:.0f}", _rounds(row, "effective_rounds_to_target")]

@@ -327,7 +327,7 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     the statement that the study has not been re-run."""
     from fedplug.study.expansion import planned_runs
     from fedplug.study.figures import figure_plan
-    from fedplug.study.statistics import summarise
+    from fedplug.study.statistics import PLATEAU_TOLERANCE, PLATEAU_WINDOW, summarise
     from fedplug.study.tables import summary_table
 
     source = f"pipelines/studies/results/{name}.jsonl"
@@ -356,8 +356,10 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     lines += ["", summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels,
                                 baseline=spec.baseline, columns=spec.columns, baselines=spec.baselines).rstrip()]
     lines += ["", "Mean ± sample std over runs; runs = partition draws × training seeds. Best acc (over rounds) is "
-              "shown beside the headline number, not instead of it. Rounds to target: first round at or above the "
-              "target, averaged over the runs that reached it."
+              "shown beside the headline number, not instead of it. Plateaued: runs whose best accuracy of the last "
+              f"{PLATEAU_WINDOW} rounds is less than {PLATEAU_TOLERANCE} above their best before them (the curve has "
+              f"flattened; \"too short\": runs of {PLATEAU_WINDOW} rounds or fewer cannot tell). Rounds to target: "
+              "first round at or above the target, averaged over the runs that reached it."
               + (" Comparisons, on the headline number: the partition draw is the unit (runs of one draw share "
                  "their clients' data, so they are not independent replications): each draw's difference is the "
                  "mean over its seeds of method - baseline (runs of the same draw and seed), then the mean over "
