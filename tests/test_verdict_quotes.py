@@ -15,17 +15,6 @@ from fedplug.errors import ConfigError
 from fedplug.study.quotes import fill_quotes, hand_typed_numbers, record_value, spec_numbers
 
 STUDIES = Path(__file__).resolve().parents[1] / "pipelines" / "studies"
-HAND_TYPED_STILL = {
-    "_intro": 37,
-    "faults": 14,
-    "fedavgm": 43,
-    "feddisk": 38,
-    "fedgsp_growth": 8,
-    "iwds": 43,
-}
-"""Verdict fragments not yet converted to placeholders, with how many hand-typed result
-numbers they still have (at most; issue #23): every other fragment has none, and these
-may only go down."""
 
 
 def tiny_studies() -> dict[str, Any]:
@@ -130,11 +119,10 @@ def committed_fragments() -> dict[str, tuple[str, list[str]]]:
 
 def test_no_verdict_types_a_result_by_hand() -> None:
     fragments = committed_fragments()
-    assert set(HAND_TYPED_STILL) <= set(fragments)
+    assert {"_intro", "fedshift", "fedgsp", "iwds", "fedavgm", "feddisk", "faults", "fedgsp_growth"} <= set(fragments)
     for name, (text, settings) in fragments.items():
         found = hand_typed_numbers(text, settings)
-        allowed = HAND_TYPED_STILL.get(name, 0)
-        assert len(found) <= allowed, (
-            f"pipelines/studies/verdicts/{name}.md types {len(found)} result numbers by hand "
-            f"(at most {allowed}): {found}; write them as placeholders (fedplug/study/quotes.py)"
+        assert not found, (
+            f"pipelines/studies/verdicts/{name}.md types {len(found)} result numbers by hand: {found}; "
+            "write them as placeholders (fedplug/study/quotes.py)"
         )
