@@ -421,10 +421,48 @@ def test_normalisation_by_hand() -> None:
     ratios = np.array([1.0, 2.0, 3.0])
     assert normalise_weights(ratios, "minmax").tolist() == [0.0, 1.0, 2.0]
     assert normalise_weights(ratios, "mean").tolist() == [0.5, 1.0, 1.5]
+    # Clipped to [0.6, 1.2] with mean 1: c = 0.6 gives 0.6 + 1.2 + 1.2 = 3 (mean 1); dividing
+    # by the mean first (keep_mean=False) gives 0.6, 1.0, 1.2 (mean 0.933).
     clipped = normalise_weights(ratios, "mean", clip_min=0.6, clip_max=1.2)
-    assert clipped == pytest.approx([0.6, 1.0, 1.2])
+    assert clipped == pytest.approx([0.6, 1.2, 1.2], abs=1e-6)
+    old = normalise_weights(ratios, "mean", clip_min=0.6, clip_max=1.2, keep_mean=False)
+    assert old == pytest.approx([0.6, 1.0, 1.2])
     assert normalise_weights(np.full(5, 0.3), "minmax").tolist() == [1.0] * 5
     assert normalise_weights(np.full(5, 0.3), "mean").tolist() == [1.0] * 5
+
+
+def test_mean_weights_keep_mean_one_when_the_clip_bites() -> None:
+    # Issue #23: nine ratios of 1 and one of 91. Divided by the mean (10): 0.1 x 9 and 9.1,
+    # clipped to 5: mean 0.59, a 41% shorter step. Mean one after the clip: 9c + 5 = 10,
+    # c = 5/9 (and 91c >= 5, so the last one is clipped): 5/9 x 9 and 5.
+    skewed = np.array([1.0] * 9 + [91.0])
+
+    weights = normalise_weights(skewed, "mean")
+    divided_first = normalise_weights(skewed, "mean", keep_mean=False)
+
+    assert weights == pytest.approx([5 / 9] * 9 + [5.0], rel=1e-6)
+    assert divided_first == pytest.approx([0.1] * 9 + [5.0], rel=1e-6)
+    assert float(divided_first.mean()) == pytest.approx(0.59, rel=1e-6)
+
+
+def test_mean_weights_of_a_heavy_tail_are_mean_one_bounded_and_proportional() -> None:
+    # A log-normal tail like the MADE ratios' (sigma 2: the upper clip catches several %).
+    ratios = np.random.default_rng(0).lognormal(0.0, 2.0, size=2000)
+
+    weights = normalise_weights(ratios, "mean", clip_min=0.0, clip_max=5.0).astype(np.float64)
+
+    assert weights.mean() == pytest.approx(1.0, abs=1e-6)
+    assert weights.max() <= 5.0 and (weights == np.float32(5.0)).mean() > 0.01
+    inside = weights < 5.0 - 1e-6
+    scale = weights[inside] / ratios[inside]
+    assert scale == pytest.approx(np.full(inside.sum(), scale[0]), rel=1e-5)  # one c for all
+    assert np.all(np.diff(weights[np.argsort(ratios)]) >= 0)  # the order of the ratios
+
+
+def test_mean_one_weights_need_enough_positive_ratios() -> None:
+    # 1 of 10 ratios positive and clip_max 5: the best possible mean is 0.5.
+    with pytest.raises(TrainingError, match="only 10.0% of its density ratios are positive and clip_max is 5; raise clip_max"):
+        normalise_weights(np.array([0.0] * 9 + [1.0]), "mean")
 
 
 def test_diverged_ratios_are_a_training_error() -> None:

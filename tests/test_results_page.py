@@ -15,8 +15,8 @@ import yaml
 
 from fedplug.errors import ConfigError, DataError
 from fedplug.study.records import load_records
-from fedplug.study.statistics import mean_std, paired_comparison, summarise
-from fedplug.study.tables import summary_table
+from fedplug.study.statistics import mean_std, paired_comparison, partition_comparison, plateaued, summarise
+from fedplug.study.tables import partition_text, summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,14 +96,63 @@ def test_mean_std_and_paired_wins_by_hand(tmp_path: Path) -> None:
     assert paired["difference_std"] == pytest.approx(0.025166, abs=1e-6)
 
     table = summary_table(rows, ["alpha"], 0.8, labels={"fedprox": "FedProx (mu 0.01)"}, baseline="fedavg")
-    assert "| 0.1 | fedavg | 4 (2×2) | 0.8100 ± 0.0258 | 0.8200 ± 0.0258 | 4 (2/4 reached) | 1.0 kB | (baseline) |  |" in table
+    assert "| 0.1 | fedavg | 4 (2×2) | 0.8100 ± 0.0258 | 0.8200 ± 0.0258 | too short | 4 (2/4 reached) | 1.0 kB | (baseline) |  |" in table
     assert "| 0.1 | FedProx (mu 0.01) | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in table
-    assert "| 2/1/0 of 3 | +0.0233 ± 0.0252 |" in table
-    assert "vs fedavg: wins/ties/losses" in table
+    # Per draw, FedProx - FedAvg: draw 0 mean(0.05, 0) = 0.025, draw 1 0.02; over the 2
+    # draws mean 0.0225, s = 0.005 / sqrt(2), t(0.975, 1) = 12.7062: half-width 0.03177.
+    partitions = fedprox["partitions"]
+    assert (partitions["partitions"], partitions["pairs"], partitions["won"]) == (2, 3, 2)
+    assert partitions["difference"] == pytest.approx(0.0225)
+    assert (partitions["low"], partitions["high"]) == pytest.approx((0.0225 - 0.0317655, 0.0225 + 0.0317655), abs=1e-6)
+    assert "| +0.0225 [-0.0093, +0.0543] over 2 partitions, won 2 of 2 | 2/1/0 of 3 |" in table
+    assert "vs fedavg: mean difference [95% interval] over partitions, partitions won" in table
 
     # The last-3-rounds headline is a different column, same machinery.
     last3 = summarise(load_records(path), "last3_accuracy", baseline="fedavg")
     assert last3[0]["last3_accuracy"] == pytest.approx(0.80) and last3[1]["paired"]["wins"] == 2
+
+
+def test_plateau_rule_by_hand() -> None:
+    # Best of the last 10 rounds against the best before them, tolerance 0.002.
+    rising = [0.5, 0.6] + [0.6 + 0.001 * k for k in range(1, 11)]  # last 10 best 0.610: +0.010
+    flat = [0.5, 0.7] + [0.7015] * 10  # +0.0015
+    dipped = [0.5, 0.9] + [0.8] * 10  # the last rounds are worse: flat, not rising
+
+    assert plateaued(rising) is False
+    assert plateaued(flat) is True and plateaued(dipped) is True
+    assert plateaued(flat, tolerance=0.001) is False
+    assert plateaued([0.5] * 10) is None and plateaued([None] * 2 + [0.5] * 10) is None
+    rows = summarise([
+        {"run": f"c__a__d0s{seed}", "cell": {"x": "c"}, "algorithm": "a", "draw": 0, "seed": seed, "accuracy": curve}
+        for seed, curve in enumerate([rising, flat, [0.5] * 3])
+    ])
+    assert (rows[0]["plateaued"], rows[0]["plateau_known"]) == (1, 2)
+
+
+def test_partition_comparison_by_hand() -> None:
+    # Three draws; draw 0 has two seeds. Differences: draw 0 mean(0.1, 0.1) = 0.1,
+    # draw 1 -0.1, draw 2 0.3 (a seed-1 run of draw 2 without its reference is left out).
+    method = {(0, 0): 0.5, (0, 1): 0.7, (1, 0): 0.6, (2, 0): 0.9, (2, 1): 0.95}
+    reference = {(0, 0): 0.4, (0, 1): 0.6, (1, 0): 0.7, (2, 0): 0.6, (2, 1): None}
+
+    result = partition_comparison(method, reference)
+
+    # Mean 0.1; sample std of (0.1, -0.1, 0.3) = 0.2; t(0.975, 2) = 4.302653 (the t table);
+    # half-width 4.302653 * 0.2 / sqrt(3) = 0.496828.
+    assert (result["partitions"], result["pairs"], result["won"], result["tied"], result["lost"]) == (3, 4, 2, 0, 1)
+    assert result["difference"] == pytest.approx(0.1)
+    assert result["low"] == pytest.approx(0.1 - 0.496828, abs=1e-6)
+    assert result["high"] == pytest.approx(0.1 + 0.496828, abs=1e-6)
+    assert partition_text(result) == "+0.1000 [-0.3968, +0.5968] over 3 partitions, won 2 of 3"
+    # A 90% interval is narrower (t(0.95, 2) = 2.919986) and says its level.
+    narrow = partition_comparison(method, reference, confidence=0.90)
+    assert narrow["high"] == pytest.approx(0.1 + 2.919986 * 0.2 / 3 ** 0.5, abs=1e-6)
+    assert partition_text(narrow, digits=2) == "+0.10 [90% -0.24, +0.44] over 3 partitions, won 2 of 3"
+    # One draw: no interval; none: nothing to say.
+    single = partition_comparison({(0, 0): 0.5}, {(0, 0): 0.5})
+    assert (single["partitions"], single["tied"], single["low"]) == (1, 1, None)
+    assert partition_text(single) == "+0.0000 (no interval) over 1 partition, won 0 of 1"
+    assert partition_text(partition_comparison({(0, 0): 0.5}, {})) == "no paired runs"
 
 
 def test_statistics_edge_cases() -> None:
@@ -211,9 +260,9 @@ def test_a_verdict_can_ask_for_a_paired_comparison_the_table_does_not_show(tmp_p
     page = renderer.render_page(layout)
 
     # FedAvg - FedProx on the 3 shared (draw, seed) pairs: -0.05, 0, -0.02 (see FINAL).
-    assert "**fedavg against FedProx (mu 0.01)** (final acc; runs of the same draw and seed" in page
-    assert "| alpha | pairs | wins/ties/losses | paired difference |" in page
-    assert "| 0.1 | 3 | 0/1/2 | -0.0233 ± 0.0252 |" in page
+    assert "**fedavg against FedProx (mu 0.01)** (final acc; per partition draw, the mean over its seeds" in page
+    assert "| alpha | mean difference [95% interval] over partitions, partitions won | runs won/tied/lost |" in page
+    assert "| 0.1 | -0.0225 [-0.0543, +0.0093] over 2 partitions, won 0 of 2 | 0/1/2 of 3 |" in page
 
 
 def test_a_paired_comparison_against_one_fixed_cell(tmp_path: Path) -> None:
@@ -234,10 +283,10 @@ def test_a_paired_comparison_against_one_fixed_cell(tmp_path: Path) -> None:
     page = renderer.render_page(layout)
 
     assert "**fedavg against fedavg in cell 0.1**" in page
-    assert "| 0.1 | 4 | 0/4/0 | +0.0000 ± 0.0000 |" in page
-    # +0.01 three times and -0.02 once: mean (0.03 - 0.02) / 4 = 0.0025,
-    # sample std sqrt((3 * 0.0075^2 + 0.0225^2) / 3) = 0.015.
-    assert "| 0.5 | 4 | 3/0/1 | +0.0025 ± 0.0150 |" in page
+    assert "| 0.1 | +0.0000 [+0.0000, +0.0000] over 2 partitions, won 0 of 2 | 0/4/0 of 4 |" in page
+    # +0.01 three times and -0.02 once: draw 0 mean 0.01, draw 1 (0.01 - 0.02) / 2 = -0.005;
+    # over the draws mean 0.0025, s = 0.015 / sqrt(2), half-width 12.7062 * 0.0075 = 0.0953.
+    assert "| 0.5 | +0.0025 [-0.0928, +0.0978] over 2 partitions, won 1 of 2 | 3/0/1 of 4 |" in page
 
     (layout.verdicts / "tiny.md").write_text("{{paired fedavg vs fedavg@0.3}}\n")
     with pytest.raises(ConfigError, match=r"'0\.3' is not one of the cells of pipelines/studies/tiny\.yaml \(0\.1, 0\.5\)"):
@@ -311,8 +360,8 @@ def test_restricted_cells_and_variant_baselines_reach_the_page(tmp_path: Path) -
     assert "paired against fedavg; except fedprox-cnn against fedavg-cnn" in page
     # fedprox-cnn's finals equal fedprox's and fedavg-cnn's fedavg's: the same paired wins, named.
     assert "| 0.1 | fedprox-cnn | 3 (2 draws, 2 seeds) | 0.8233 ± 0.0252 |" in page
-    assert "| 2/1/0 of 3 vs fedavg-cnn | +0.0233 ± 0.0252 |" in page
-    assert "vs baseline (fedavg unless named): wins/ties/losses" in page
+    assert "| +0.0225 [-0.0093, +0.0543] over 2 partitions, won 2 of 2 vs fedavg-cnn | 2/1/0 of 3 |" in page
+    assert "vs baseline (fedavg unless named): mean difference [95% interval] over partitions" in page
 
 
 # ------------------------------------------------ record fields are data, not Markdown (issue 29)

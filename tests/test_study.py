@@ -242,9 +242,11 @@ def test_per_algorithm_baselines_pair_a_variant_with_its_own_reference() -> None
     assert rows["fedavg"]["reference"] is None and rows["fedavg"]["paired"] is None
     table = summary_table(list(rows.values()), ["a"], 0.95, labels={"fedavg-cnn": "FedAvg (CNN)"}, baseline="fedavg",
                           baselines={"fedprox-cnn": "fedavg-cnn"})
-    assert "vs baseline (fedavg unless named): wins/ties/losses" in table
-    assert "| 1/0/1 of 2 vs FedAvg (CNN) | +0.0000 ± 0.0707 |" in table
-    assert "| 2/0/0 of 2 | +0.4000 ± 0.0000 |" in table and "| (baseline) |  |" in table
+    assert "vs baseline (fedavg unless named): mean difference [95% interval] over partitions" in table
+    # One draw: one partition, no interval; fedprox-cnn's draw ties (-0.05 and +0.05).
+    assert "| +0.0000 (no interval) over 1 partition, won 0 of 1 vs FedAvg (CNN) | 1/0/1 of 2 |" in table
+    assert "| +0.4000 (no interval) over 1 partition, won 1 of 1 | 2/0/0 of 2 |" in table
+    assert "| (baseline) |  |" in table
 
 
 def test_overrides_may_not_set_the_seeds_the_study_sets() -> None:

@@ -3,8 +3,10 @@ a committed results file, and the records summarised into tables and figures.
 
 One module per job: :mod:`~fedplug.study.spec` (the study file), :mod:`~fedplug.study.expansion`
 (its runs), :mod:`~fedplug.study.run_folders` (config hashes, reusing run folders),
-:mod:`~fedplug.study.records` (results files), :mod:`~fedplug.study.statistics`,
-:mod:`~fedplug.study.tables`, :mod:`~fedplug.study.plots` and :mod:`~fedplug.study.figures`.
+:mod:`~fedplug.study.records` (results files), :mod:`~fedplug.study.provenance` (which code
+trained each record), :mod:`~fedplug.study.statistics`, :mod:`~fedplug.study.tables`,
+:mod:`~fedplug.study.quotes` (the numbers a verdict quotes), :mod:`~fedplug.study.plots` and
+:mod:`~fedplug.study.figures`.
 The names below are the steps a study runner calls, in order.
 """
 

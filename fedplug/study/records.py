@@ -125,7 +125,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     compute time (4 significant digits; only when the model reports one), ``setup_seconds`` the measured wall time of the run's setup phase
     (only when it took 0.01 s or more: a run without a setup phase takes none, one that
     loads a cached setup about none),
-    ``config_hash`` is :func:`~fedplug.study.run_folders.config_hash` of the run's config;
+    ``config`` is the run's resolved config (what trained) and ``config_hash`` its
+    :func:`~fedplug.study.run_folders.config_hash`; ``commit``, ``dirty`` and ``fedplug``
+    the code version (:mod:`fedplug.study.provenance`);
     ``tuned`` the values the study's ``tune:`` search chose for it (only for a
     :class:`~fedplug.study.tuning.TunedRun`).
     """
@@ -175,7 +177,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     record["commit"] = info.get("git_commit")
     record["dirty"] = (provenance or {}).get("git_dirty")
     record["fedplug"] = (info.get("packages") or {}).get("fedplug")
-    record["config_hash"] = config_hash(run.config.model_dump(mode="json"))
+    config = run.config.model_dump(mode="json")
+    record["config"] = config
+    record["config_hash"] = config_hash(config)
     record["overrides"] = list(overrides)
     tuned = getattr(run, "tuned", None)
     if tuned:
@@ -208,7 +212,8 @@ def dump_records(records: Iterable[dict[str, Any]]) -> str:
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a results file (empty when it does not exist).
+    """The records of a results file (empty when it does not exist). Records written
+    before ``config`` was kept load (and are reused) without it.
 
     Raises:
         DataError: a line is not a JSON object with ``run``, ``cell``, ``algorithm``,

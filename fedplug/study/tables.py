@@ -33,6 +33,15 @@ def _rounds(row: dict[str, Any], key: str) -> str:
     return text if row["reached"] == row["runs"] else f"{text} ({row['reached']}/{row['runs']} reached)"
 
 
+def _plateaued(row: dict[str, Any]) -> str:
+    """``k/n`` runs plateaued (:func:`~fedplug.study.statistics.plateaued`), ``too short``
+    when no run has enough rounds to tell."""
+    known = row.get("plateau_known", 0)
+    if not known:
+        return "too short"
+    return f"{row['plateaued']}/{known}" + (f" ({row['runs'] - known} too short)" if known < row["runs"] else "")
+
+
 def _runs(row: dict[str, Any]) -> str:
     if row["runs"] == row["draws"] * row["seeds"]:
         return f"{row['runs']} ({row['draws']}×{row['seeds']})"
@@ -71,12 +80,13 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
                   columns: Sequence[str] = (), baselines: dict[str, str] | None = None,
                   analysis: Analysis | None = None) -> str:
     """The summary table as markdown: one line per grid cell x algorithm, the headline
-    metric (mean ± std over runs) first, best-over-rounds beside it, then rounds and bytes
-    to ``target``, the setup rounds where any run has them, ``columns`` (a declared column
+    metric (mean ± std over runs) first, best-over-rounds beside it, the runs whose curve
+    has flattened (:func:`_plateaued`), then rounds and bytes to ``target``, the setup rounds where any run has them, ``columns`` (a declared column
     of ``analysis`` with its title and decimals, default: the registered components'),
-    and the paired comparison with each row's reference (``baseline``, or the algorithm's
-    ``baselines`` entry, named in the cell): wins/ties/losses and mean ± std of the paired
-    difference. ``compute_seconds_to_target`` is the mean ± std over the runs that reached
+    and the comparison with each row's reference (``baseline``, or the algorithm's
+    ``baselines`` entry, named in the cell): the mean difference over partition draws with
+    its 95% interval and the partitions won (:func:`partition_text`), then the runs of the
+    same draw and seed won, tied and lost. ``compute_seconds_to_target`` is the mean ± std over the runs that reached
     the target, with ``k/n reached``."""
     analysis = registered_analysis() if analysis is None else analysis
     metric = rows[0]["metric"] if rows else "final_accuracy"
@@ -85,6 +95,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
     header = [*axes, "algorithm", "runs (draws×seeds)", f"{metric_name(metric)} (mean ± std)"]
     if metric != "best_accuracy":
         header.append("best acc (over rounds)")
+    header.append("plateaued")
     header.append(f"rounds to {target_label}")
     if show_setup:
         header += ["setup rounds", f"effective rounds to {target_label}"]
@@ -93,7 +104,8 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
     if baseline is not None or baselines:
         what = (f"vs {display_name(baseline, labels)}" if not baselines else
                 f"vs baseline ({display_name(baseline, labels)} unless named)" if baseline else "vs baseline")
-        header += [f"{what}: wins/ties/losses", "paired difference"]
+        header += [f"{what}: mean difference [95% interval] over partitions, partitions won",
+                   "runs won/tied/lost (same draw and seed)"]
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * (len(axes) + 1) + "---:|" * (len(header) - len(axes) - 1)]
     for row in rows:
@@ -101,6 +113,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
                                                      _cell(row[metric], row[f"{metric}_std"])]
         if metric != "best_accuracy":
             cells.append(_cell(row["best_accuracy"], row["best_accuracy_std"]))
+        cells.append(_plateaued(row))
         cells.append(_rounds(row, "rounds_to_target"))
         if show_setup:
             cells += [f"{row['setup_rounds']:.0f}", _rounds(row, "effective_rounds_to_target")]
@@ -127,8 +140,8 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
             elif not paired or not paired["pairs"]:
                 cells += ["no paired runs" + named, ""]
             else:
-                cells += [f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}{named}",
-                          _signed(paired["difference"], paired["difference_std"])]
+                cells += [partition_text(row["partitions"]) + named,
+                          f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -139,8 +152,18 @@ def _seconds(value: float | None, std: float | None) -> str:
     return f"{value:.3g}" + (f" ± {std:.2g}" if std is not None else "")
 
 
-def _signed(value: float | None, std: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:+.4f}" + (f" ± {std:.4f}" if std is not None else "")
+def partition_text(comparison: dict[str, Any], digits: int = 4) -> str:
+    """A :func:`~fedplug.study.statistics.partition_comparison` as the page reads it:
+    ``+0.0110 [-0.0597, +0.0817] over 3 partitions, won 2 of 3`` (the interval's
+    confidence when it is not 95%; ``no interval`` with one partition)."""
+    n = comparison["partitions"]
+    if not n:
+        return "no paired runs"
+    mean = f"{comparison['difference']:+.{digits}f}"
+    if comparison["low"] is None:
+        interval = " (no interval)"
+    else:
+        level = "" if comparison["confidence"] == 0.95 else f"{100 * comparison['confidence']:g}% "
+        interval = f" [{level}{comparison['low']:+.{digits}f}, {comparison['high']:+.{digits}f}]"
+    return f"{mean}{interval} over {n} partition{'s' if n != 1 else ''}, won {comparison['won']} of {n}"
 

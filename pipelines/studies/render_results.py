@@ -18,7 +18,10 @@ committed files:
   ``{{paired A vs B}}`` (algorithm ``A`` against ``B``, cell by cell, on runs of the same
   draw and seed: a comparison a verdict rests on that the summary table, which pairs each
   algorithm with one baseline, does not show) and ``{{paired A vs B@CELL}}`` (``A`` in
-  every cell against ``B`` in cell ``CELL``).
+  every cell against ``B`` in cell ``CELL``), and the numbers a verdict quotes,
+  ``{{mean ...}}``, ``{{diff ...}}``, ``{{pairs ...}}``, ``{{change ...}}``, ``{{range ...}}``
+  (computed from the records: :mod:`fedplug.study.quotes`) and ``{{paper ...}}`` (a number of
+  the paper's).
 
 Edit those, not the page; ``tests/test_results_page.py`` fails when the page differs from
 what this script renders. The records are data, not Markdown: before anything is rendered
@@ -324,7 +327,7 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     the statement that the study has not been re-run."""
     from fedplug.study.expansion import planned_runs
     from fedplug.study.figures import figure_plan
-    from fedplug.study.statistics import summarise
+    from fedplug.study.statistics import PLATEAU_TOLERANCE, PLATEAU_WINDOW, summarise
     from fedplug.study.tables import summary_table
 
     source = f"pipelines/studies/results/{name}.jsonl"
@@ -353,10 +356,15 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     lines += ["", summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels,
                                 baseline=spec.baseline, columns=spec.columns, baselines=spec.baselines).rstrip()]
     lines += ["", "Mean ± sample std over runs; runs = partition draws × training seeds. Best acc (over rounds) is "
-              "shown beside the headline number, not instead of it. Rounds to target: first round at or above the "
-              "target, averaged over the runs that reached it."
-              + (" Paired: runs of the same draw and seed; wins/ties/losses on the headline number and the mean "
-                 "± std of the paired difference." if spec.baseline or spec.baselines else "")
+              "shown beside the headline number, not instead of it. Plateaued: runs whose best accuracy of the last "
+              f"{PLATEAU_WINDOW} rounds is less than {PLATEAU_TOLERANCE} above their best before them (the curve has "
+              f"flattened; \"too short\": runs of {PLATEAU_WINDOW} rounds or fewer cannot tell). Rounds to target: "
+              "first round at or above the target, averaged over the runs that reached it."
+              + (" Comparisons, on the headline number: the partition draw is the unit (runs of one draw share "
+                 "their clients' data, so they are not independent replications): each draw's difference is the "
+                 "mean over its seeds of method - baseline (runs of the same draw and seed), then the mean over "
+                 "draws with its 95% t interval and the draws won; the runs won/tied/lost count each "
+                 "draw-and-seed pair." if spec.baseline or spec.baselines else "")
               + (" A row that names another algorithm (\"vs ...\") is paired with that one, its variant's own "
                  "baseline." if spec.baselines else "")]
     figures = [figure for figure, _ in figure_plan(spec, records, prefix=f"{name}-")]
@@ -374,9 +382,10 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
 def paired_block(name: str, spec: Any, records: list[dict[str, Any]], method: str, reference: str,
                  reference_cell: str | None, fragment: str) -> str:
     """``method`` against ``reference`` in each grid cell both run in (with
-    ``reference_cell``: against ``reference`` in that one cell): pairs (same draw and
-    seed), wins/ties/losses and the mean ± std of the paired difference of the study's
-    headline metric.
+    ``reference_cell``: against ``reference`` in that one cell), on the study's headline
+    metric: the mean difference over partition draws with its 95% interval and the draws
+    won (:func:`fedplug.study.statistics.partition_comparison`), and the runs of the same
+    draw and seed won, tied and lost.
 
     Raises:
         ConfigError: ``method`` or ``reference`` is not one of the spec's algorithms, or
@@ -385,8 +394,8 @@ def paired_block(name: str, spec: Any, records: list[dict[str, Any]], method: st
     from fedplug.errors import ConfigError
     from fedplug.study.expansion import planned_runs
     from fedplug.study.spec import cell_id, display_name, grid_cells
-    from fedplug.study.statistics import paired_comparison
-    from fedplug.study.tables import metric_name
+    from fedplug.study.statistics import paired_comparison, partition_comparison
+    from fedplug.study.tables import metric_name, partition_text
 
     placeholder = f"{{{{paired {method} vs {reference}{'@' + reference_cell if reference_cell else ''}}}}}"
     for algorithm in (method, reference):
@@ -412,19 +421,19 @@ def paired_block(name: str, spec: Any, records: list[dict[str, Any]], method: st
     axes = list(spec.grid)
     lines = [f"<!-- generated from {source} -->",
              f"**{display_name(method, spec.labels)} against {against}** "
-             f"({metric_name(metric)}; runs of the same draw and seed; source: `{source}`):", "",
-             "| " + " | ".join(axes + ["pairs", "wins/ties/losses", "paired difference"]) + " |",
-             "|" + "---|" * len(axes) + "---:|---:|---:|"]
+             f"({metric_name(metric)}; per partition draw, the mean over its seeds of the difference between "
+             f"runs of the same draw and seed; source: `{source}`):", "",
+             "| " + " | ".join(axes + ["mean difference [95% interval] over partitions, partitions won",
+                                       "runs won/tied/lost"]) + " |",
+             "|" + "---|" * len(axes) + "---:|---:|"]
     for cell, by_algorithm in values.items():
         references = values.get(reference_cell, {}) if reference_cell else by_algorithm
         if method not in by_algorithm or reference not in references:
             continue
         paired = paired_comparison(by_algorithm[method], references[reference])
-        difference = "-" if paired["difference"] is None else f"{paired['difference']:+.4f}"
-        if paired["difference_std"] is not None:
-            difference += f" ± {paired['difference_std']:.4f}"
+        partitions = partition_comparison(by_algorithm[method], references[reference])
         lines.append("| " + " | ".join([cells[cell].get(axis, "") for axis in axes] + [
-            str(paired["pairs"]), f"{paired['wins']}/{paired['ties']}/{paired['losses']}", difference]) + " |")
+            partition_text(partitions), f"{paired['wins']}/{paired['ties']}/{paired['losses']} of {paired['pairs']}"]) + " |")
     lines.append("<!-- end generated -->")
     return "\n".join(lines)
 
@@ -452,6 +461,7 @@ def default_fragment(name: str, spec: Any) -> str:
 
 def render_page(layout: Layout = Layout()) -> str:
     """The whole page, from the spec files, results files and fragments under ``layout``."""
+    from fedplug.study.quotes import fill_quotes
     from fedplug.study.records import load_records
 
     studies = []
@@ -459,12 +469,15 @@ def render_page(layout: Layout = Layout()) -> str:
         spec = load_spec(layout, name)
         path = layout.results / f"{name}.jsonl"
         studies.append((name, spec, check_records(load_records(path), str(path.relative_to(layout.root)), spec)))
+    quoted = quotable(studies)
     intro_path = layout.verdicts / "_intro.md"
     intro = intro_path.read_text() if intro_path.is_file() else "# Reproducing the papers\n\n{{status_table}}\n"
+    intro = fill_quotes(intro, quoted, intro_path.name)
     parts = [fill(intro, {"status_table": status_table(layout, studies)}, intro_path.name)]
     for name, spec, records in studies:
         path = layout.verdicts / f"{name}.md"
         fragment = path.read_text() if path.is_file() else default_fragment(name, spec)
+        fragment = fill_quotes(fragment, quoted, path.name, name)
         fragment = PAIRED.sub(lambda match: paired_block(name, spec, records, *match.groups(), path.name), fragment)
         parts.append(fill(fragment, {"plan": plan_line(spec), "results": results_block(layout, name, spec, records),
                                      "cost": cost_line(spec, records)},
@@ -472,6 +485,18 @@ def render_page(layout: Layout = Layout()) -> str:
     page = "\n".join(part.rstrip() + "\n" for part in parts)
     first, _, rest = page.partition("\n")
     return f"{first}\n\n{GENERATED_NOTE}\n{rest}"
+
+
+def quotable(studies: list[tuple[str, Any, list[dict[str, Any]]]]) -> dict[str, tuple[list[dict[str, Any]], str]]:
+    """Each study's records of planned runs and headline metric, what the verdicts' number
+    placeholders read (:func:`fedplug.study.quotes.fill_quotes`)."""
+    from fedplug.study.expansion import planned_runs
+
+    quoted = {}
+    for name, spec, records in studies:
+        planned = {run.run_id for run in planned_runs(spec)}
+        quoted[name] = ([record for record in records if record["run"] in planned], spec.headline_metric)
+    return quoted
 
 
 def fill(text: str, values: dict[str, str], source: str, forms: tuple[str, ...] = ()) -> str:

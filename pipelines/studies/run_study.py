@@ -22,7 +22,13 @@ mid-way continues from its per-round checkpoint, and a checkpoint the run cannot
 ``pipelines/studies/results/<out folder name>.jsonl``: one compact line per finished run
 (:func:`fedplug.study.run_record`), kept under git, from which
 ``pipelines/studies/render_results.py`` renders docs/results.md. Records already in that
-file count as done, so a study can be finished over several sessions or machines. With
+file count as done, so a study can be finished over several sessions or machines, but not
+over several commits: each record carries its resolved ``config`` and code version
+(``fedplug``, ``commit``, ``dirty``), and when one grid cell's records come from different
+commits (a checkout with uncommitted changes counts as its own version) the runner stops
+with one line naming the cell, the commits and their runs, before the results file and the
+report are written (runs trained so far stay in their folders); ``--allow-mixed-commits``
+writes them anyway, with a warning. With
 ``--set`` overrides that change results (anything but ``data.dataset``, ``train.engine``,
 ``train.workers``, ``data.root`` and ``tracking.*``) or ``--out``, no results file is
 written unless ``--results PATH`` names one.
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on the running Ray cluster at ADDRESS (ray://host:10001, host:6379 or auto)")
     parser.add_argument("--retry-failed", action="store_true",
                         help="train again the runs that failed before (listed in <out>/failed.json)")
+    parser.add_argument("--allow-mixed-commits", action="store_true",
+                        help="write and report the records even when a grid cell's runs come from different "
+                        "commits (or a checkout with uncommitted changes); a warning names them")
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         from fedplug.errors import ConfigError
@@ -148,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study {spec.name}: WARNING: {len(plan.mismatched)} run folders of other settings are left out of the "
               f"report, e.g. {plan.mismatched[0][0].run_id}: {plan.mismatched[0][1]}", file=sys.stderr)
     records = collect_records(runs, out, committed, args.overrides)
+    check_code_versions(spec, records, out, results, allow=args.allow_mixed_commits)
     if results is not None and (records or results.is_file()):
         from fedplug.study import dump_records
 
@@ -580,6 +590,30 @@ def collect_records(runs: list[Any], out: Path, committed: dict[str, dict[str, A
         elif run.run_id in committed:
             records.append(committed[run.run_id])
     return records
+
+
+def check_code_versions(spec: Any, records: list[dict[str, Any]], out: Path, results: Path | None, *,
+                        allow: bool) -> None:
+    """Refuse (one line), or with ``allow`` (``--allow-mixed-commits``) warn about, records
+    of one grid cell trained with different code (:func:`fedplug.study.provenance.describe_mixed_commits`).
+    Called after training and before the results file and the report are written: the runs
+    trained here are already in their folders, so a re-run with the flag trains nothing."""
+    from fedplug.study.provenance import describe_mixed_commits
+
+    mixed = describe_mixed_commits(records)
+    if mixed is None:
+        return
+    if allow:
+        print(f"study {spec.name}: WARNING: runs of one cell come from different code (--allow-mixed-commits): {mixed}",
+              file=sys.stderr, flush=True)
+        return
+    from fedplug.errors import ConfigError
+
+    where = f" and their lines in {display_path(results)}" if results is not None else ""
+    raise ConfigError(f"study {spec.name}: {mixed}; to compare them on one commit, delete the run folders of the other "
+                      f"versions (under {out}){where} and run the study again on a clean checkout of the commit you "
+                      "keep, or pass --allow-mixed-commits to write and report them as they are (the runs trained "
+                      "so far stay in their folders and are not trained again)")
 
 
 def write_study_report(spec: Any, runs: list[Any], records: list[dict[str, Any]], out: Path) -> list[dict[str, Any]] | None:

@@ -35,7 +35,7 @@ weights, so that weights cached by an older fedplug are recomputed rather than r
 :class:`~fedplug.algorithms.feddisk.density.PhaseOneSeeds`; 3: the file holds the raw
 ratios, normalised on loading)."""
 
-NORMALISATION_FIELDS = frozenset({"normalisation", "clip_min", "clip_max"})
+NORMALISATION_FIELDS = frozenset({"normalisation", "clip_min", "clip_max", "keep_mean"})
 """Config fields applied to the cached ratios on loading: not part of :func:`cache_key`."""
 
 

@@ -53,9 +53,16 @@ class SampleWeightConfig(ComponentConfig):
     classifier_batch_size: int = Field(100, ge=1, le=65536)
     """Mini-batch size of D's SGD."""
     normalisation: Literal["mean", "minmax"] = "mean"
-    """How each client's raw ratios become weights: ``"mean"`` (default) divides by their
-    mean and clips to [clip_min, clip_max]; ``"minmax"`` scales them to [0, 2] as the
-    authors' code does. See the module docstring for why mean is the default."""
+    """How each client's raw ratios become weights: ``"mean"`` (default) scales them to
+    mean 1 and clips to [clip_min, clip_max] (with ``keep_mean``, the scale is the one that
+    leaves the clipped weights mean 1); ``"minmax"`` scales them to [0, 2] as the authors'
+    code does. See docs/algorithms.md, "FedDisk", for why mean is the default."""
+    keep_mean: bool = True
+    """``"mean"`` weights keep mean 1 per client after clipping (default True): the loss
+    ``mean(w * CE)`` then takes FedAvg's step. False: divide by the mean, then clip, as
+    fedplug did before issue #23; the clip removes mass, so the weights' mean is below 1
+    (0.77-0.89 in the FedDisk study) and every local step is that much shorter. Not used by
+    ``"minmax"``."""
     clip_min: float = Field(0.0, ge=0.0, le=1.0)
     """Lower clip of mean-normalised weights (default 0: no lower clip)."""
     clip_max: float = Field(5.0, ge=1.0, le=1e6)

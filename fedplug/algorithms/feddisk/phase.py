@@ -305,7 +305,7 @@ class FedDiskPhase(SetupPhase):
         for state, share, client_ratios, history in zip(states, shares, ratios, histories):
             state.clear()
             weights = normalise_weights(
-                client_ratios, config.normalisation, config.clip_min, config.clip_max
+                client_ratios, config.normalisation, config.clip_min, config.clip_max, config.keep_mean
             )
             state[SAMPLE_WEIGHTS] = torch.as_tensor(weights, device=share.inputs.device)
             state[DENSITY_RATIOS] = torch.as_tensor(client_ratios, dtype=torch.float64)

@@ -288,19 +288,24 @@ def normalise_weights(
     method: Literal["mean", "minmax"],
     clip_min: float = 0.0,
     clip_max: float = 5.0,
+    keep_mean: bool = True,
 ) -> np.ndarray:
     """Turn one client's raw density ratios into sample weights (float32).
 
     Args:
         ratios: non-negative ratios, one per local sample.
-        method: ``"mean"``: ``clip(r / mean(r), clip_min, clip_max)``; ``"minmax"``:
-            ``2 (r - min r) / (max r - min r)``, in [0, 2].
+        method: ``"mean"``: ``clip(c r, clip_min, clip_max)`` with the scale ``c`` that
+            gives the clipped weights mean 1 (:func:`mean_one_scale`; ``keep_mean=False``:
+            ``c = 1 / mean(r)``, whose clipped weights have a mean below 1 when the upper
+            clip bites); ``"minmax"``: ``2 (r - min r) / (max r - min r)``, in [0, 2].
         clip_min (default 0.0), clip_max (default 5.0): bounds of the ``"mean"`` weights.
+        keep_mean (default True): see ``method``.
 
     All-equal ratios give weights of 1 under both methods (min-max would divide by 0).
 
     Raises:
-        TrainingError: a ratio is NaN, infinite or negative (training diverged).
+        TrainingError: a ratio is NaN, infinite or negative (training diverged), or too few
+            are positive for clipped weights of mean 1 (raise ``clip_max``).
     """
     values = np.asarray(ratios, dtype=np.float64)
     if not np.all(np.isfinite(values)) or np.any(values < 0):
@@ -315,7 +320,44 @@ def normalise_weights(
         return np.ones_like(values, dtype=np.float32)
     if method == "minmax":
         return (2.0 * (values - low) / (high - low)).astype(np.float32)
-    return np.clip(values / values.mean(), clip_min, clip_max).astype(np.float32)
+    scale = mean_one_scale(values, clip_min, clip_max) if keep_mean else 1.0 / values.mean()
+    return np.clip(scale * values, clip_min, clip_max).astype(np.float32)
+
+
+def mean_one_scale(ratios: np.ndarray, clip_min: float, clip_max: float, steps: int = 200) -> float:
+    """The scale ``c`` with ``mean(clip(c r, clip_min, clip_max)) = 1``.
+
+    Density ratios are importance weights: ``E_{p_k}[p / p_k] = 1``, so weights of mean 1
+    keep the mean-reduced loss's step the step of plain cross-entropy (FedAvg's). Dividing
+    by the mean and then clipping loses that: the clipped mass is gone, the mean falls
+    below 1 and every local step is shorter. The clipped mean is continuous and
+    non-decreasing in ``c``, from ``clip_min`` (<= 1) at ``c = 0``; bisection (``steps``
+    halvings of a bracket that starts at ``1 / mean(r)``) finds ``c`` to float64 precision.
+
+    Raises:
+        TrainingError: even ``c -> inf`` leaves the mean below 1 (fewer than a
+            ``1 / clip_max`` share of the ratios is positive).
+    """
+
+    def clipped_mean(scale: float) -> float:
+        return float(np.clip(scale * ratios, clip_min, clip_max).mean())
+
+    positive = float(np.mean(ratios > 0))
+    if clip_max * positive + clip_min * (1.0 - positive) < 1.0:
+        raise TrainingError(
+            f"FedDisk cannot give this client's weights mean 1: only {positive:.1%} of its "
+            f"density ratios are positive and clip_max is {clip_max:g}; raise clip_max"
+        )
+    low, high = 0.0, 1.0 / float(ratios.mean())
+    while clipped_mean(high) < 1.0:
+        low, high = high, 2.0 * high
+    for _ in range(steps):
+        middle = (low + high) / 2.0
+        if clipped_mean(middle) < 1.0:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 def normalised_weights(
@@ -323,7 +365,7 @@ def normalised_weights(
 ) -> list[np.ndarray]:
     """Each client's raw ratios normalised as ``config`` says (:func:`normalise_weights`)."""
     return [
-        normalise_weights(r, config.normalisation, config.clip_min, config.clip_max)
+        normalise_weights(r, config.normalisation, config.clip_min, config.clip_max, config.keep_mean)
         for r in ratios
     ]
 
