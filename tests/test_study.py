@@ -403,7 +403,7 @@ def test_time_to_target_column_averages_the_runs_that_reached_it() -> None:
 SETUP_REPORT = {
     "sample_weight.min": [0.5, 1.0], "sample_weight.q05": [0.55, 1.0], "sample_weight.q25": [0.8, 1.0],
     "sample_weight.median": [1.0, 1.0], "sample_weight.q75": [1.2, 1.0], "sample_weight.q95": [1.4123456, 1.0],
-    "sample_weight.max": [1.5, 1.0], "sample_weight.mean": [1.0, 1.0], "sample_weight.std": [0.3, 0.0],
+    "sample_weight.max": [1.5, 1.0], "sample_weight.mean": [0.9876543, 1.0], "sample_weight.std": [0.3, 0.0],
     "sample_weight.histogram": {"edges": [0.0, 1.0, 2.0], "counts": [2, 4]},
 }
 
@@ -413,7 +413,7 @@ def test_the_weight_summary_record_keeps_the_histogram_and_per_client_spread() -
     compact = setup_record(SETUP_REPORT, weights)
 
     assert compact == {"edges": [0.0, 1.0, 2.0], "counts": [2, 4], "q05": [0.55, 1.0], "median": [1.0, 1.0],
-                       "q95": [1.412, 1.0], "std": [0.3, 0.0]}
+                       "q95": [1.412, 1.0], "mean": [0.9877, 1.0], "std": [0.3, 0.0]}
     assert setup_record({}, weights) is None
     assert setup_record({"sample_weight.histogram": {"edges": [], "counts": []}}, weights) is None
     run = expand_study(parse_study(spec_dict()))[0]

@@ -629,6 +629,7 @@ def write_claimed_report(spec: Any, runs: list[Any], records: list[dict[str, Any
     """:func:`write_study_report` in the claimed study folder ``out``."""
     from fedplug.output_folder import write_text, write_through_path
     from fedplug.study import draw_figures, summarise, summary_table
+    from fedplug.study.statistics import PLATEAU_TOLERANCE, PLATEAU_WINDOW
 
     if not records:
         for name in ("summary.md", "summary.json"):  # a report of runs that no longer count would mislead
@@ -649,8 +650,11 @@ def write_claimed_report(spec: Any, runs: list[Any], records: list[dict[str, Any
         "mean ± sample std over "
         "the runs (partition draws × training seeds). Rounds to target: first round at or above the target, "
         "averaged over the runs that reached it."
-        + (f" Paired: wins/ties/losses against {spec.baseline} (or the baseline the row names) in the same draw and "
-           "seed." if spec.baseline or spec.baselines else ""),
+        + (f" Comparisons against {spec.baseline} (or the baseline the row names): the mean difference over "
+           "partition draws with its 95% t interval and the draws won, then the runs of the same draw and seed won. "
+           f"Plateaued: runs whose best accuracy of the last {PLATEAU_WINDOW} rounds is less than "
+           f"{PLATEAU_TOLERANCE} above their best before."
+           if spec.baseline or spec.baselines else ""),
         "",
         summary_table(rows, list(spec.grid), float(records[0]["target"]), labels=spec.labels, baseline=spec.baseline,
                       columns=spec.columns, baselines=spec.baselines),

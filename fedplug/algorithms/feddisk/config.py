@@ -16,13 +16,13 @@ WEIGHT_NOTE = ("Each panel: the sample weights of all clients pooled, counts ave
 """The caption of the weight histogram."""
 
 WEIGHT_ANALYSIS = Analysis(
-    setup_summaries=(SetupSummary("weights", prefix="sample_weight.", per_client=("q05", "median", "q95", "std")),),
+    setup_summaries=(SetupSummary("weights", prefix="sample_weight.", per_client=("q05", "median", "q95", "mean", "std")),),
     figures=(HistogramFigure("weight_histogram", summary="weights", title="sample weights of the setup phase",
                              value_label="sample weight", spread="std", reference=1.0,
                              reference_label="1 = no reweighting", note=WEIGHT_NOTE),),
 )
 """What a study keeps of the setup report (:func:`~.weights.weight_summary`): the pooled
-histogram and each client's 5% quantile, median, 95% quantile and std as the record's
+histogram and each client's 5% quantile, median, 95% quantile, mean and std as the record's
 ``weights``, and the figure ``weight_histogram`` of them."""
 
 
