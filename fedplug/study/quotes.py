@@ -24,7 +24,7 @@ round of a per-round series (``accuracy.2``: round 2), or
 ``time_to_target_model`` (cost-model compute time to the target plus the communication time
 of as many rounds at the run's mean per round). A ``:N`` after the field sets the decimals
 (default 3). Outside a study's own fragment (the page's introduction), the argument starts
-with the study's name: ``{{diff fedgsp: fedgsp vs fedavg@2}}``.
+with the study's name: ``{{diff mystudy: method vs fedavg@0.1}}``.
 """
 
 from __future__ import annotations
