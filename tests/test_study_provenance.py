@@ -153,3 +153,36 @@ def test_the_runner_stops_on_a_cell_of_two_commits_and_the_flag_writes_it_withou
     assert "2 runs, 2 done (2 from" in captured.out
     assert "WARNING: runs of one cell come from different code (--allow-mixed-commits): cell 0.5 mixes" in captured.err
     assert [record["run"] for record in load_records(results)] == ["0.5__fedavg__d0s0", "0.5__fedavgm__d0s0"]
+
+
+def test_a_commit_made_while_the_runner_trains_is_not_the_code_its_runs_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fedplug.run_folder
+
+    # Prepare: the runner starts on OLD; after its first run the checkout moves to NEW (a
+    # commit made while a long study trains), before the second run trains.
+    spec_path = tiny_spec_file(tmp_path)
+    out, results = tmp_path / "out", tmp_path / "results" / "tiny.jsonl"
+    runner = load_runner()
+    monkeypatch.setattr(runner, "git_dirty", lambda root=None: False)
+    head = [OLD]
+    monkeypatch.setattr(fedplug.run_folder, "git_commit", lambda folder=None: head[0])
+    train_one = runner.train_one
+
+    def train_then_commit(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        done = train_one(*args, **kwargs)
+        head[0] = NEW
+        return done
+
+    monkeypatch.setattr(runner, "train_one", train_then_commit)
+
+    # Execute
+    assert runner.main([str(spec_path), "--no-mlflow", "--out", str(out), "--results", str(results), "--jobs", "1"]) == 0
+
+    # Assert: both runs record OLD, the code the process imported (run_info.json, written at
+    # training time, names NEW for the second: the record prefers the runner's provenance).
+    records = load_records(results)
+    assert [record["commit"] for record in records] == [OLD, OLD] and len(records) == 2
+    assert json.loads((out / records[1]["run"] / "run_info.json").read_text())["git_commit"] == NEW
+    assert json.loads((out / records[1]["run"] / "provenance.json").read_text())["git_commit"] == OLD

@@ -116,7 +116,8 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
 
     ``metrics`` is the run's ``metrics.json``, ``info`` its ``run_info.json`` (the git
     commit and package versions at training time), ``provenance`` the runner's
-    ``provenance.json`` (whether the checkout had uncommitted changes). ``accuracy`` is the
+    ``provenance.json`` (the commit the runner's process started on, which the record's
+    ``commit`` prefers, and whether the checkout had uncommitted changes). ``accuracy`` is the
     test accuracy of every round (6 decimals). ``analysis`` (default: the registered
     components', :func:`~fedplug.analysis.registered_analysis`) adds each declared column
     (6 decimals), each declared column's ``series`` of per-round values (only when some
@@ -174,7 +175,7 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
         if compact is not None:
             record[summary.key] = compact
     info = info or {}
-    record["commit"] = info.get("git_commit")
+    record["commit"] = (provenance or {}).get("git_commit") or info.get("git_commit")
     record["dirty"] = (provenance or {}).get("git_dirty")
     record["fedplug"] = (info.get("packages") or {}).get("fedplug")
     config = run.config.model_dump(mode="json")

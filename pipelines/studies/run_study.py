@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write and report the records even when a grid cell's runs come from different "
                         "commits (or a checkout with uncommitted changes); a warning names them")
     args = parser.parse_args(argv)
+    process_code_version(refresh=True)  # the code this process imports, before any commit made while it trains
     if args.jobs is not None and args.jobs < 1:
         from fedplug.errors import ConfigError
 
@@ -523,6 +524,23 @@ def git_dirty(root: Path = ROOT) -> bool | None:
     return bool(completed.stdout.strip()) if completed.returncode == 0 else None
 
 
+CODE_VERSION: dict[str, Any] = {}
+"""What :func:`process_code_version` read (empty until it reads)."""
+
+
+def process_code_version(*, refresh: bool = False) -> dict[str, Any]:
+    """The commit and dirty flag of the code this process runs, read once: at the runner's
+    start (:func:`main` refreshes it) or, in a Ray worker, at its first run. Read again at
+    each run, a long study would name whatever the checkout holds by then (a commit made
+    while it trains), not the code it imported."""
+    from fedplug.run_folder import git_commit
+
+    if refresh or not CODE_VERSION:
+        CODE_VERSION.clear()
+        CODE_VERSION.update(git_commit=git_commit(ROOT), git_dirty=git_dirty())
+    return dict(CODE_VERSION)
+
+
 def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
               parent: StudyParent | None, *, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
@@ -542,11 +560,11 @@ def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: 
                   parent: StudyParent | None, *, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """:func:`train_one` in the claimed ``folder``."""
     from fedplug.experiment import run_experiment
-    from fedplug.run_folder import git_commit, write_json
+    from fedplug.run_folder import write_json
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 
-    write_json(folder / PROVENANCE_NAME, {"git_commit": git_commit(ROOT), "git_dirty": git_dirty(), **(provenance or {})})
+    write_json(folder / PROVENANCE_NAME, {**process_code_version(), **(provenance or {})})
     tags = {f"study.{axis}": label for axis, label in run.cell.items()}
     tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed),
                  "study.draw": str(run.draw)})
