@@ -66,6 +66,8 @@ def test_derived_fields_by_hand() -> None:
     assert record_value(record, "time_to_target_model") == pytest.approx(1.505)
     assert record_value(record, "weights.histogram_mean") == pytest.approx(0.75)
     assert record_value(record, "weights.median") == pytest.approx(0.3)
+    assert record_value(record, "weights.median.min") == 0.2 and record_value(record, "weights.median.max") == 0.4
+    assert record_value(record, "weights.median.sum") is None and record_value(record, "weights.q95") is None
     assert record_value(record, "accuracy.1") == 0.5
     assert record_value(record, "accuracy.2") is None and record_value(record, "accuracy.3") is None
     assert record_value(dict(record, rounds_to_target=None), "time_to_target_model") is None

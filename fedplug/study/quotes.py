@@ -18,7 +18,8 @@ so that a re-run changes the prose with the tables:
   that :func:`hand_typed_numbers` knows it is not a result of ours).
 
 ``FIELD`` (default: the study's headline metric) is a numeric record field, a setup
-summary's per-client statistic averaged over the clients (``weights.median``), the mean of
+summary's per-client statistic averaged over the clients (``weights.median``; its lowest
+and highest client with ``weights.median.min`` and ``.max``), the mean of
 a setup summary's pooled histogram (``weights.histogram_mean``, from the bins' centres), one
 round of a per-round series (``accuracy.2``: round 2), or
 ``time_to_target_model`` (cost-model compute time to the target plus the communication time
@@ -72,8 +73,10 @@ def record_value(record: dict[str, Any], field: str) -> float | None:
     if statistic == "histogram_mean":
         edges, counts = np.asarray(value["edges"], dtype=float), np.asarray(value["counts"], dtype=float)
         return float(np.sum((edges[:-1] + edges[1:]) / 2 * counts) / np.sum(counts))
-    per_client = value.get(statistic)
-    return float(np.mean(per_client)) if isinstance(per_client, list) and per_client else None
+    statistic, _, over_clients = statistic.partition(".")
+    reduce = {"": np.mean, "min": np.min, "max": np.max}.get(over_clients)
+    per_client = [item for item in value.get(statistic) or [] if item is not None]
+    return float(reduce(per_client)) if reduce is not None and per_client else None
 
 
 Studies = dict[str, tuple[Sequence[dict[str, Any]], str]]
