@@ -38,7 +38,7 @@ import numpy as np
 
 from fedplug.errors import ConfigError
 from fedplug.study.spec import cell_id
-from fedplug.study.statistics import paired_comparison, partition_comparison
+from fedplug.study.statistics import draw_means, paired_comparison, partition_comparison
 from fedplug.study.tables import partition_text
 
 QUOTE = re.compile(r"\{\{(mean|range|diff|pairs|change|paper) ([^{}]+)\}\}")
@@ -50,7 +50,6 @@ ARGUMENT = re.compile(
 COMPARISONS = frozenset({"diff", "pairs", "change"})
 """Kinds that compare two algorithms (``A vs B``)."""
 DEFAULT_DIGITS = 3
-DERIVED_FIELDS = ("time_to_target_model",)
 
 
 def record_value(record: dict[str, Any], field: str) -> float | None:
@@ -117,10 +116,7 @@ def quote(kind: str, argument: str, studies: Studies, source: str, study: str | 
     if kind == "mean":
         return f"{np.mean(list(method.values())):.{digits}f}"
     if kind == "range":
-        by_draw: dict[int, list[float]] = {}
-        for (draw, _), value in method.items():
-            by_draw.setdefault(draw, []).append(value)
-        means = [float(np.mean(values)) for values in by_draw.values()]
+        means = draw_means(method)
         return f"{min(means):.{digits}f} to {max(means):.{digits}f}"
     reference = _values(records, parsed["reference"], parsed["cell"], field, placeholder, source)
     if kind == "change":

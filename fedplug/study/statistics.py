@@ -39,16 +39,30 @@ def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None
     return float(np.mean(present)), (float(np.std(present, ddof=1)) if len(present) > 1 else None)
 
 
+def paired_differences(values: dict[tuple[int, int], float | None],
+                       reference: dict[tuple[int, int], float | None]) -> dict[tuple[int, int], float]:
+    """method - reference for each (draw, seed) both have a value for, in ``values``' order."""
+    return {key: float(value) - float(reference[key])  # type: ignore[arg-type]
+            for key, value in values.items() if value is not None and reference.get(key) is not None}
+
+
+def draw_means(values: dict[tuple[int, int], float]) -> list[float]:
+    """The mean over each partition draw's seeds of ``values`` (keyed (draw, seed)), by draw."""
+    by_draw: dict[int, list[float]] = {}
+    for (draw, _), value in values.items():
+        by_draw.setdefault(draw, []).append(value)
+    return [float(np.mean(by_draw[draw])) for draw in sorted(by_draw)]
+
+
 def paired_comparison(values: dict[tuple[int, int], float | None],
                       reference: dict[tuple[int, int], float | None]) -> dict[str, Any]:
     """A method against a reference on the runs both have (same draw, same seed): how
     many pairs the method wins (strictly higher), ties and loses, and the mean and sample
     std of the paired difference method - reference (None without pairs)."""
-    pairs = [key for key in values if key in reference and values[key] is not None and reference[key] is not None]
-    differences = [float(values[key]) - float(reference[key]) for key in pairs]  # type: ignore[arg-type]
+    differences = list(paired_differences(values, reference).values())
     mean, std = mean_std(differences)
     return {
-        "pairs": len(pairs),
+        "pairs": len(differences),
         "wins": sum(difference > 0 for difference in differences),
         "ties": sum(difference == 0 for difference in differences),
         "losses": sum(difference < 0 for difference in differences),
@@ -95,12 +109,8 @@ def partition_comparison(values: dict[tuple[int, int], float | None],
     - ``won``, ``tied``, ``lost``: draws whose difference is > 0, == 0, < 0;
     - ``partitions`` (n), ``pairs`` (runs paired), ``confidence``.
     """
-    by_draw: dict[int, list[float]] = {}
-    for key, value in values.items():
-        other = reference.get(key)
-        if value is not None and other is not None:
-            by_draw.setdefault(key[0], []).append(float(value) - float(other))
-    differences = [float(np.mean(by_draw[draw])) for draw in sorted(by_draw)]
+    paired = paired_differences(values, reference)
+    differences = draw_means(paired)
     mean, std = mean_std(differences)
     low = high = None
     if std is not None:
@@ -108,7 +118,7 @@ def partition_comparison(values: dict[tuple[int, int], float | None],
         low, high = mean - half, mean + half  # type: ignore[operator]
     return {
         "partitions": len(differences),
-        "pairs": sum(len(pairs) for pairs in by_draw.values()),
+        "pairs": len(paired),
         "won": sum(difference > 0 for difference in differences),
         "tied": sum(difference == 0 for difference in differences),
         "lost": sum(difference < 0 for difference in differences),
