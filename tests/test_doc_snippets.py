@@ -324,6 +324,9 @@ def test_the_fedshift_app_runs_under_flowers_ray_simulation(tmp_path: Path) -> N
         "FLWR_TELEMETRY_ENABLED": "0",
         "RAY_DEDUP_LOGS": "0",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        # Flower's bare ray.init() joins any Ray cluster this machine advertises (another
+        # test's, under make test's second worker): start a Ray of the app's own.
+        "RAY_ADDRESS": "local",
     }
     completed = subprocess.run(
         [sys.executable, str(script)],
