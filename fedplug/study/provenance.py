@@ -5,6 +5,8 @@ change of the code instead of the algorithms)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from fedplug.study.spec import cell_id
@@ -15,6 +17,9 @@ SHOWN_RUNS = 10
 """How many run ids :func:`describe_mixed_commits` names per code version."""
 SHORT_COMMIT = 10
 """Hex digits of a commit that :func:`describe_mixed_commits` shows."""
+CLOCK_KEYS = ("started_at", "finished_at", "host_cores")
+"""What a record keeps of the runner's clock: when its run started and finished (UTC,
+ISO 8601) and the cores of the machine that trained it."""
 
 
 def code_version(record: dict[str, Any]) -> str:
@@ -67,3 +72,45 @@ def runs_text(runs: list[str], shown: int = SHOWN_RUNS) -> str:
     """``"run a"`` or ``"runs a, b"``: the first ``shown`` ids, then ``"... and N more"``."""
     named = ", ".join(runs[:shown]) + (f", ... and {len(runs) - shown} more" if len(runs) > shown else "")
     return ("run " if len(runs) == 1 else "runs ") + named
+
+
+@dataclass(frozen=True)
+class WallTime:
+    """How long a study's runs occupied the machine (:func:`wall_time`)."""
+
+    seconds: float
+    """The time at least one run was training: the length of the union of the runs'
+    ``[started_at, finished_at]`` intervals."""
+    most_at_once: int
+    """The most runs that trained at the same moment."""
+    cores: list[int]
+    """The distinct ``host_cores`` of the machines that trained them, ascending."""
+    timed: int
+    """Records with both times."""
+    untimed: int
+    """Records without them (trained before the runner kept its clock)."""
+
+
+def wall_time(records: Iterable[dict[str, Any]]) -> WallTime:
+    """The wall time of a study from its records' clocks (:data:`CLOCK_KEYS`): overlapping
+    runs (``--jobs``) count once, gaps between runner invocations not at all."""
+    intervals, cores, untimed = [], set(), 0
+    for record in records:
+        if not record.get("started_at") or not record.get("finished_at"):
+            untimed += 1
+            continue
+        start, end = (datetime.fromisoformat(record[key]).timestamp() for key in ("started_at", "finished_at"))
+        intervals.append((start, max(start, end)))
+        if record.get("host_cores"):
+            cores.add(int(record["host_cores"]))
+    total, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_until:
+            total += end - max(start, covered_until)
+            covered_until = end
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = most = 0
+    for _, step in events:  # an end sorts before a start at the same second
+        running += step
+        most = max(most, running)
+    return WallTime(total, most, sorted(cores), len(intervals), untimed)

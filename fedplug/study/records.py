@@ -16,6 +16,7 @@ from fedplug.analysis import Analysis, RoundMetricColumn, SetupSummary, register
 from fedplug.errors import DataError
 from fedplug.run.results import first_round_reaching
 from fedplug.study.expansion import StudyRun
+from fedplug.study.provenance import CLOCK_KEYS
 from fedplug.study.run_folders import config_hash
 
 
@@ -117,7 +118,8 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     ``metrics`` is the run's ``metrics.json``, ``info`` its ``run_info.json`` (the git
     commit and package versions at training time), ``provenance`` the runner's
     ``provenance.json`` (the commit the runner's process started on, which the record's
-    ``commit`` prefers, and whether the checkout had uncommitted changes). ``accuracy`` is the
+    ``commit`` prefers, and whether the checkout had uncommitted changes; its
+    :data:`~fedplug.study.provenance.CLOCK_KEYS` are copied). ``accuracy`` is the
     test accuracy of every round (6 decimals). ``analysis`` (default: the registered
     components', :func:`~fedplug.analysis.registered_analysis`) adds each declared column
     (6 decimals), each declared column's ``series`` of per-round values (only when some
@@ -177,6 +179,9 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     info = info or {}
     record["commit"] = (provenance or {}).get("git_commit") or info.get("git_commit")
     record["dirty"] = (provenance or {}).get("git_dirty")
+    for key in CLOCK_KEYS:
+        if (provenance or {}).get(key) is not None:
+            record[key] = provenance[key]  # type: ignore[index]
     record["fedplug"] = (info.get("packages") or {}).get("fedplug")
     config = run.config.model_dump(mode="json")
     record["config"] = config
@@ -185,6 +190,7 @@ def run_record(run: StudyRun, metrics: dict[str, Any], target: float, *, info: d
     tuned = getattr(run, "tuned", None)
     if tuned:
         record["tuned"] = dict(tuned)
+        record["tuning"] = dict(getattr(run, "tuning", None) or {})
     return record
 
 

@@ -118,6 +118,12 @@ class TuneSpec(StrictConfig):
     params: dict[str, ParamRange | list[GridValue]] = Field(min_length=1)
     """Dotted config path -> a list of values (``grid``, or categories for ``tpe``) or a
     range ``{low, high, log, integer}`` (``tpe`` only), e.g. ``train.optimizer.lr``."""
+    algorithm_params: dict[str, dict[str, ParamRange | list[GridValue]]] = Field(default_factory=dict)
+    """Algorithm label -> more paths searched for it alone, beside ``params`` (e.g. a
+    server learning rate only the momentum aggregator has); default none."""
+    algorithms: list[str] | None = Field(None, min_length=1)
+    """The algorithms tuned (default: every one); the others keep their study values,
+    e.g. ablations whose fixed values are the point."""
     sampler: Literal["tpe", "grid"] = "tpe"
     """``tpe`` (Optuna's TPESampler) or ``grid`` (Optuna's GridSampler: every point once,
     in an order ``seed`` shuffles); the best trial wins, the earliest of equals."""
@@ -147,14 +153,21 @@ class TuneSpec(StrictConfig):
     """Grid axis -> value label of the cell tuned on (default: the first cell; axes left
     out take their first label). An algorithm that does not run there is tuned on its
     first cell. Trials use the first draw and seed."""
+    per_cell: bool = False
+    """One search per grid cell (default False: one for every cell, in ``cell``): each
+    cell's runs train with the values chosen in that cell, on its first draw and seed."""
 
     @model_validator(mode="after")
     def _fits_the_sampler(self) -> TuneSpec:
-        for path, values in self.params.items():
+        spaces = [("params", self.params)] + [(f"algorithm_params.{label}", params)
+                                              for label, params in self.algorithm_params.items()]
+        for where, path, values in ((where, path, values) for where, params in spaces for path, values in params.items()):
             if isinstance(values, list) and not values:
-                raise ValueError(f"params.{path}: give at least one value")
+                raise ValueError(f"{where}.{path}: give at least one value")
             if self.sampler == "grid" and not isinstance(values, list):
-                raise ValueError(f"params.{path}: the grid sampler needs a list of values, e.g. [0.01, 0.05, 0.1]")
+                raise ValueError(f"{where}.{path}: the grid sampler needs a list of values, e.g. [0.01, 0.05, 0.1]")
+        if self.per_cell and self.cell:
+            raise ValueError("per_cell tunes in every cell; remove `cell:` (or per_cell)")
         if self.sampler == "tpe" and self.trials is None:
             raise ValueError("sampler tpe needs `trials:` (how many to run per algorithm)")
         return self
@@ -302,7 +315,17 @@ def _check_tune(spec: StudySpec, source: str) -> None:
     themselves are checked against them: :func:`fedplug.study.tuning.check_tune_params`)."""
     if spec.tune is None:
         return
-    for path in spec.tune.params:
+    known = ", ".join(spec.algorithms)
+    for label in spec.tune.algorithms or []:
+        if label not in spec.algorithms:
+            raise ConfigError(f"{source}: tune.algorithms: {label!r} is not one of the algorithms ({known})")
+    tuned = spec.tune.algorithms or list(spec.algorithms)
+    for label in spec.tune.algorithm_params:
+        if label not in tuned:
+            raise ConfigError(f"{source}: tune.algorithm_params: {label!r} is not a tuned algorithm "
+                              f"({', '.join(tuned)})")
+    every_path = [*spec.tune.params, *(path for params in spec.tune.algorithm_params.values() for path in params)]
+    for path in every_path:
         if path in TUNE_FORBIDDEN:
             raise ConfigError(f"{source}: tune.params: {path} is set by the study's `{TUNE_FORBIDDEN[path]}:`; "
                               "remove it from tune.params")

@@ -20,11 +20,13 @@ recorded in every run's record (``tuned``). The runner calls :func:`apply_tuning
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import hashlib
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,8 @@ class TunedRun(StudyRun):
 
     tuned: dict[str, Any] = field(default_factory=dict)
     """Config path -> chosen value, as written to the run's record."""
+    tuning: dict[str, Any] = field(default_factory=dict)
+    """What chose them (:meth:`Choice.summary`), as written to the run's record."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,18 @@ class Choice:
     """The run id whose config the trials trained (with the trial's values)."""
     fingerprint: str
     """:func:`search_fingerprint` of the search: it is reused while this matches."""
+    seconds: float = 0.0
+    """The search's wall time."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"params": self.params, "value": self.value, "trials": self.trials, "pruned": self.pruned,
-                "tuned_on": self.tuned_on, "fingerprint": self.fingerprint}
+                "tuned_on": self.tuned_on, "fingerprint": self.fingerprint, "seconds": self.seconds}
+
+    def summary(self) -> dict[str, Any]:
+        """What a run's record keeps of the search: its best validation value, trials,
+        pruned trials, wall time and the run it trained."""
+        return {"value": self.value, "trials": self.trials, "pruned": self.pruned, "seconds": self.seconds,
+                "tuned_on": self.tuned_on}
 
 
 # ---------------------------------------------------------------------- checking
@@ -88,10 +100,11 @@ def check_tune_params(spec: StudySpec, runs: Sequence[StudyRun], registry: Regis
         config = tuning_run(spec, runs, algorithm).config
         known = flatten(config)
         sections = {".".join(key.split(".")[:depth]) for key in known for depth in range(1, key.count(".") + 1)}
-        for path in spec.tune.params:
+        params = algorithm_space(spec.tune, algorithm).params
+        for path in params:
             if path not in known and path not in sections:
                 raise ConfigError(f"{spec.name}: tune.params: {unknown_path_message(path, algorithm, known)}")
-            space = spec.tune.params[path]
+            space = params[path]
             for value in space if isinstance(space, list) else [space.low, space.high]:
                 with_values(config, {path: value}, registry)
 
@@ -117,9 +130,53 @@ def unknown_path_message(path: str, algorithm: str, known: Mapping[str, Any]) ->
 
 
 def tuned_algorithms(spec: StudySpec) -> list[str]:
-    """The algorithms a search runs for: each (``per_algorithm``), else the first."""
-    algorithms = list(spec.algorithms)
+    """The algorithms a search runs for: each of ``tune.algorithms`` (default: every
+    algorithm) with ``per_algorithm``, else the first of them."""
+    algorithms = [label for label in spec.algorithms if spec.tune is None or spec.tune.algorithms is None
+                  or label in spec.tune.algorithms]
     return algorithms if spec.tune is None or spec.tune.per_algorithm else algorithms[:1]
+
+
+def algorithm_space(tune: TuneSpec, algorithm: str) -> TuneSpec:
+    """``tune`` with ``algorithm``'s search space: ``params`` and its ``algorithm_params``."""
+    extra = tune.algorithm_params.get(algorithm)
+    return tune.model_copy(update={"params": {**tune.params, **extra}}) if extra else tune
+
+
+@dataclass(frozen=True)
+class Search:
+    """One search of a study: what it tunes, where, and the key of its choice."""
+
+    algorithm: str
+    cell: str
+    key: str
+    """Its entry in ``tuned.json``: the algorithm (:data:`EVERY_ALGORITHM` without
+    ``per_algorithm``), then ``@<cell id>`` with ``per_cell``."""
+
+
+def searches(spec: StudySpec) -> list[Search]:
+    """Every search of the study, in study order: one per tuned algorithm (or one), in
+    its tuning cell, or, with ``per_cell``, in every cell it runs in."""
+    tune = spec.tune
+    if tune is None:
+        return []
+    found = []
+    for algorithm in tuned_algorithms(spec):
+        name = algorithm if tune.per_algorithm else EVERY_ALGORITHM
+        if not tune.per_cell:
+            found.append(Search(algorithm, tuning_cell(spec, algorithm), name))
+            continue
+        found.extend(Search(algorithm, cell, f"{name}@{cell}") for cell in algorithm_cells(spec, algorithm))
+    return found
+
+
+def search_key(spec: StudySpec, run: StudyRun) -> str | None:
+    """The key of the choice ``run`` trains with (None: its algorithm is not tuned)."""
+    tune = spec.tune
+    if tune is None or (tune.algorithms is not None and run.algorithm not in tune.algorithms):
+        return None
+    name = run.algorithm if tune.per_algorithm else EVERY_ALGORITHM
+    return f"{name}@{run.cell_id}" if tune.per_cell else name
 
 
 def tuning_cell(spec: StudySpec, algorithm: str) -> str:
@@ -133,9 +190,10 @@ def tuning_cell(spec: StudySpec, algorithm: str) -> str:
     return runs_in[0]
 
 
-def tuning_run(spec: StudySpec, runs: Sequence[StudyRun], algorithm: str) -> StudyRun:
-    """The run whose config ``algorithm``'s trials train: its first in the tuned cell."""
-    cell = tuning_cell(spec, algorithm)
+def tuning_run(spec: StudySpec, runs: Sequence[StudyRun], algorithm: str, cell: str | None = None) -> StudyRun:
+    """The run whose config ``algorithm``'s trials train: its first in ``cell`` (default:
+    its tuning cell)."""
+    cell = cell if cell is not None else tuning_cell(spec, algorithm)
     for run in runs:
         if run.algorithm == algorithm and run.cell_id == cell:
             return run
@@ -359,31 +417,33 @@ def apply_tuning(
     choices: dict[str, Choice] = {}
     tracking: TuningTracking | None = None
     federations: dict[str, Any] = {}
-    for algorithm in tuned_algorithms(spec):
-        key = algorithm if tune.per_algorithm else EVERY_ALGORITHM
-        run = tuning_run(spec, runs, algorithm)
-        wanted = search_fingerprint(tune, run.config)
+    for planned in searches(spec):
+        key, label = planned.key, (planned.key if tune.per_cell else planned.algorithm)
+        space = algorithm_space(tune, planned.algorithm)
+        run = tuning_run(spec, runs, planned.algorithm, planned.cell)
+        wanted = search_fingerprint(space, run.config)
         entry = saved.get(key)
         if isinstance(entry, dict) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == wanted:
             choices[key] = Choice(**entry)
             continue
         if not search_allowed:
-            raise ConfigError(f"{spec.name}: tune: {out / TUNED_NAME} holds no choice for {algorithm!r} with the "
+            raise ConfigError(f"{spec.name}: tune: {out / TUNED_NAME} holds no choice for {label!r} with the "
                               "current tune section and config; run the study without --report-only to tune first")
         if tracking is None and mlflow_root is not None:
             tracking = open_tuning_parent(spec, run.config, out, mlflow_root)
         train = federation_trainer(registry, federations)
-        study = search(tune, run.config, registry, train, trial_tracker_opener(spec, algorithm, tracking, registry),
-                       label=algorithm)
-        choices[key] = best_choice(study, run.run_id, wanted, algorithm)
-        print(f"tune {algorithm}: chose {choices[key].params} ({tune.metric} {choices[key].value:.4f}, "
-              f"{choices[key].trials} trials, {choices[key].pruned} pruned)", flush=True)
+        started = time.perf_counter()
+        study = search(space, run.config, registry, train,
+                       trial_tracker_opener(spec, planned.algorithm, tracking, registry), label=label)
+        choice = best_choice(study, run.run_id, wanted, label)
+        choices[key] = dataclasses.replace(choice, seconds=round(time.perf_counter() - started, 1))
+        print(f"tune {label}: chose {choices[key].params} ({tune.metric} {choices[key].value:.4f}, "
+              f"{choices[key].trials} trials, {choices[key].pruned} pruned, {choices[key].seconds:.0f} s)", flush=True)
         saved[key] = choices[key].as_dict()
         write_tuned(out, saved, fingerprint, legacy)
     if tracking is not None:
         log_tuning_summary(tracking, choices, out)
-    return [tuned_run(run, choices.get(run.algorithm if tune.per_algorithm else EVERY_ALGORITHM), registry)
-            for run in runs]
+    return [tuned_run(run, choices.get(search_key(spec, run) or ""), registry) for run in runs]
 
 
 def tuned_run(run: StudyRun, choice: Choice | None, registry: Registry | None) -> StudyRun:
@@ -392,7 +452,7 @@ def tuned_run(run: StudyRun, choice: Choice | None, registry: Registry | None) -
         return run
     config = with_values(run.config, choice.params, registry)
     fields = {name: getattr(run, name) for name in StudyRun.__dataclass_fields__}
-    return TunedRun(**{**fields, "config": config}, tuned=dict(choice.params))
+    return TunedRun(**{**fields, "config": config}, tuned=dict(choice.params), tuning=choice.summary())
 
 
 def federation_trainer(registry: Registry | None, federations: dict[str, Any]) -> Train:

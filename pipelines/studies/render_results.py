@@ -300,7 +300,37 @@ def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
     parts = [f"{model}: {len(values)} runs, {sum(values):.0f} min" for model, values in minutes.items()]
     return (f"{len(records)} of {len(planned)} runs committed; measured training time summed over them "
             f"{total:.0f} min ({'; '.join(parts)}){setup_text(records)}, on the machine that ran them (2 cores; "
-            "the times grow when other work shares them).")
+            f"the times grow when other work shares them).{wall_text(records)}{tuning_text(records)}")
+
+
+def tuning_text(records: list[dict[str, Any]]) -> str:
+    """`` Tuning: ...``, the searches behind the records' tuned values (one per run they
+    trained, ``tuning.tuned_on``): their number, trials and summed wall time; "" without."""
+    searches = {record["tuning"]["tuned_on"]: record["tuning"] for record in records
+                if isinstance(record.get("tuning"), dict) and record["tuning"].get("tuned_on")}
+    if not searches:
+        return ""
+    trials = sum(int(search.get("trials") or 0) for search in searches.values())
+    minutes = sum(float(search.get("seconds") or 0) for search in searches.values()) / 60
+    return (f" Tuning before the runs: {len(searches)} searches, {trials} trials, {minutes:.0f} min wall time "
+            "on the validation split (one run at a time).")
+
+
+def wall_text(records: list[dict[str, Any]]) -> str:
+    """`` Wall time: ...``, the time the study's runs occupied the machine
+    (:func:`fedplug.study.provenance.wall_time`), with its cores and the most runs at once;
+    "" when no record kept the runner's clock."""
+    from fedplug.study.provenance import wall_time
+
+    wall = wall_time(records)
+    if not wall.timed:
+        return ""
+    cores = " or ".join(str(count) for count in wall.cores) or "an unrecorded number of"
+    text = (f" Wall time {wall.seconds / 60:.0f} min on a machine of {cores} cores, at most {wall.most_at_once} "
+            f"run{'s' if wall.most_at_once != 1 else ''} at once (from the {wall.timed} runs' start and end times")
+    if wall.untimed:
+        text += f"; {wall.untimed} runs trained before the runner kept them are not counted"
+    return text + ")."
 
 
 def setup_text(records: list[dict[str, Any]]) -> str:

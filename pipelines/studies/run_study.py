@@ -541,6 +541,20 @@ def process_code_version(*, refresh: bool = False) -> dict[str, Any]:
     return dict(CODE_VERSION)
 
 
+def utc_now() -> str:
+    """The time now, UTC, to the second (ISO 8601, e.g. ``2026-11-26T21:04:05+00:00``)."""
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+def run_clock() -> dict[str, Any]:
+    """When a run (or its resumed part) started and the cores of the machine that trains it;
+    with the ``finished_at`` written when it ends, the records give a study's wall time
+    (:func:`fedplug.study.provenance.wall_time`)."""
+    return {"started_at": utc_now(), "host_cores": os.cpu_count()}
+
+
 def train_one(spec: Any, run: Any, folder: Path, registry: Any, federation: Any,
               parent: StudyParent | None, *, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one run into ``folder`` (resuming its checkpoint), logged to MLflow as a child
@@ -564,7 +578,8 @@ def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: 
     from fedplug.simulation.simulator import config_fingerprint
     from fedplug.tracking import open_tracker
 
-    write_json(folder / PROVENANCE_NAME, {**process_code_version(), **(provenance or {})})
+    written = {**process_code_version(), **(provenance or {}), **run_clock()}
+    write_json(folder / PROVENANCE_NAME, written)
     tags = {f"study.{axis}": label for axis, label in run.cell.items()}
     tags.update({"study.name": spec.name, "fedplug.algorithm": run.algorithm, "fedplug.seed": str(run.seed),
                  "study.draw": str(run.draw)})
@@ -583,6 +598,7 @@ def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: 
         for name in ("config.yaml", "metrics.json", "run_info.json"):
             tracker.log_artifacts({"": folder / name})
         tracker.log_model(simulator.model, federation.test_x[:5])
+    write_json(folder / PROVENANCE_NAME, {**written, "finished_at": utc_now()})
     (folder / CHECKPOINT_NAME).unlink(missing_ok=True)  # a name the runner owns: resume state, now done
     return result.summary()
 
