@@ -14,7 +14,7 @@ from test_study import BASE, load_runner, tiny_spec_file
 
 from fedplug.errors import ConfigError
 from fedplug.study.expansion import expand_study
-from fedplug.study.provenance import code_version, describe_mixed_commits, mixed_commit_cells
+from fedplug.study.provenance import code_version, describe_mixed_commits, mixed_commit_cells, wall_time
 from fedplug.study.records import load_records, run_record
 from fedplug.study.run_folders import config_hash
 from fedplug.study.spec import parse_study
@@ -186,3 +186,45 @@ def test_a_commit_made_while_the_runner_trains_is_not_the_code_its_runs_record(
     assert [record["commit"] for record in records] == [OLD, OLD] and len(records) == 2
     assert json.loads((out / records[1]["run"] / "run_info.json").read_text())["git_commit"] == NEW
     assert json.loads((out / records[1]["run"] / "provenance.json").read_text())["git_commit"] == OLD
+
+
+def clocked(start: str, end: str | None, cores: int | None = 2) -> dict[str, Any]:
+    record: dict[str, Any] = {"started_at": f"2026-11-26T{start}+00:00", "host_cores": cores}
+    if end is not None:
+        record["finished_at"] = f"2026-11-26T{end}+00:00"
+    return record
+
+
+def test_the_wall_time_counts_overlapping_runs_once_and_gaps_not_at_all() -> None:
+    """Two runs at once 10:00:00-10:01:00 and 10:00:30-10:02:00 cover 120 s; a third after a
+    gap, 10:10:00-10:10:45, adds 45 s: 165 s, at most 2 at once; a run without an end time
+    (trained before the runner kept its clock) is counted apart."""
+    records = [clocked("10:00:00", "10:01:00"), clocked("10:00:30", "10:02:00"), clocked("10:10:00", "10:10:45", 16),
+               clocked("10:20:00", None), {}]
+
+    wall = wall_time(records)
+
+    assert (wall.seconds, wall.most_at_once, wall.cores, wall.timed, wall.untimed) == (165.0, 2, [2, 16], 3, 2)
+
+
+def test_runs_one_after_another_are_one_at_a_time() -> None:
+    """A run that starts the second the previous one ends does not overlap it."""
+    wall = wall_time([clocked("10:00:00", "10:01:00"), clocked("10:01:00", "10:01:30")])
+
+    assert (wall.seconds, wall.most_at_once) == (90.0, 1)
+
+
+def test_the_runner_records_each_runs_clock(tmp_path: Path) -> None:
+    """A run trained by the runner keeps when it started and ended and the machine's cores."""
+    import os
+    from datetime import datetime
+
+    spec_path, out, results = tiny_spec_file(tmp_path), tmp_path / "out", tmp_path / "tiny.jsonl"
+    before = datetime.now().astimezone().timestamp()
+
+    assert load_runner().main([str(spec_path), "--no-mlflow", "--jobs", "1", "--out", str(out), "--results", str(results)]) == 0
+
+    after = datetime.now().astimezone().timestamp()
+    for record in load_records(results):
+        started, finished = (datetime.fromisoformat(record[key]).timestamp() for key in ("started_at", "finished_at"))
+        assert int(before) <= started <= finished <= after + 1 and record["host_cores"] == os.cpu_count()

@@ -195,6 +195,9 @@ def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, ca
         assert record["tuned"] == {"train.optimizer.lr": lr}
         config = yaml.safe_load((out / record["run"] / "config.yaml").read_text())
         assert config["train"]["optimizer"]["lr"] == lr and "validation_fraction" not in config["data"]
+        search = chosen[record["algorithm"]]
+        assert record["tuning"] == {key: search[key] for key in ("value", "trials", "pruned", "seconds", "tuned_on")}
+        assert record["tuning"]["trials"] == 2 and record["tuning"]["seconds"] > 0
     # Resumed: the choice and the runs are reused, nothing trains.
     capsys.readouterr()
     assert load_runner().main(command) == 0
@@ -226,6 +229,76 @@ def test_a_value_the_config_refuses_is_one_line_before_anything_trains(tmp_path:
     assert not (tmp_path / "out").exists()
 
 
+def validation_accuracies(**data: Any) -> list[float]:
+    """:func:`validation_accuracy` of each of :data:`LEARNING_RATES` with ``data`` changed."""
+    accuracies = []
+    for lr in LEARNING_RATES:
+        document = copy.deepcopy(BASE)
+        document["data"].update(data, validation_fraction=0.2)
+        document["train"].update(seed=0, optimizer={"name": "sgd", "lr": lr})
+        result, _ = run_experiment(validate_experiment(document), None)
+        accuracies.append(result.history[-1].metrics["val_accuracy"])
+    return accuracies
+
+
+def test_per_cell_tuning_chooses_in_each_cell_on_that_cells_own_run(tmp_path: Path) -> None:
+    """Each cell's runs train with the learning rate best on that cell's validation split
+    (checked against trials trained by hand), not the first cell's."""
+    best = {}
+    for cell, clients in (("4", 4), ("6", 6)):
+        accuracies = validation_accuracies(num_clients=clients)
+        assert accuracies.count(max(accuracies)) == 1
+        best[cell] = (LEARNING_RATES[accuracies.index(max(accuracies))], max(accuracies))
+
+    _, runs = tune_grid(tmp_path / "out", per_cell=True)
+
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())
+    assert set(chosen) == {"fedavg@4", "fedavg@6"}
+    for cell, (lr, value) in best.items():
+        assert chosen[f"fedavg@{cell}"]["params"] == {"train.optimizer.lr": lr}
+        assert chosen[f"fedavg@{cell}"]["value"] == value and chosen[f"fedavg@{cell}"]["tuned_on"] == f"{cell}__fedavg__d0s0"
+    assert {run.cell_id: run.config.train.optimizer.lr for run in runs} == {cell: lr for cell, (lr, _) in best.items()}
+
+
+def test_only_the_named_algorithms_are_tuned_each_over_its_own_space(tmp_path: Path) -> None:
+    """``tune.algorithms`` leaves an ablation at its study values; ``algorithm_params`` adds a
+    path only one algorithm has (FedAvg has no server_lr), searched on the grid with the rest."""
+    spec = parse_study(spec_dict(
+        {"sampler": "grid", "params": {"train.optimizer.lr": [0.3]}, "algorithms": ["momentum"],
+         "algorithm_params": {"momentum": {"train.aggregator.server_lr": [0.5, 1.0]}}},
+        algorithms={"plain": {}, "momentum": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}}))
+
+    runs = apply_tuning(spec, expand_study(spec), tmp_path / "out", None, mlflow_root=None, fingerprint=FINGERPRINT)
+
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())
+    assert set(chosen) == {"momentum"} and chosen["momentum"]["trials"] == 2
+    assert set(chosen["momentum"]["params"]) == {"train.optimizer.lr", "train.aggregator.server_lr"}
+    for run in runs:
+        if run.algorithm == "plain":
+            assert not isinstance(run, tuning.TunedRun) and run.config.train.optimizer.lr == 0.1
+        else:
+            assert run.tuned == chosen["momentum"]["params"]
+            assert run.config.train.aggregator.server_lr == chosen["momentum"]["params"]["train.aggregator.server_lr"]
+
+
+@pytest.mark.parametrize(("tune", "expected"), [
+    ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "algorithms": ["fedavgg"]},
+     "tune.algorithms: 'fedavgg' is not one of the algorithms (fedavg)"),
+    ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "algorithms": ["fedavg"],
+      "algorithm_params": {"other": {"train.optimizer.lr": [0.2]}}}, "'other' is not a tuned algorithm (fedavg)"),
+    ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "per_cell": True, "cell": {"clients": "6"}},
+     "remove `cell:`"),
+    ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]},
+      "algorithm_params": {"fedavg": {"train.aggregator.server_lr": {"low": 0.1, "high": 1}}}},
+     "algorithm_params.fedavg.train.aggregator.server_lr: the grid sampler needs a list"),
+])
+def test_a_tune_section_naming_what_the_study_lacks_is_refused(tune: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_study(spec_dict(tune))
+
+    assert expected in str(raised.value)
+
+
 @pytest.mark.parametrize(("tune", "expected"), [
     ({"sampler": "grid", "params": {"train.optimizer.lr": {"low": 0.01, "high": 0.1}}}, "needs a list of values"),
     ({"sampler": "tpe", "params": {"train.optimizer.lr": [0.1]}}, "needs `trials:`"),
@@ -247,3 +320,25 @@ def test_tune_cell_picks_the_cell_the_trials_train(tmp_path: Path) -> None:
     apply_tuning(spec, expand_study(spec), tmp_path / "out", default_registry(), mlflow_root=None, fingerprint=FINGERPRINT)
 
     assert json.loads((tmp_path / "out" / TUNED_NAME).read_text())["fedavg"]["tuned_on"] == "6__fedavg__d0s0"
+
+
+def test_the_tuned_table_lists_each_cell_and_algorithm_once_with_its_search() -> None:
+    from fedplug.study.tables import tuned_table
+
+    def record(cell: str, algorithm: str, draw: int, lr: float | None) -> dict[str, Any]:
+        tuned = {"tuned": {"train.optimizer.lr": lr}, "tuning": {"value": 0.875, "trials": 5, "pruned": 1,
+                                                               "tuned_on": f"{cell}__{algorithm}__d0s0"}}
+        return {"cell": {"alpha": cell}, "algorithm": algorithm, "draw": draw, **(tuned if lr is not None else {})}
+
+    records = [record("0.1", "fedavg", 0, 0.5), record("0.1", "fedavg", 1, 0.5), record("0.1", "plain", 0, None),
+               record("10", "fedavg", 0, 0.02)]
+
+    table = tuned_table(records, ["alpha"], labels={"fedavg": "FedAvg (tuned)"})
+
+    assert table.splitlines() == [
+        "| alpha | algorithm | `train.optimizer.lr` | validation value | trials (pruned) | tuned on |",
+        "|---|---|---|---|---|---|",
+        "| 0.1 | FedAvg (tuned) | 0.5 | 0.8750 | 5 (1) | 0.1__fedavg__d0s0 |",
+        "| 10 | FedAvg (tuned) | 0.02 | 0.8750 | 5 (1) | 10__fedavg__d0s0 |",
+    ]
+    assert tuned_table([record("0.1", "plain", 0, None)], ["alpha"]) == ""

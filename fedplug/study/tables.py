@@ -167,3 +167,31 @@ def partition_text(comparison: dict[str, Any], digits: int = 4) -> str:
         interval = f" [{level}{comparison['low']:+.{digits}f}, {comparison['high']:+.{digits}f}]"
     return f"{mean}{interval} over {n} partition{'s' if n != 1 else ''}, won {comparison['won']} of {n}"
 
+
+
+def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, labels: dict[str, str] | None = None) -> str:
+    """The values a study's ``tune:`` search chose, one row per grid cell and tuned
+    algorithm (records in study order): each path's value, the validation accuracy (or
+    loss) that chose it, the trials and the run the trials trained on; "" when no record
+    was tuned."""
+    rows: dict[tuple[str, ...], dict[str, Any]] = {}
+    for record in records:
+        if record.get("tuned"):
+            key = (*(str(record["cell"].get(axis, "")) for axis in axes), str(record["algorithm"]))
+            rows.setdefault(key, record)
+    if not rows:
+        return ""
+    paths = sorted({path for record in rows.values() for path in record["tuned"]})
+    header = [*axes, "algorithm", *(f"`{path}`" for path in paths), "validation value", "trials (pruned)", "tuned on"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, record in rows.items():
+        tuning = record.get("tuning") or {}
+        values = [_value(record["tuned"].get(path)) for path in paths]
+        lines.append("| " + " | ".join([*key[:-1], display_name(key[-1], labels), *values,
+                                        _cell(tuning.get("value")), f"{tuning.get('trials', '-')} ({tuning.get('pruned', 0)})",
+                                        str(tuning.get("tuned_on", "-"))]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _value(value: Any) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

@@ -358,7 +358,7 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     from fedplug.study.expansion import planned_runs
     from fedplug.study.figures import figure_plan
     from fedplug.study.statistics import PLATEAU_TOLERANCE, PLATEAU_WINDOW, summarise
-    from fedplug.study.tables import summary_table
+    from fedplug.study.tables import summary_table, tuned_table
 
     source = f"pipelines/studies/results/{name}.jsonl"
     command = f"python pipelines/studies/run_study.py pipelines/studies/{name}.yaml"
@@ -397,6 +397,16 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
                  "draw-and-seed pair." if spec.baseline or spec.baselines else "")
               + (" A row that names another algorithm (\"vs ...\") is paired with that one, its variant's own "
                  "baseline." if spec.baselines else "")]
+    tuned = tuned_table(records, list(spec.grid), labels=spec.labels)
+    if tuned and spec.tune is not None:
+        tune = spec.tune
+        lines += ["", f"**Tuned values** (the spec's `tune:`: Optuna's {tune.sampler} sampler, "
+                      f"{'one search per grid cell' if tune.per_cell else 'one search'} per tuned algorithm, each on "
+                      f"its cell's first partition draw and seed; chosen on the {tune.metric} "
+                      f"({'last round' if tune.select == 'last' else 'best over rounds'}) of a validation split of "
+                      f"{tune.validation_fraction:g} of each client's training samples, never the test sets; the "
+                      "study's runs then train on all their training samples with the chosen values):",
+                  "", tuned.rstrip()]
     figures = [figure for figure, _ in figure_plan(spec, records, prefix=f"{name}-")]
     drawn = [figure for figure in figures if (layout.figures / figure).is_file()]
     for figure in drawn:
@@ -472,17 +482,58 @@ def status_table(layout: Layout, studies: list[tuple[str, Any, list[dict[str, An
     """One line per study: committed runs of the planned ones, rounds, commit, source."""
     from fedplug.study.expansion import planned_runs
 
-    lines = ["| study | runs committed / planned | rounds | produced by | results file |", "|---|---:|---:|---|---|"]
+    lines = ["| study | runs committed / planned | rounds | headline: partition draws, curves plateaued | tuned | "
+             "wall time | produced by | results file |", "|---|---:|---:|---|---|---|---|---|"]
     for name, spec, records in studies:
         planned = {run.run_id for run in planned_runs(spec)}
-        present = {record["run"] for record in records} & planned
-        rounds = sorted({int(record["rounds"]) for record in records if record["run"] in planned})
-        produced = provenance([record for record in records if record["run"] in planned]) if present else "not yet re-run"
+        records = [record for record in records if record["run"] in planned]
+        present = {record["run"] for record in records}
+        rounds = sorted({int(record["rounds"]) for record in records})
+        produced = provenance(records) if present else "not yet re-run"
         source = (f"[`results/{name}.jsonl`](../pipelines/studies/results/{name}.jsonl)"
                   if (layout.results / f"{name}.jsonl").is_file() else "-")
         lines.append(f"| {name} | {len(present)} / {len(planned)} | {', '.join(map(str, rounds)) or '-'} | "
-                     f"{produced} | {source} |")
+                     f"{headline_status(records)} | {tuned_status(records)} | {wall_status(records)} | {produced} | "
+                     f"{source} |")
     return "\n".join(lines)
+
+
+def headline_status(records: list[dict[str, Any]]) -> str:
+    """``"10 draws x 1 seed; 120 of 140 plateaued"``: the headline runs' partition draws and
+    seeds (the most of any one algorithm and cell) and how many of their curves flattened
+    (:func:`fedplug.study.statistics.plateaued`); "-" without headline runs."""
+    from fedplug.study.spec import cell_id
+    from fedplug.study.statistics import plateaued
+
+    headline = [record for record in records if record.get("headline", True)]
+    if not headline:
+        return "-"
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in headline:
+        groups.setdefault((cell_id(record["cell"]), str(record["algorithm"])), []).append(record)
+    draws = max(len({record["draw"] for record in group}) for group in groups.values())
+    seeds = max(len({record["seed"] for record in group}) for group in groups.values())
+    flat = sum(plateaued(record.get("accuracy") or []) is True for record in headline)
+    return (f"{draws} draw{'s' if draws != 1 else ''} x {seeds} seed{'s' if seeds != 1 else ''}; "
+            f"{flat} of {len(headline)} plateaued")
+
+
+def tuned_status(records: list[dict[str, Any]]) -> str:
+    """``"yes (14 searches)"`` when a ``tune:`` search chose some runs' values, else ``"no"``."""
+    searches = {record["tuning"].get("tuned_on") for record in records if isinstance(record.get("tuning"), dict)}
+    return f"yes ({len(searches)} searches)" if searches else "no"
+
+
+def wall_status(records: list[dict[str, Any]]) -> str:
+    """``"52 min, 2 cores"`` (:func:`fedplug.study.provenance.wall_time`), or "not recorded"
+    when no record kept the runner's clock (trained before it did)."""
+    from fedplug.study.provenance import wall_time
+
+    wall = wall_time(records)
+    if not wall.timed:
+        return "not recorded"
+    cores = " or ".join(map(str, wall.cores)) or "?"
+    return f"{wall.seconds / 60:.0f} min, {cores} cores" + (f" ({wall.untimed} runs not recorded)" if wall.untimed else "")
 
 
 def default_fragment(name: str, spec: Any) -> str:
