@@ -14,7 +14,12 @@ from test_study import BASE, load_runner, tiny_spec_file
 
 from fedplug.errors import ConfigError
 from fedplug.study.expansion import expand_study
-from fedplug.study.provenance import code_version, describe_mixed_commits, mixed_commit_cells, wall_time
+from fedplug.study.provenance import (
+    code_version,
+    describe_mixed_commits,
+    mixed_commit_cells,
+    wall_time,
+)
 from fedplug.study.records import load_records, run_record
 from fedplug.study.run_folders import config_hash
 from fedplug.study.spec import parse_study

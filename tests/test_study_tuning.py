@@ -178,6 +178,25 @@ def test_trials_are_mlflow_runs_nested_under_the_tuning_parent(tmp_path: Path, m
     assert parent.data.metrics["fedavg.train.optimizer.lr"] == chosen["params"]["train.optimizer.lr"]
 
 
+def test_per_cell_choices_reach_the_tuning_parent_under_names_mlflow_takes(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.3]}, "per_cell": True}))
+
+    apply_tuning(spec, expand_study(spec), tmp_path / "out", None, mlflow_root=tmp_path, fingerprint=FINGERPRINT)
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("study-tiny").experiment_id])
+    parent = next(run for run in runs if "fedplug.parent" in run.data.tags)
+    chosen = json.loads((tmp_path / "out" / TUNED_NAME).read_text())
+    assert parent.info.status == "FINISHED" and len(runs) == 3
+    for cell in ("4", "6"):
+        assert parent.data.metrics[f"fedavg/{cell}.best_value"] == pytest.approx(chosen[f"fedavg@{cell}"]["value"])
+
+
 def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec_path = tmp_path / "tiny.yaml"
     spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.05, 0.5]}},
@@ -333,12 +352,13 @@ def test_the_tuned_table_lists_each_cell_and_algorithm_once_with_its_search() ->
     records = [record("0.1", "fedavg", 0, 0.5), record("0.1", "fedavg", 1, 0.5), record("0.1", "plain", 0, None),
                record("10", "fedavg", 0, 0.02)]
 
-    table = tuned_table(records, ["alpha"], labels={"fedavg": "FedAvg (tuned)"})
+    table = tuned_table(records, ["alpha"], labels={"fedavg": "FedAvg (tuned)"},
+                        spaces={"fedavg": {"train.optimizer.lr": [0.01, 0.02, 0.5]}})
 
     assert table.splitlines() == [
         "| alpha | algorithm | `train.optimizer.lr` | validation value | trials (pruned) | tuned on |",
         "|---|---|---|---|---|---|",
-        "| 0.1 | FedAvg (tuned) | 0.5 | 0.8750 | 5 (1) | 0.1__fedavg__d0s0 |",
+        "| 0.1 | FedAvg (tuned) | 0.5 (grid edge) | 0.8750 | 5 (1) | 0.1__fedavg__d0s0 |",
         "| 10 | FedAvg (tuned) | 0.02 | 0.8750 | 5 (1) | 10__fedavg__d0s0 |",
     ]
     assert tuned_table([record("0.1", "plain", 0, None)], ["alpha"]) == ""

@@ -169,11 +169,13 @@ def partition_text(comparison: dict[str, Any], digits: int = 4) -> str:
 
 
 
-def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, labels: dict[str, str] | None = None) -> str:
+def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, labels: dict[str, str] | None = None,
+                spaces: dict[str, dict[str, Any]] | None = None) -> str:
     """The values a study's ``tune:`` search chose, one row per grid cell and tuned
     algorithm (records in study order): each path's value, the validation accuracy (or
     loss) that chose it, the trials and the run the trials trained on; "" when no record
-    was tuned."""
+    was tuned. ``spaces`` (algorithm -> path -> the searched list) marks a value at either
+    end of its numeric list "(grid edge)": the best may lie beyond it."""
     rows: dict[tuple[str, ...], dict[str, Any]] = {}
     for record in records:
         if record.get("tuned"):
@@ -186,7 +188,8 @@ def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, label
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, record in rows.items():
         tuning = record.get("tuning") or {}
-        values = [_value(record["tuned"].get(path)) for path in paths]
+        space = (spaces or {}).get(key[-1], {})
+        values = [_value(record["tuned"].get(path)) + _edge(record["tuned"].get(path), space.get(path)) for path in paths]
         lines.append("| " + " | ".join([*key[:-1], display_name(key[-1], labels), *values,
                                         _cell(tuning.get("value")), f"{tuning.get('trials', '-')} ({tuning.get('pruned', 0)})",
                                         str(tuning.get("tuned_on", "-"))]) + " |")
@@ -195,3 +198,9 @@ def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, label
 
 def _value(value: Any) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _edge(value: Any, searched: Any) -> str:
+    numbers = [item for item in searched if isinstance(item, (int, float)) and not isinstance(item, bool)] \
+        if isinstance(searched, list) else []
+    return " (grid edge)" if len(numbers) >= 2 and value in (min(numbers), max(numbers)) else ""

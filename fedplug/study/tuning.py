@@ -540,11 +540,13 @@ def trial_tracker_opener(spec: StudySpec, algorithm: str, tracking: TuningTracki
 
 def log_tuning_summary(tracking: TuningTracking, choices: Mapping[str, Choice], out: Path) -> None:
     """The choices on the tuning parent run (``<algorithm>.<path>`` and
-    ``<algorithm>.best_value``, ``tuned.json``), then FINISHED."""
+    ``<algorithm>.best_value``; ``<algorithm>/<cell id>.…`` with ``per_cell``, MLflow
+    refusing ``@`` in a name; ``tuned.json``), then FINISHED."""
     from fedplug.project import log_parent_summary
 
     metrics: dict[str, float] = {}
-    for key, choice in choices.items():
+    for choice_key, choice in choices.items():
+        key = choice_key.replace("@", "/")
         metrics[f"{key}.best_value"] = choice.value
         for path, value in choice.params.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):

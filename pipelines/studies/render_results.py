@@ -359,6 +359,7 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
     from fedplug.study.figures import figure_plan
     from fedplug.study.statistics import PLATEAU_TOLERANCE, PLATEAU_WINDOW, summarise
     from fedplug.study.tables import summary_table, tuned_table
+    from fedplug.study.tuning import algorithm_space, tuned_algorithms
 
     source = f"pipelines/studies/results/{name}.jsonl"
     command = f"python pipelines/studies/run_study.py pipelines/studies/{name}.yaml"
@@ -397,7 +398,9 @@ def results_block(layout: Layout, name: str, spec: Any, records: list[dict[str, 
                  "draw-and-seed pair." if spec.baseline or spec.baselines else "")
               + (" A row that names another algorithm (\"vs ...\") is paired with that one, its variant's own "
                  "baseline." if spec.baselines else "")]
-    tuned = tuned_table(records, list(spec.grid), labels=spec.labels)
+    spaces = ({algorithm: algorithm_space(spec.tune, algorithm).params for algorithm in tuned_algorithms(spec)}
+              if spec.tune is not None else {})
+    tuned = tuned_table(records, list(spec.grid), labels=spec.labels, spaces=spaces)
     if tuned and spec.tune is not None:
         tune = spec.tune
         lines += ["", f"**Tuned values** (the spec's `tune:`: Optuna's {tune.sampler} sampler, "
