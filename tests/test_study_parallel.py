@@ -35,8 +35,8 @@ from fedplug.study.parallel import (
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "pipelines" / "studies" / "run_study.py"
-TIMING_KEYS = frozenset({"seconds", "total_seconds", "setup_seconds", "train_seconds"})
-"""Wall times: the only numbers a parallel run may change."""
+TIMING_KEYS = frozenset({"seconds", "total_seconds", "setup_seconds", "train_seconds", "started_at", "finished_at"})
+"""Wall times and clock times: the only numbers a parallel run may change."""
 RUN_IDS = ["0.5__fedavg__d0s0", "0.5__fedavg__d0s1", "0.5__fedavgm__d0s0", "0.5__fedavgm__d0s1"]
 
 
