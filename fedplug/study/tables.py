@@ -168,7 +168,6 @@ def partition_text(comparison: dict[str, Any], digits: int = 4) -> str:
     return f"{mean}{interval} over {n} partition{'s' if n != 1 else ''}, won {comparison['won']} of {n}"
 
 
-
 def tuned_table(records: Sequence[dict[str, Any]], axes: Sequence[str], *, labels: dict[str, str] | None = None,
                 spaces: dict[str, dict[str, Any]] | None = None) -> str:
     """The values a study's ``tune:`` search chose, one row per grid cell and tuned

@@ -162,11 +162,8 @@ def searches(spec: StudySpec) -> list[Search]:
         return []
     found = []
     for algorithm in tuned_algorithms(spec):
-        name = algorithm if tune.per_algorithm else EVERY_ALGORITHM
-        if not tune.per_cell:
-            found.append(Search(algorithm, tuning_cell(spec, algorithm), name))
-            continue
-        found.extend(Search(algorithm, cell, f"{name}@{cell}") for cell in algorithm_cells(spec, algorithm))
+        cells = algorithm_cells(spec, algorithm) if tune.per_cell else [tuning_cell(spec, algorithm)]
+        found.extend(Search(algorithm, cell, choice_key(tune, algorithm, cell)) for cell in cells)
     return found
 
 
@@ -175,8 +172,15 @@ def search_key(spec: StudySpec, run: StudyRun) -> str | None:
     tune = spec.tune
     if tune is None or (tune.algorithms is not None and run.algorithm not in tune.algorithms):
         return None
-    name = run.algorithm if tune.per_algorithm else EVERY_ALGORITHM
-    return f"{name}@{run.cell_id}" if tune.per_cell else name
+    return choice_key(tune, run.algorithm, run.cell_id)
+
+
+def choice_key(tune: TuneSpec, algorithm: str, cell: str) -> str:
+    """The ``tuned.json`` key of the choice ``algorithm`` trains with in ``cell``: the
+    algorithm (:data:`EVERY_ALGORITHM` without ``per_algorithm``), then ``@<cell>`` with
+    ``per_cell``. The searches write under it and the runs read it, so both call this."""
+    name = algorithm if tune.per_algorithm else EVERY_ALGORITHM
+    return f"{name}@{cell}" if tune.per_cell else name
 
 
 def tuning_cell(spec: StudySpec, algorithm: str) -> str:

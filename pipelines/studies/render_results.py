@@ -303,11 +303,17 @@ def cost_line(spec: Any, records: list[dict[str, Any]]) -> str:
             f"the times grow when other work shares them).{wall_text(records)}{tuning_text(records)}")
 
 
+def record_searches(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The ``tune:`` searches behind the records' tuned values, one per run they trained:
+    ``tuning.tuned_on`` -> the record's ``tuning``."""
+    return {record["tuning"]["tuned_on"]: record["tuning"] for record in records
+            if isinstance(record.get("tuning"), dict) and record["tuning"].get("tuned_on")}
+
+
 def tuning_text(records: list[dict[str, Any]]) -> str:
-    """`` Tuning: ...``, the searches behind the records' tuned values (one per run they
-    trained, ``tuning.tuned_on``): their number, trials and summed wall time; "" without."""
-    searches = {record["tuning"]["tuned_on"]: record["tuning"] for record in records
-                if isinstance(record.get("tuning"), dict) and record["tuning"].get("tuned_on")}
+    """`` Tuning: ...``, the searches behind the records' tuned values
+    (:func:`record_searches`): their number, trials and summed wall time; "" without."""
+    searches = record_searches(records)
     if not searches:
         return ""
     trials = sum(int(search.get("trials") or 0) for search in searches.values())
@@ -524,7 +530,7 @@ def headline_status(records: list[dict[str, Any]]) -> str:
 
 def tuned_status(records: list[dict[str, Any]]) -> str:
     """``"yes (14 searches)"`` when a ``tune:`` search chose some runs' values, else ``"no"``."""
-    searches = {record["tuning"].get("tuned_on") for record in records if isinstance(record.get("tuning"), dict)}
+    searches = record_searches(records)
     return f"yes ({len(searches)} searches)" if searches else "no"
 
 
@@ -533,9 +539,9 @@ def wall_status(records: list[dict[str, Any]]) -> str:
     when no record kept the runner's clock (trained before it did)."""
     from fedplug.study.provenance import wall_time
 
-    wall = wall_time(records)
     if not records:
         return "-"
+    wall = wall_time(records)
     if not wall.timed:
         return "not recorded"
     cores = " or ".join(map(str, wall.cores)) or "?"
