@@ -303,6 +303,35 @@ def test_only_the_named_algorithms_are_tuned_each_over_its_own_space(tmp_path: P
             assert run.config.train.aggregator.server_lr == chosen["momentum"]["params"]["train.aggregator.server_lr"]
 
 
+def test_a_search_is_reused_while_its_own_space_holds_whatever_the_others_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another algorithm's grid and the list of tuned algorithms are not part of a search's
+    fingerprint; its own grid is: tuning a study in pieces (or widening one algorithm's
+    grid) re-runs only the searches whose space changed."""
+    algorithms = {"plain": {}, "momentum": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}}
+
+    def tune(out: Path, **fields: Any) -> dict[str, Any]:
+        spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.3]}, **fields},
+                                     algorithms=algorithms))
+        apply_tuning(spec, expand_study(spec), out, None, mlflow_root=None, fingerprint=FINGERPRINT)
+        return json.loads((out / TUNED_NAME).read_text())
+
+    server = {"momentum": {"train.aggregator.server_lr": [0.5, 1.0]}}
+    first = tune(tmp_path, algorithms=["plain"])
+    capsys.readouterr()
+    both = tune(tmp_path, algorithms=["plain", "momentum"], algorithm_params=server)
+    out = capsys.readouterr().out
+    assert "tune plain" not in out and "tune momentum" in out  # momentum's search only
+    assert both["plain"] == first["plain"] and both["momentum"]["trials"] == 2
+    wider = tune(tmp_path, algorithms=["plain", "momentum"],
+                 algorithm_params={"momentum": {"train.aggregator.server_lr": [0.5, 1.0, 2.0]}})
+    out = capsys.readouterr().out
+    assert "tune plain" not in out and "tune momentum" in out  # momentum's again, plain's kept
+    assert wider["plain"] == first["plain"] and wider["momentum"]["trials"] == 3
+    assert wider["momentum"]["fingerprint"] != both["momentum"]["fingerprint"]
+
+
 @pytest.mark.parametrize(("tune", "expected"), [
     ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "algorithms": ["fedavgg"]},
      "tune.algorithms: 'fedavgg' is not one of the algorithms (fedavg)"),

@@ -227,10 +227,17 @@ def trial_config(config: Any, tune: TuneSpec, values: Mapping[str, Any], registr
     return with_values(config, {**values, "data.validation_fraction": tune.validation_fraction}, registry)
 
 
+OTHER_SEARCHES = {"algorithms", "algorithm_params"}
+"""``tune:`` fields that name other algorithms' searches; a search's fingerprint leaves
+them out (its own ``algorithm_params`` are already in its ``params``)."""
+
+
 def search_fingerprint(tune: TuneSpec, config: Any) -> str:
-    """What a search's choice depends on: the ``tune:`` section and the tuned run's config."""
-    content = json.dumps({"tune": tune.model_dump(mode="json"), "config": config.model_dump(mode="json")},
-                         sort_keys=True)
+    """What a search's choice depends on: its search space (``tune`` as
+    :func:`algorithm_space` gives it, without :data:`OTHER_SEARCHES`) and the tuned run's
+    config. Adding an algorithm to the search, or changing another one's grid, keeps it."""
+    content = json.dumps({"tune": tune.model_dump(mode="json", exclude=OTHER_SEARCHES),
+                          "config": config.model_dump(mode="json")}, sort_keys=True)
     return hashlib.sha256(content.encode()).hexdigest()
 
 
