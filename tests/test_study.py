@@ -643,7 +643,7 @@ def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_pat
     assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
 
 
-SHIPPED = ["fedshift", "iwds", "fedavgm", "fedgsp", "fedgsp_growth", "fedgsp_long", "feddisk"]
+SHIPPED = ["fedshift", "fedshift_tuned", "iwds", "iwds_tuned", "fedavgm", "fedgsp", "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
