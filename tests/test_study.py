@@ -643,7 +643,7 @@ def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_pat
     assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
 
 
-SHIPPED = ["fedshift", "fedshift_tuned", "iwds", "iwds_tuned", "fedavgm", "fedgsp", "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk"]
+SHIPPED = ["fedshift", "fedshift_tuned", "iwds", "iwds_tuned", "fedavgm", "fedgsp", "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk", "feddisk_tuned"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -665,7 +665,8 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
     for members in groups.values():
         if members[0].headline:
             draws, seeds = len({run.draw for run in members}), len({run.seed for run in members})
-            assert (draws >= 3 and seeds >= 3) or draws >= 10
+            # FedDisk's density phase (about 10 min a draw here): the issue allows 5 draws.
+            assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name == "feddisk_tuned" and draws >= 5)
             assert len(members) == len({run.draw for run in members}) * len({run.seed for run in members})
         assert len(members) >= 3
     assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
