@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,9 @@ def test_tpe_runs_its_trials_reproducibly_and_a_matching_choice_is_reused(
     apply_tuning(spec, runs, tmp_path / "b", None, mlflow_root=None, fingerprint=FINGERPRINT)
 
     first = json.loads((tmp_path / "a" / TUNED_NAME).read_text())["fedavg"]
-    assert first == json.loads((tmp_path / "b" / TUNED_NAME).read_text())["fedavg"]
+    second = json.loads((tmp_path / "b" / TUNED_NAME).read_text())["fedavg"]
+    assert first.pop("seconds") > 0 and second.pop("seconds") > 0  # the search's wall time, all else equal
+    assert first == second
     assert first["trials"] == 4 and 0.01 <= first["params"]["train.optimizer.lr"] <= 1.0
     assert capsys.readouterr().out.count("trial 4/4") == 2
     # Again with the same tune section and config: tuned.json's choice, no trial.
@@ -218,13 +221,27 @@ def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, ca
         config = yaml.safe_load((out / record["run"] / "config.yaml").read_text())
         assert config["train"]["optimizer"]["lr"] == lr and "validation_fraction" not in config["data"]
         search = chosen[record["algorithm"]]
-        assert record["tuning"] == {key: search[key] for key in ("value", "trials", "pruned", "seconds", "tuned_on")}
+        assert record["tuning"] == {key: search[key] for key in ("value", "trials", "pruned", "seconds", "tuned_on",
+                                                                 "fingerprint")}
         assert record["tuning"]["trials"] == 2 and record["tuning"]["seconds"] > 0
     # Resumed: the choice and the runs are reused, nothing trains.
     capsys.readouterr()
     assert load_runner().main(command) == 0
     printed = capsys.readouterr().out
     assert "4 runs, 4 done, 0 to train" in printed and "trial" not in printed
+    # A fresh clone: no study folder, only the committed results file. Its records hold the
+    # choices, so neither a search nor a run trains, and the records come back unchanged.
+    shutil.rmtree(out)
+    assert load_runner().main(command) == 0
+    printed = capsys.readouterr().out
+    assert "4 runs, 4 done (4 from" in printed and "0 to train" in printed and "trial" not in printed
+    assert load_records(results) == records
+    # A record whose search had another space is not taken for this one's: the search runs.
+    spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.05, 0.5, 0.2]}},
+                                                  algorithms={"fedavg": {}, "fedavgm": {"aggregator": {"name": "fedavgm", "momentum": 0.5}}})))
+    shutil.rmtree(out)
+    with pytest.raises(ConfigError, match="holds no choice for 'fedavg' .* nor does a record"):
+        load_runner().main([*command, "--report-only"])
 
 
 def test_an_unknown_parameter_is_one_line_before_anything_trains(tmp_path: Path) -> None:

@@ -78,9 +78,27 @@ class Choice:
 
     def summary(self) -> dict[str, Any]:
         """What a run's record keeps of the search: its best validation value, trials,
-        pruned trials, wall time and the run it trained."""
+        pruned trials, wall time, the run it trained and its fingerprint (with the record's
+        ``tuned`` values, the whole choice: :func:`recorded_choice` reads it back)."""
         return {"value": self.value, "trials": self.trials, "pruned": self.pruned, "seconds": self.seconds,
-                "tuned_on": self.tuned_on}
+                "tuned_on": self.tuned_on, "fingerprint": self.fingerprint}
+
+
+def recorded_choice(spec: StudySpec, runs: Sequence[StudyRun], records: Sequence[Mapping[str, Any]], key: str,
+                    fingerprint: str) -> Choice | None:
+    """The choice of search ``key`` as a record of one of its runs keeps it (``tuned`` and
+    ``tuning``), when that record's search had ``fingerprint``; else None. So a study
+    whose results file is committed needs no search on a fresh clone."""
+    keyed = {run.run_id for run in runs if search_key(spec, run) == key}
+    for record in records:
+        tuning = record.get("tuning")
+        if (record.get("run") in keyed and isinstance(tuning, dict) and isinstance(record.get("tuned"), dict)
+                and tuning.get("fingerprint") == fingerprint):
+            try:
+                return Choice(params=dict(record["tuned"]), **tuning)
+            except TypeError:  # a record of another version of the fields
+                continue
+    return None
 
 
 # ---------------------------------------------------------------------- checking
@@ -403,12 +421,15 @@ def apply_tuning(
     fingerprint: str,
     legacy: Any = None,
     search_allowed: bool = True,
+    recorded: Sequence[Mapping[str, Any]] = (),
 ) -> list[StudyRun]:
     """The study's runs with the values its ``tune:`` search chose (``runs`` as they are
     without ``tune:``), each a :class:`TunedRun` whose record keeps them.
 
     Checks the parameter paths first (:func:`check_tune_params`). A search whose
-    fingerprint matches its entry in ``out/tuned.json`` is reused; the others run now
+    fingerprint matches its entry in ``out/tuned.json``, or the choice a ``recorded`` run
+    of it keeps (:func:`recorded_choice`: the committed results file's records), is
+    reused; the others run now
     (unless ``search_allowed`` is False: then one line says so) and are written there,
     under a claim of ``out`` with the study folder's ``fingerprint`` and ``legacy`` rule
     (:func:`fedplug.output_folder.claim`). ``mlflow_root``: the project root whose MLflow
@@ -437,9 +458,14 @@ def apply_tuning(
         if isinstance(entry, dict) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == wanted:
             choices[key] = Choice(**entry)
             continue
+        kept = recorded_choice(spec, runs, recorded, key, wanted)
+        if kept is not None:
+            choices[key] = kept
+            continue
         if not search_allowed:
             raise ConfigError(f"{spec.name}: tune: {out / TUNED_NAME} holds no choice for {label!r} with the "
-                              "current tune section and config; run the study without --report-only to tune first")
+                              "current tune section and config, nor does a record of the results file; run the "
+                              "study without --report-only to tune first")
         if tracking is None and mlflow_root is not None:
             tracking = open_tuning_parent(spec, run.config, out, mlflow_root)
         train = federation_trainer(registry, federations)

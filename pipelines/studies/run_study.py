@@ -126,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = expand_study(spec, registry, args.overrides)
     out = Path(args.out) if args.out else default_out(spec.name, runs)
     check_study_folder(out, spec, runs)
+    results = results_path(args, out)
     if spec.tune is not None:  # the search's choice goes into the runs' configs (fedplug.study.tuning)
+        from fedplug.study import load_records
         from fedplug.study.tuning import apply_tuning
 
         runs = apply_tuning(spec, runs, out, registry, mlflow_root=None if args.no_mlflow else ROOT,
                             fingerprint=study_fingerprint(spec), legacy=study_layout(runs),
-                            search_allowed=not args.report_only)
+                            search_allowed=not args.report_only,
+                            recorded=load_records(results) if results is not None else ())
     out.mkdir(parents=True, exist_ok=True)
-    results = results_path(args, out)
     committed, dropped = committed_records(results, runs)
     plan = plan_runs(runs, out, committed, only=args.only)
     print(f"study {spec.name}: {len(runs)} runs, {len(plan.done)} done"
