@@ -112,6 +112,30 @@ def test_mean_std_and_paired_wins_by_hand(tmp_path: Path) -> None:
     assert last3[0]["last3_accuracy"] == pytest.approx(0.80) and last3[1]["paired"]["wins"] == 2
 
 
+def test_the_clients_own_accuracy_can_be_the_headline_with_the_global_one_beside_it() -> None:
+    """FedDisk's metric: ``headline_metric: final_client_accuracy`` compares the clients'
+    own test accuracy draw by draw; ``columns: [final_accuracy]`` shows the global one."""
+    from fedplug.study.spec import parse_study
+
+    records = tiny_records()
+    for record in records:  # the clients' accuracy ranks the other way round
+        record["final_client_accuracy"] = 1.4 - record["final_accuracy"]
+    rows = summarise(records, "final_client_accuracy", baseline="fedavg")
+
+    # FedProx - FedAvg per draw: draw 0 mean(-0.05, 0) = -0.025, draw 1 -0.02.
+    assert rows[1]["partitions"]["difference"] == pytest.approx(-0.0225)
+    assert rows[1]["partitions"]["won"] == 0 and rows[1]["paired"]["losses"] == 2
+    table = summary_table(rows, ["alpha"], 0.8, baseline="fedavg", columns=["final_accuracy"])
+    header = table.splitlines()[0]
+    assert "final client acc (mean ± std)" in header and header.endswith("| final acc | vs fedavg: mean difference "
+                                                                          "[95% interval] over partitions, partitions won "
+                                                                          "| runs won/tied/lost (same draw and seed) |")
+    assert "| 0.1 | fedavg | 4 (2×2) | 0.5900 ± 0.0258 |" in table and "| 0.8100 ± 0.0258 |" in table
+    spec = {"name": "s", "base": {}, "algorithms": {"a": {}}, "headline_metric": "final_client_accuracy",
+            "columns": ["final_accuracy"]}
+    assert parse_study(spec).headline_metric == "final_client_accuracy"
+
+
 def test_plateau_rule_by_hand() -> None:
     # Best of the last 10 rounds against the best before them, tolerance 0.002.
     rising = [0.5, 0.6] + [0.6 + 0.001 * k for k in range(1, 11)]  # last 10 best 0.610: +0.010

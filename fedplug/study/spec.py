@@ -20,12 +20,13 @@ from fedplug.errors import ConfigError
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.+-]+$")
 """Grid value labels and algorithm labels become folder names: keep them to these characters."""
 
-HEADLINE_METRICS = ("final_accuracy", "last3_accuracy")
-"""What a study's verdict rests on: the final round's accuracy, or the mean of the last 3
-rounds (less sensitive to a run that oscillates); best-over-rounds is only shown beside it."""
+HEADLINE_METRICS = ("final_accuracy", "last3_accuracy", "final_client_accuracy")
+"""What a study's verdict rests on: the final round's accuracy, the mean of the last 3
+rounds (less sensitive to a run that oscillates), or the final round's mean accuracy over
+the clients' own test splits (FedDisk's metric); best-over-rounds is only shown beside it."""
 
 EXTRA_COLUMNS = ("compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
-                 "total_bytes", "final_loss", "final_client_accuracy", "train_seconds")
+                 "total_bytes", "final_loss", "final_client_accuracy", "train_seconds", "final_accuracy")
 """Columns a spec may add to its summary table (``columns:``), besides those the components
 declare (:func:`known_columns`)."""
 
@@ -205,9 +206,11 @@ class StudySpec(StrictConfig):
     cells: dict[str, list[str]] = Field(default_factory=dict)
     """Algorithm label -> the grid cells (ids, as in ``headline.cells``) it runs in, e.g.
     an expensive CNN variant only in the headline cell (default: every algorithm in every cell)."""
-    headline_metric: Literal["final_accuracy", "last3_accuracy"] = "final_accuracy"
-    """The number a verdict rests on: ``final_accuracy`` or ``last3_accuracy`` (the mean
-    of the last 3 rounds); best-over-rounds is shown beside it, never instead."""
+    headline_metric: Literal["final_accuracy", "last3_accuracy", "final_client_accuracy"] = "final_accuracy"
+    """The number a verdict rests on: ``final_accuracy``, ``last3_accuracy`` (the mean
+    of the last 3 rounds) or ``final_client_accuracy`` (the mean over the clients' own test
+    splits, with ``final_accuracy`` as a ``columns:`` entry beside it); best-over-rounds is
+    shown beside it, never instead."""
     draws: list[int] | None = Field(None, min_length=1)
     """``data.seed`` of each partition draw (default None: the base's ``data.seed``, one draw)."""
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
