@@ -697,7 +697,11 @@ def test_config_hash_is_the_sha256_of_the_sorted_comparable_config() -> None:
     assert config_hash(document) == "bb1a54d8dbd5"
 
 
-@pytest.mark.parametrize("name", [*SHIPPED, "faults"])
+NOT_RUN_YET = ["fedgsp_tuned"]
+"""Shipped specs whose results are not committed yet (docs/results.md says so)."""
+
+
+@pytest.mark.parametrize("name", [name for name in [*SHIPPED, "faults"] if name not in NOT_RUN_YET])
 def test_committed_records_carry_the_config_hash_of_their_run(name: str) -> None:
     """The runner reuses a committed record only when its ``config_hash`` is the hash of its
     run's config, so every committed record's hash must be what the study's expansion

@@ -23,7 +23,8 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.+-]+$")
 HEADLINE_METRICS = ("final_accuracy", "last3_accuracy", "final_client_accuracy")
 """What a study's verdict rests on: the final round's accuracy, the mean of the last 3
 rounds (less sensitive to a run that oscillates), or the final round's mean accuracy over
-the clients' own test splits (FedDisk's metric); best-over-rounds is only shown beside it."""
+the clients' own test splits (for papers that score each client on its own data);
+best-over-rounds is only shown beside it."""
 
 EXTRA_COLUMNS = ("compute_seconds_model", "compute_seconds_to_target", "communication_seconds_model",
                  "total_bytes", "final_loss", "final_client_accuracy", "train_seconds", "final_accuracy")
