@@ -91,13 +91,20 @@ def recorded_choice(spec: StudySpec, runs: Sequence[StudyRun], records: Sequence
     whose results file is committed needs no search on a fresh clone."""
     keyed = {run.run_id for run in runs if search_key(spec, run) == key}
     for record in records:
-        tuning = record.get("tuning")
-        if (record.get("run") in keyed and isinstance(tuning, dict) and isinstance(record.get("tuned"), dict)
-                and tuning.get("fingerprint") == fingerprint):
-            try:
-                return Choice(params=dict(record["tuned"]), **tuning)
-            except TypeError:  # a record of another version of the fields
-                continue
+        tuning, tuned = record.get("tuning"), record.get("tuned")
+        if record.get("run") in keyed and isinstance(tuning, dict) and isinstance(tuned, dict):
+            choice = stored_choice({**tuning, "params": dict(tuned)}, fingerprint)
+            if choice is not None:
+                return choice
+    return None
+
+
+def stored_choice(entry: Any, fingerprint: str) -> Choice | None:
+    """``entry`` (a ``tuned.json`` entry, or a record's ``tuning`` with its ``tuned``
+    values) as a :class:`Choice` when it has exactly a choice's fields and
+    ``fingerprint``; else None (another search, or another version of the fields)."""
+    if isinstance(entry, Mapping) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == fingerprint:
+        return Choice(**entry)
     return None
 
 
@@ -454,11 +461,7 @@ def apply_tuning(
         space = algorithm_space(tune, planned.algorithm)
         run = tuning_run(spec, runs, planned.algorithm, planned.cell)
         wanted = search_fingerprint(space, run.config)
-        entry = saved.get(key)
-        if isinstance(entry, dict) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == wanted:
-            choices[key] = Choice(**entry)
-            continue
-        kept = recorded_choice(spec, runs, recorded, key, wanted)
+        kept = stored_choice(saved.get(key), wanted) or recorded_choice(spec, runs, recorded, key, wanted)
         if kept is not None:
             choices[key] = kept
             continue
