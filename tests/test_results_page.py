@@ -127,6 +127,9 @@ def test_the_clients_own_accuracy_can_be_the_headline_with_the_global_one_beside
     assert rows[1]["partitions"]["won"] == 0 and rows[1]["paired"]["losses"] == 2
     table = summary_table(rows, ["alpha"], 0.8, baseline="fedavg", columns=["final_accuracy"])
     header = table.splitlines()[0]
+    # The best-over-rounds column is the global test set's, and says so beside this headline.
+    assert "| best global acc (over rounds) |" in header and "best global" not in summary_table(
+        summarise(records, "final_accuracy", baseline="fedavg"), ["alpha"], 0.8).splitlines()[0]
     assert "final client acc (mean ± std)" in header and header.endswith("| final acc | vs fedavg: mean difference "
                                                                           "[95% interval] over partitions, partitions won "
                                                                           "| runs won/tied/lost (same draw and seed) |")

@@ -75,6 +75,12 @@ def metric_name(metric: str, analysis: Analysis | None = None) -> str:
     return declared.title if declared is not None else metric.replace("_", " ")
 
 
+def best_title(metric: str) -> str:
+    """The best-over-rounds column's title beside headline ``metric``: it is the global
+    test set's best, which a headline over the clients' own test splits has to say."""
+    return "best global acc (over rounds)" if "client" in metric else "best acc (over rounds)"
+
+
 def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: float, *,
                   labels: dict[str, str] | None = None, baseline: str | None = None,
                   columns: Sequence[str] = (), baselines: dict[str, str] | None = None,
@@ -94,7 +100,7 @@ def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: f
     show_setup = any((row.get("setup_rounds") or 0) > 0 for row in rows)
     header = [*axes, "algorithm", "runs (draws×seeds)", f"{metric_name(metric)} (mean ± std)"]
     if metric != "best_accuracy":
-        header.append("best acc (over rounds)")
+        header.append(best_title(metric))
     header.append("plateaued")
     header.append(f"rounds to {target_label}")
     if show_setup:
