@@ -233,3 +233,20 @@ def test_the_runner_records_each_runs_clock(tmp_path: Path) -> None:
     for record in load_records(results):
         started, finished = (datetime.fromisoformat(record[key]).timestamp() for key in ("started_at", "finished_at"))
         assert int(before) <= started <= finished <= after + 1 and record["host_cores"] == os.cpu_count()
+
+
+def test_the_studies_stage_allows_mixed_commits_only_where_the_committed_results_mix_them() -> None:
+    """``--allow-mixed-commits`` is a per-study flag of the studies' DVC stage: given to
+    exactly the studies whose committed results file mixes commits within a cell, so every
+    other study (a new one included) is held to one commit per cell."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    stage = yaml.safe_load((root / "pipelines/studies/dvc.yaml").read_text())["stages"]["study"]
+    shipped = {path.stem for path in (root / "pipelines/studies").glob("*.yaml") if path.stem != "dvc"}
+    assert set(stage["foreach"]) == shipped - {"fedgsp_femnist"}  # FEMNIST downloads on a user's machine
+    assert "${item.flags}" in stage["do"]["cmd"]
+    for name, entry in stage["foreach"].items():
+        results = root / "pipelines/studies/results" / f"{name}.jsonl"
+        mixed = results.is_file() and mixed_commit_cells(load_records(results))
+        assert (entry["flags"] == "--allow-mixed-commits") == bool(mixed), name
