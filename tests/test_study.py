@@ -643,8 +643,13 @@ def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_pat
     assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
 
 
-SHIPPED = ["fedshift", "fedshift_tuned", "fedshift_partial", "iwds", "iwds_tuned", "iwds_decay", "fedavgm", "fedgsp",
+SHIPPED = ["fedshift", "fedshift_tuned", "iwds", "iwds_tuned", "iwds_decay", "fedavgm", "fedgsp",
            "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk", "feddisk_tuned"]
+
+
+FIVE_DRAWS = {"feddisk_tuned", "iwds_decay"}
+"""Studies held to issue #23's 5 partition draws: FedDisk's (its density phase) and the
+ablation studies (iwds_decay: is it IWDS's decay?); a headline study needs 10."""
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -666,8 +671,9 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
     for members in groups.values():
         if members[0].headline:
             draws, seeds = len({run.draw for run in members}), len({run.seed for run in members})
-            # FedDisk's density phase (about 10 min a draw here): the issue allows 5 draws.
-            assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name == "feddisk_tuned" and draws >= 5)
+            # FedDisk's density phase (about 10 min a draw here): the issue allows 5 draws; so
+            # does it for a study that is an ablation of another's headline.
+            assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name in FIVE_DRAWS and draws >= 5)
             assert len(members) == len({run.draw for run in members}) * len({run.seed for run in members})
         assert len(members) >= 3
     assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
@@ -698,7 +704,7 @@ def test_config_hash_is_the_sha256_of_the_sorted_comparable_config() -> None:
     assert config_hash(document) == "bb1a54d8dbd5"
 
 
-NOT_RUN_YET = ["fedgsp_tuned", "iwds_decay", "fedshift_partial"]
+NOT_RUN_YET = ["fedgsp_tuned", "iwds_decay"]
 """Shipped specs whose results are not committed yet (docs/results.md says so)."""
 
 
