@@ -349,6 +349,28 @@ def test_a_search_is_reused_while_its_own_space_holds_whatever_the_others_do(
     assert wider["momentum"]["fingerprint"] != both["momentum"]["fingerprint"]
 
 
+def test_a_search_is_reused_under_another_study_name_but_not_with_other_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A search's fingerprint covers what can change its trials' results (the comparable
+    config, as for a run's ``config_hash``): the study's name and tracking are not part of
+    it, so a study tuned in pieces under other names, or renamed, keeps its choices; a
+    setting that trains differently (the rounds) is."""
+
+    def tune(name: str, rounds: int = 3) -> dict[str, Any]:
+        spec_data = spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.3, 1.5]}}, name=name)
+        spec_data["base"]["train"]["rounds"] = rounds
+        spec = parse_study(spec_data)
+        apply_tuning(spec, expand_study(spec), tmp_path, None, mlflow_root=None, fingerprint=FINGERPRINT)
+        return json.loads((tmp_path / TUNED_NAME).read_text())
+
+    first = tune("tiny")
+    capsys.readouterr()
+    assert tune("tiny_renamed") == first and "tune" not in capsys.readouterr().out  # reused, no trial
+    longer = tune("tiny", rounds=4)
+    assert "tune fedavg" in capsys.readouterr().out and longer["fedavg"]["fingerprint"] != first["fedavg"]["fingerprint"]
+
+
 @pytest.mark.parametrize(("tune", "expected"), [
     ({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}, "algorithms": ["fedavgg"]},
      "tune.algorithms: 'fedavgg' is not one of the algorithms (fedavg)"),

@@ -39,6 +39,7 @@ from fedplug.registry import Registry
 from fedplug.run.model import resolve_device
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.study.expansion import StudyRun
+from fedplug.study.run_folders import comparable_config
 from fedplug.study.spec import StudySpec, TuneSpec, algorithm_cells, cell_id, grid_cells
 
 TUNED_NAME = "tuned.json"
@@ -260,9 +261,11 @@ them out (its own ``algorithm_params`` are already in its ``params``)."""
 def search_fingerprint(tune: TuneSpec, config: Any) -> str:
     """What a search's choice depends on: its search space (``tune`` as
     :func:`algorithm_space` gives it, without :data:`OTHER_SEARCHES`) and the tuned run's
-    config. Adding an algorithm to the search, or changing another one's grid, keeps it."""
+    config as far as it can change results (:func:`~fedplug.study.run_folders.comparable_config`:
+    not the study's name, the tracking, the worker count). Adding an algorithm to the
+    search, changing another one's grid, or renaming the study keeps it."""
     content = json.dumps({"tune": tune.model_dump(mode="json", exclude=OTHER_SEARCHES),
-                          "config": config.model_dump(mode="json")}, sort_keys=True)
+                          "config": comparable_config(config.model_dump(mode="json"))}, sort_keys=True)
     return hashlib.sha256(content.encode()).hexdigest()
 
 
