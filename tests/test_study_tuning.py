@@ -244,6 +244,36 @@ def test_a_tuned_study_records_the_choice_in_every_run_record(tmp_path: Path, ca
         load_runner().main([*command, "--report-only"])
 
 
+def test_the_runners_searches_train_with_the_pipelines_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trials train in the runner's own process, so they use ``$FEDPLUG_TORCH_THREADS``
+    like its runs do (on a 2-core machine, two runners each on torch's default of every core
+    trained a search several times slower)."""
+    import torch
+
+    import fedplug.study.tuning as tuning
+
+    seen: list[int] = []
+    real = tuning.apply_tuning
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    spec_path = tmp_path / "tiny.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.5]}})))
+    before = torch.get_num_threads()
+    monkeypatch.setattr(tuning, "apply_tuning", counting)
+    monkeypatch.setenv("FEDPLUG_TORCH_THREADS", "1")
+    torch.set_num_threads(2)
+    try:
+        assert load_runner().main([str(spec_path), "--no-mlflow", "--out", str(tmp_path / "out"), "--no-results"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+
+
 def test_an_unknown_parameter_is_one_line_before_anything_trains(tmp_path: Path) -> None:
     spec_path = tmp_path / "tiny.yaml"
     spec_path.write_text(yaml.safe_dump(spec_dict({"sampler": "grid", "params": {"train.optimizer.lrr": [0.1]}})))

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     check_study_folder(out, spec, runs)
     results = results_path(args, out)
     if spec.tune is not None:  # the search's choice goes into the runs' configs (fedplug.study.tuning)
+        set_torch_threads()  # the trials train in this process: with torch's default (every core) they crowd each other
         from fedplug.study import load_records
         from fedplug.study.tuning import apply_tuning
 
