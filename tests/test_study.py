@@ -643,8 +643,9 @@ def test_a_checkpoint_of_another_federation_stops_the_runner_in_one_line(tmp_pat
     assert json.loads((folder / "metrics.json").read_text())["rounds"] == 2
 
 
-SHIPPED = ["fedshift", "fedshift_tuned", "fedshift_partial", "fedshift_paper", "iwds", "iwds_tuned", "iwds_decay", "fedavgm", "fedgsp",
-           "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk", "feddisk_tuned"]
+SHIPPED = ["fedshift", "fedshift_tuned", "fedshift_partial", "fedshift_paper", "iwds", "iwds_tuned",
+           "iwds_decay", "fedavgm", "fedgsp", "fedgsp_growth", "fedgsp_long", "fedgsp_tuned", "feddisk",
+           "feddisk_tuned"]
 
 
 FIVE_DRAWS = {"feddisk_tuned", "fedshift_paper"}
@@ -672,7 +673,7 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
     for members in groups.values():
         if members[0].headline:
             draws, seeds = len({run.draw for run in members}), len({run.seed for run in members})
-            # FedDisk's density phase: the issue allows 5 draws (FIVE_DRAWS).
+            # Issue #23 allows 5 draws where a draw is expensive (FIVE_DRAWS).
             assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name in FIVE_DRAWS and draws >= 5)
             assert len(members) == len({run.draw for run in members}) * len({run.seed for run in members})
         assert len(members) >= 3
@@ -704,11 +705,7 @@ def test_config_hash_is_the_sha256_of_the_sorted_comparable_config() -> None:
     assert config_hash(document) == "bb1a54d8dbd5"
 
 
-NOT_RUN_YET: list[str] = []
-"""Shipped specs whose results are not committed yet (docs/results.md says so)."""
-
-
-@pytest.mark.parametrize("name", [name for name in [*SHIPPED, "faults"] if name not in NOT_RUN_YET])
+@pytest.mark.parametrize("name", [*SHIPPED, "faults"])
 def test_committed_records_carry_the_config_hash_of_their_run(name: str) -> None:
     """The runner reuses a committed record only when its ``config_hash`` is the hash of its
     run's config, so every committed record's hash must be what the study's expansion

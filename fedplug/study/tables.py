@@ -78,7 +78,7 @@ def metric_name(metric: str, analysis: Analysis | None = None) -> str:
 def best_title(metric: str) -> str:
     """The best-over-rounds column's title beside headline ``metric``: it is the global
     test set's best, which a headline over the clients' own test splits has to say."""
-    return "best global acc (over rounds)" if "client" in metric else "best acc (over rounds)"
+    return "best global acc (over rounds)" if metric == "final_client_accuracy" else "best acc (over rounds)"
 
 
 def summary_table(rows: Sequence[dict[str, Any]], axes: Sequence[str], target: float, *,
