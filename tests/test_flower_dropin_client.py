@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from fedplug.algorithms.uniform import UniformSampler
 from fedplug.config import validate_experiment, validate_section
 from fedplug.data.build import build_federation
-from fedplug.errors import ConfigError
+from fedplug.errors import ConfigError, TrainingError
 from fedplug.experiment import run_experiment
 from fedplug.plugins import default_registry
 from fedplug.run.local_training import (
@@ -338,7 +338,9 @@ def initial_model(config: Any) -> nn.Module:
     return net
 
 
-def run_variant(name: str, grid: Any = None) -> tuple[FedplugStrategy, Any, LoopbackGrid | Any]:
+def run_variant(
+    name: str, grid: Any = None, num_clients: int | None = NUM_CLIENTS
+) -> tuple[FedplugStrategy, Any, LoopbackGrid | Any]:
     """Two rounds of the variant against FedplugStrategy, Flower-style
     (``strategy.start(grid=..., initial_arrays=..., num_rounds=...)``)."""
     config = experiment(name)
@@ -347,7 +349,7 @@ def run_variant(name: str, grid: Any = None) -> tuple[FedplugStrategy, Any, Loop
     model = initial_model(config)
     strategy = FedplugStrategy(
         config.train,
-        num_clients=NUM_CLIENTS,
+        num_clients=num_clients,
         num_classes=4,
         model=copy.deepcopy(model),
         federated_evaluation=False,
@@ -401,6 +403,49 @@ def test_where_the_loop_is_fedplugs_the_run_equals_the_simulators(name: str) -> 
     torch.testing.assert_close(strategy.final_vector, simulator.final_vector, rtol=0, atol=1e-5)
     for ours, theirs in zip(strategy.run_result.history, simulated.history):
         assert ours.bytes_up == theirs.bytes_up
+
+
+class ConnectingGrid(LoopbackGrid):
+    """Nodes that connect one by one, as a Ray simulation's do: two at first, then one
+    more each time the server looks."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int) -> None:
+        super().__init__(client_app, num_nodes)
+        self.waiting = sorted(self.contexts)[2:]
+        self.connected = set(sorted(self.contexts)[:2])
+
+    def get_node_ids(self) -> list[int]:
+        ids = sorted(self.connected)
+        if self.waiting:
+            self.connected.add(self.waiting.pop(0))
+        return ids
+
+
+def test_without_num_clients_the_run_waits_for_the_partitions_the_nodes_report() -> None:
+    """Flower's ``FedAvg`` takes no client count: the run's K is the ``num-partitions``
+    the nodes report, even when only two of the four have connected when it starts."""
+    # Prepare
+    config = experiment("fedshift")
+    grid = ConnectingGrid(build_app("fedshift", partitions(config)), NUM_CLIENTS)
+    # Execute
+    torch.manual_seed(0)  # the app's own DataLoader shuffles with torch's global generator
+    late, _, _ = run_variant("fedshift", grid, num_clients=None)
+    torch.manual_seed(0)
+    present, _, _ = run_variant("fedshift", num_clients=None)
+    # Assert: every node was asked for its counts, and the run is the one where all four
+    # were connected from the start.
+    queried = {m.metadata.dst_node_id for m in grid.delivered if m.metadata.message_type == MessageType.QUERY}
+    assert queried == set(grid.contexts)
+    assert [record.participants for record in late.run_result.history] == [NUM_CLIENTS, NUM_CLIENTS]
+    torch.testing.assert_close(late.final_vector, present.final_vector, rtol=0, atol=0)
+
+
+def test_nodes_reporting_different_partition_counts_are_refused_by_name() -> None:
+    config = experiment("fedshift")
+    node_configs = [{"partition-id": k, "num-partitions": 3 + (k == 3)} for k in range(NUM_CLIENTS)]
+    grid = LoopbackGrid(build_app("fedshift", partitions(config)), NUM_CLIENTS, node_configs=node_configs)
+    with pytest.raises(TrainingError, match=r"different num-partitions \(\{3: \[1000, 1001, 1002\], 4: \[1003\]\}\)"):
+        run_variant("fedshift", grid, num_clients=None)
 
 
 # ------------------------------------------------------------------- the pieces alone

@@ -401,6 +401,42 @@ def test_every_experiment_fedplug_logs_into_is_marked_model_training(tmp_path: P
     }
 
 
+@pytest.mark.slow
+def test_runs_tagging_a_new_experiment_at_once_both_start(tmp_path: Path) -> None:
+    """Two Ray tasks open their runs on one sqlite store at once: both read the new
+    experiment without its kind, both tag it, and the store refuses the second insert
+    (``UNIQUE constraint failed: experiment_tags``). The tag is there all the same, so
+    the run starts; a refusal that left no tag still stops it."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from fedplug.tracking.mlflow_tracker import EXPERIMENT_KIND_TAG, mark_training_experiment
+
+    uri = local_tracking_uri(tmp_path)
+    store = MlflowClient(uri)
+    experiment_id = store.create_experiment("study")
+
+    class Racing:
+        """A client whose tag insert loses the race to ``rival`` (when given)."""
+
+        def __init__(self, rival: Any) -> None:
+            self.rival = rival
+
+        def get_experiment(self, key: str) -> Any:
+            return store.get_experiment(key)
+
+        def set_experiment_tag(self, key: str, name: str, value: str) -> None:
+            if self.rival is not None:
+                self.rival.set_experiment_tag(key, name, value)
+            raise MlflowException("UNIQUE constraint failed: experiment_tags.key")
+
+    with pytest.raises(MlflowException, match="UNIQUE"):
+        mark_training_experiment(Racing(rival=None), experiment_id)
+    assert EXPERIMENT_KIND_TAG not in store.get_experiment(experiment_id).tags
+    mark_training_experiment(Racing(rival=store), experiment_id)
+    assert store.get_experiment(experiment_id).tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
 def test_a_missing_setup_file_stops_a_feddisk_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

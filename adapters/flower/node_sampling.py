@@ -30,7 +30,8 @@ class NodeRule:
     """How many nodes a run and each round need, and how long to wait for them."""
 
     num_clients: int | None
-    """K, one client per node; ``None``: the nodes connected when the run starts."""
+    """K, one client per node; ``None``: the nodes connected when the run starts (or the
+    ``num-partitions`` they report when queried, :func:`.priors.gather_class_counts`)."""
     fraction_train: float
     min_train_nodes: int
     min_available_nodes: int

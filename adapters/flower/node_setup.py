@@ -49,22 +49,27 @@ class NodeMessages:
 def find_clients(
     grid: Grid,
     node_ids: list[int],
-    num_clients: int,
+    num_clients: int | None,
     *,
     query_nodes: bool,
     messages: NodeMessages,
     requirement: str | None,
     timeout: float | None,
+    wait_seconds: float,
 ) -> NodeDirectory:
     """Which node holds which client: asked of every node with a ``query`` message
-    (with its class counts) when ``query_nodes``, else the node ids' order."""
+    (with its class counts) when ``query_nodes``, else the node ids' order.
+
+    ``num_clients`` None: as many clients as the nodes' ``num-partitions`` (asked), else
+    as ``node_ids``."""
     if not query_nodes:
-        return node_order_directory(node_ids, num_clients)
+        return node_order_directory(node_ids, num_clients or len(node_ids))
     return gather_class_counts(
         grid,
         num_clients,
         messages.num_classes or 0,
         config=messages.message_config,
+        wait_seconds=wait_seconds,
         timeout=timeout,
         node_ids=node_ids,
         requirement=requirement,

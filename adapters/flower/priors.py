@@ -106,8 +106,10 @@ def node_order_directory(node_ids: Sequence[int], num_clients: int) -> NodeDirec
     return NodeDirectory(node_of=dict(enumerate(chosen)), class_counts=None)
 
 
-def wait_for_nodes(grid: Grid, count: int, wait_seconds: float) -> list[int]:
-    """The connected node ids once at least ``count`` are connected.
+def wait_for_nodes(
+    grid: Grid, count: int, wait_seconds: float, what: str = "data.num_clients"
+) -> list[int]:
+    """The connected node ids once at least ``count`` (``what``) are connected.
 
     Raises:
         TrainingError: fewer than ``count`` nodes connected within ``wait_seconds``.
@@ -116,7 +118,7 @@ def wait_for_nodes(grid: Grid, count: int, wait_seconds: float) -> list[int]:
     while len(node_ids := sorted(grid.get_node_ids())) < count:
         if time.monotonic() > deadline:
             raise TrainingError(
-                f"only {len(node_ids)} of the {count} nodes (data.num_clients) connected within "
+                f"only {len(node_ids)} of the {count} nodes ({what}) connected within "
                 f"{wait_seconds:.0f}s; start one SuperNode per client with --node-config "
                 f"'partition-id=<k> num-partitions={count}'"
             )
@@ -124,9 +126,14 @@ def wait_for_nodes(grid: Grid, count: int, wait_seconds: float) -> list[int]:
     return node_ids
 
 
+Report = tuple[int, int, list[int]]
+"""What a node answers the query with: ``(partition-id, num-partitions, class counts)``,
+-1 for an id its node config lacks."""
+
+
 def gather_class_counts(
     grid: Grid,
-    num_clients: int,
+    num_clients: int | None,
     num_classes: int,
     *,
     config: Mapping[str, Any] | None = None,
@@ -144,29 +151,55 @@ def gather_class_counts(
 
     Args:
         grid: the ServerApp's grid.
-        num_clients: K, the clients the experiment expects.
+        num_clients: K, the clients the experiment expects; ``None``: the
+            ``num-partitions`` the nodes report (waiting for that many nodes: a
+            simulation's nodes connect one by one), else the nodes asked.
         num_classes: C, sent to the nodes (``fedplug.num-classes``).
         config: more entries for the query's ConfigRecord (the ready apps send the
             experiment here).
         wait_seconds: how long to wait for K nodes to connect (default 300).
         timeout: how long to wait for the replies (default: no limit).
-        node_ids: the nodes to ask (default: every connected node, once at least
+        node_ids: the nodes to ask first (default: every connected node, once at least
             ``num_clients`` are connected).
         requirement: the one line that says what the ClientApp must add, raised when a
             node has no query handler (default: a generic hint).
 
     Raises:
         TrainingError: a node failed to answer or answered malformed (its counts not
-            C integers in ``[0, 10**9]``, its ids not integers), or the partition ids do not cover
-            0..K-1 exactly once; the message names the node and says what to fix.
+            C integers in ``[0, 10**9]``, its ids not integers), the nodes report
+            different ``num-partitions``, or the partition ids do not cover 0..K-1 exactly
+            once; the message names the node and says what to fix.
     """
     if node_ids is None:
-        node_ids = wait_for_nodes(grid, num_clients, wait_seconds)
+        node_ids = wait_for_nodes(grid, num_clients or 1, wait_seconds)
     node_ids = sorted(node_ids)
-    entries: dict[str, Any] = {NUM_CLIENTS: num_clients, NUM_CLASSES: num_classes, **(config or {})}
+
+    def ask(nodes: Sequence[int], size: int) -> dict[int, Report]:
+        entries = {NUM_CLIENTS: size, NUM_CLASSES: num_classes, **(config or {})}
+        return _ask_class_counts(grid, nodes, entries, num_classes, timeout, requirement)
+
+    reports = ask(node_ids, num_clients or len(node_ids))
+    if num_clients is None:
+        num_clients = _declared_size(reports)
+        if num_clients > len(reports):
+            connected = wait_for_nodes(grid, num_clients, wait_seconds, "num-partitions")
+            reports |= ask([node for node in connected if node not in reports], num_clients)
+    return _directory(reports, num_clients, num_classes)
+
+
+def _ask_class_counts(
+    grid: Grid,
+    node_ids: Sequence[int],
+    entries: Mapping[str, Any],
+    num_classes: int,
+    timeout: float | None,
+    requirement: str | None,
+) -> dict[int, Report]:
+    """Every node's :data:`Report`, by one ``query`` message each (see
+    :func:`gather_class_counts`)."""
     messages = [
         Message(
-            RecordDict({CONFIG_KEY: ConfigRecord(entries)}),
+            RecordDict({CONFIG_KEY: ConfigRecord(dict(entries))}),
             dst_node_id=node,
             message_type=MessageType.QUERY,
         )
@@ -179,7 +212,7 @@ def gather_class_counts(
     if not (replies and replies[0].has_error() and NO_QUERY_HANDLER in replies[0].error.reason):
         replies += list(grid.send_and_receive(messages[1:], timeout=timeout)) if messages[1:] else []
     answered = {reply.metadata.src_node_id: reply for reply in replies}
-    reports: dict[int, tuple[int, int, list[int]]] = {}
+    reports: dict[int, Report] = {}
     for node in node_ids:
         reply = answered.get(node)
         if reply is None:
@@ -211,7 +244,25 @@ def gather_class_counts(
                 "client's counts, so the run stops (fix or remove that node)"
             ) from None
         reports[node] = (partition, partitions, counts)
-    return _directory(reports, num_clients, num_classes)
+    return reports
+
+
+def _declared_size(reports: Mapping[int, Report]) -> int:
+    """K when the experiment does not fix it: the ``num-partitions`` every node reports,
+    else (no node reports one) the number of nodes.
+
+    Raises:
+        TrainingError: the nodes report different ``num-partitions``.
+    """
+    declared = {node: partitions for node, (_, partitions, _) in reports.items() if partitions >= 0}
+    sizes = sorted(set(declared.values()))
+    if len(sizes) > 1:
+        by_size = {size: [node for node, value in declared.items() if value == size] for size in sizes}
+        raise TrainingError(
+            f"the nodes report different num-partitions ({by_size}); restart them with one "
+            "num-partitions, the number of clients"
+        )
+    return sizes[0] if sizes else len(reports)
 
 
 def _class_counts(values: Any, num_classes: int) -> list[int]:
@@ -234,7 +285,7 @@ def _class_counts(values: Any, num_classes: int) -> list[int]:
 
 
 def _directory(
-    reports: dict[int, tuple[int, int, list[int]]], num_clients: int, num_classes: int
+    reports: Mapping[int, Report], num_clients: int, num_classes: int
 ) -> NodeDirectory:
     partitioned = {node: report for node, report in reports.items() if report[0] >= 0}
     if not partitioned:

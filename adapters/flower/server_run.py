@@ -122,11 +122,12 @@ class ServerRun:
         directory = find_clients(
             grid,
             node_ids,
-            num_clients if num_clients is not None else len(node_ids),
+            num_clients,
             query_nodes=settings.query_nodes,
             messages=settings.messages,
             requirement=settings.requirement,
             timeout=timeout,
+            wait_seconds=settings.nodes.wait_seconds,
         )
         if num_clients is None:
             self.components = with_aggregator_for_nodes(

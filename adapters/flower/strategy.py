@@ -87,8 +87,10 @@ class FedplugStrategy(Strategy):
       round samples ``train.client_fraction`` of them with the simulator's seeded
       streams, so a Flower run with fedplug's client loop equals ``fedplug run``.
     - ``num_clients=None`` (Flower's way, as ``FedAvg``): the clients are the nodes
-      connected when the run starts; each round samples ``fraction_train`` of those still
-      connected as ``FedAvg`` does, seeded (the round core's sampling stream).
+      connected when the run starts, or, when the nodes are queried and report a
+      ``num-partitions``, that many (waited for); each round samples ``fraction_train``
+      of those still connected as ``FedAvg`` does, seeded (the round core's sampling
+      stream).
 
     Args:
         train_config: the ``train`` section, validated or as a dict.

@@ -17,7 +17,7 @@ from typing import Any
 
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
-from fedplug.tracking.mlflow_store import local_artifact_location
+from fedplug.project import ensure_experiment
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
 
@@ -192,18 +192,7 @@ class MlflowTracker:
             if run_id is not None and not finished:
                 # An interrupted run of another config: it will never be continued.
                 client.set_terminated(run_id, "KILLED")
-        experiment = client.get_experiment_by_name(experiment_name)
-        if experiment is None:
-            experiment_id = client.create_experiment(
-                experiment_name, artifact_location=local_artifact_location(uri)
-            )
-        elif experiment.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"MLflow experiment {experiment_name!r} was deleted; restore it "
-                "(`mlflow experiments restore`) or choose another study.name"
-            )
-        else:
-            experiment_id = experiment.experiment_id
+        experiment_id = ensure_experiment(client, experiment_name, uri)
         mark_training_experiment(client, experiment_id)
         run = client.create_run(experiment_id, run_name=run_name, tags=start_run_tags(tags, parent_run_id))
         run_id = run.info.run_id
@@ -433,9 +422,17 @@ def mark_training_experiment(client: Any, experiment_id: str) -> None:
     """Tag experiment ``experiment_id`` ``mlflow.experimentKind = custom_model_development``
     (model training: runs, metrics, charts; not a GenAI app's traces) unless it already has a
     kind (one chosen in the UI stays)."""
-    experiment = client.get_experiment(experiment_id)
-    if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
+    from mlflow.exceptions import MlflowException
+
+    if EXPERIMENT_KIND_TAG in (client.get_experiment(experiment_id).tags or {}):
+        return
+    try:
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
+    except MlflowException:
+        # Parallel runs (Ray tasks on one sqlite store) tag a new experiment at once: a
+        # SQL store refuses the second insert, and the tag it refused is already there.
+        if EXPERIMENT_KIND_TAG not in (client.get_experiment(experiment_id).tags or {}):
+            raise
 
 
 def start_run_tags(
