@@ -47,8 +47,8 @@ class StudyRun(PlannedRun):
 def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedRun]:
     """Every run of the study: grid cells outermost, then draws, then algorithms, then
     seeds (runs that share a federation come one after another). Headline runs (every run
-    without ``headline:``) cover every draw x seed, the others ``other_pairs``; an
-    algorithm with a ``cells:`` entry runs only in those cells.
+    without ``headline:``) cover every draw x seed, the others their ``pairs`` entry or
+    ``other_pairs``; an algorithm with a ``cells:`` entry runs only in those cells.
     ``base_draw`` is the draw without ``draws:`` (default: the base's ``data.seed``)."""
     draws = spec.draws if spec.draws is not None else [base_draw if base_draw is not None else base_data_seed(spec.base)]
     every_pair = [(draw, seed) for draw in draws for seed in spec.seeds]
@@ -68,7 +68,12 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
                     (spec.headline.cells is None or cell_id(cell) in spec.headline.cells)
                     and (spec.headline.algorithms is None or algorithm in spec.headline.algorithms)
                 )
-                pairs = every_pair if headline else other
+                if headline:
+                    pairs = every_pair
+                elif algorithm in spec.pairs:
+                    pairs = [(pair[0], pair[1]) for pair in spec.pairs[algorithm]]
+                else:
+                    pairs = other
                 for seed in spec.seeds:
                     if (draw, seed) in pairs:
                         run_id = f"{cell_id(cell)}__{algorithm}__d{draw}s{seed}"

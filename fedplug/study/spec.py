@@ -222,6 +222,10 @@ class StudySpec(StrictConfig):
     """The (draw, seed) pairs of the runs outside ``headline``: ``all`` (every draw x seed),
     ``diagonal`` (draws and seeds paired in order: (d0, s0), (d1, s1), ...; the default), or
     a list of ``[draw, seed]`` pairs. Only with ``headline``."""
+    pairs: dict[str, list[list[int]]] = Field(default_factory=dict)
+    """Algorithm label -> its own ``[draw, seed]`` pairs instead of ``other_pairs``, for a
+    costly variant outside ``headline`` kept to fewer runs (e.g. a CNN at 5 min a run on
+    2 cores) (default: none)."""
     columns: list[str] = Field(default_factory=list)
     """Extra columns of the summary table: :data:`EXTRA_COLUMNS` (e.g.
     ``compute_seconds_model``, the cost model's training time) or a column a component
@@ -349,8 +353,9 @@ def _sets_seed(key: str, value: Any, section: str) -> bool:
 
 def _check_headline(spec: StudySpec, source: str) -> None:
     if spec.headline is None:
-        if "other_pairs" in spec.model_fields_set:
-            raise ConfigError(f"{source}: other_pairs applies to the runs outside `headline:`; add `headline:` or remove other_pairs")
+        for key in ("other_pairs", "pairs"):
+            if key in spec.model_fields_set:
+                raise ConfigError(f"{source}: {key} applies to the runs outside `headline:`; add `headline:` or remove {key}")
         return
     cells = [cell_id(cell) for cell in grid_cells(spec.grid)]
     for cell in spec.headline.cells or []:
@@ -364,13 +369,25 @@ def _check_headline(spec: StudySpec, source: str) -> None:
         raise ConfigError(f"{source}: other_pairs: diagonal pairs draws and seeds one to one, but there are {len(draws)} "
                           f"draws and {len(spec.seeds)} seeds; give the pairs as a list of [draw, seed] or use `all`")
     if isinstance(spec.other_pairs, list):
-        if not spec.other_pairs:
-            raise ConfigError(f"{source}: other_pairs: give at least one [draw, seed] pair")
-        for pair in spec.other_pairs:
-            if len(pair) != 2 or pair[0] not in draws or pair[1] not in spec.seeds:
-                raise ConfigError(f"{source}: other_pairs: {pair} is not a [draw, seed] pair of draws {draws} and seeds {spec.seeds}")
-        if len({tuple(pair) for pair in spec.other_pairs}) != len(spec.other_pairs):
-            raise ConfigError(f"{source}: other_pairs: {spec.other_pairs} repeats a pair; give each once")
+        _check_pairs(spec.other_pairs, draws, spec.seeds, f"{source}: other_pairs")
+    headline_algorithms = spec.headline.algorithms
+    for algorithm, pairs in spec.pairs.items():
+        if algorithm not in spec.algorithms:
+            raise ConfigError(f"{source}: pairs: {algorithm!r} is not one of the algorithms ({', '.join(spec.algorithms)})")
+        if headline_algorithms is None or algorithm in headline_algorithms:
+            raise ConfigError(f"{source}: pairs.{algorithm}: a headline algorithm runs every draw x seed; "
+                              "give pairs only to algorithms outside headline.algorithms")
+        _check_pairs(pairs, draws, spec.seeds, f"{source}: pairs.{algorithm}")
+
+
+def _check_pairs(pairs: list[list[int]], draws: list[int], seeds: list[int], where: str) -> None:
+    if not pairs:
+        raise ConfigError(f"{where}: give at least one [draw, seed] pair")
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in draws or pair[1] not in seeds:
+            raise ConfigError(f"{where}: {pair} is not a [draw, seed] pair of draws {draws} and seeds {seeds}")
+    if len({tuple(pair) for pair in pairs}) != len(pairs):
+        raise ConfigError(f"{where}: {pairs} repeats a pair; give each once")
 
 
 def _check_cells_and_baselines(spec: StudySpec, source: str) -> None:
