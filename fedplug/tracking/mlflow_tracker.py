@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fedplug.errors import TrackingError
-from fedplug.run.results import RoundRecord, RunResult
 from fedplug.project import ensure_experiment
+from fedplug.run.results import RoundRecord, RunResult
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
 
