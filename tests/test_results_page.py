@@ -263,6 +263,20 @@ def test_the_plan_counts_the_runs_whose_algorithm_or_cell_sets_other_rounds(tmp_
     assert "; 30 rounds (3 in 4 runs, 5 in 4 runs); target 80%" in page
 
 
+def test_the_plan_names_an_algorithms_own_pairs(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.root / "pipelines" / "studies" / "tiny.yaml").read_text())
+    spec.update(headline={"algorithms": ["fedavg"]}, other_pairs=[[0, 0], [1, 1]], pairs={"fedprox": [[1, 0]]})
+    (layout.root / "pipelines" / "studies" / "tiny.yaml").write_text(yaml.safe_dump(spec))
+
+    page = renderer.render_page(layout)
+
+    # fedavg: 2 draws x 2 seeds; fedprox: its one pair, so 5 runs in all.
+    assert ("1 grid cell × 2 algorithms, 5 runs; headline (every cell, algorithms fedavg): 2 partition draws "
+            "(data.seed [0, 1]) × 2 training seeds (train.seed [0, 1]); the other 1 runs: (draw, seed) pairs "
+            "[[0, 0], [1, 1]]; FedProx (mu 0.01): (draw, seed) pairs [[1, 0]]") in page
+
+
 def test_a_study_with_results_cites_its_file_and_commit(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     write_jsonl(layout.results / "tiny.jsonl", tiny_records())

@@ -682,10 +682,6 @@ THREE_DRAWS = {("iwds", "fedavg-cnn"), ("iwds", "fedavg+iwds-cnn"), ("fedshift",
                ("fedshift", "fedshift-cnn"), ("fedgsp", "fedavg-cnn"), ("fedgsp", "fedgsp-cnn")}
 """Variants outside the headline kept to 3 partition draws: McMahan et al.'s CNN, 4-6 min a
 run on 2 cores (their studies' ``pairs:``), where issue #23 asks 5 of an ablation cell."""
-THREE_DRAW_STUDIES = {"feddisk"}
-"""Studies whose ablation cells stay at 3 partition draws: FedDisk's untuned study, whose
-density phase (about 10 min a draw here) each new draw of each noise level repeats; its
-headline is feddisk_tuned (5 draws, FIVE_DRAWS)."""
 
 
 @pytest.mark.parametrize("name", [*SHIPPED, "faults"])
@@ -712,8 +708,7 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
             assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name in FIVE_DRAWS and draws >= 5)
             assert len(members) == draws * seeds
         else:
-            three = (name, algorithm) in THREE_DRAWS or name in THREE_DRAW_STUDIES
-            assert draws >= 5 or (draws >= 3 and three), (algorithm, draws)
+            assert draws >= 5 or (draws >= 3 and (name, algorithm) in THREE_DRAWS), (algorithm, draws)
     assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
     assert set(spec.labels) == set(spec.algorithms)
     # An algorithm restricted to some cells (`cells:`) runs in exactly those; every headline

@@ -252,7 +252,9 @@ def plan_line(spec: Any) -> str:
         algorithms = f", algorithms {', '.join(spec.headline.algorithms)}" if spec.headline.algorithms else ""
         others = len(planned) - len(headline)
         pairs = spec.other_pairs if isinstance(spec.other_pairs, str) else f"pairs {spec.other_pairs}"
-        parts.append(f"headline ({where}{algorithms}): {full}; the other {others} runs: (draw, seed) {pairs}")
+        own = "".join(f"; {spec.labels.get(algorithm, algorithm)}: (draw, seed) pairs {algorithm_pairs}"
+                      for algorithm, algorithm_pairs in spec.pairs.items())
+        parts.append(f"headline ({where}{algorithms}): {full}; the other {others} runs: (draw, seed) {pairs}{own}")
     parts.append(rounds_text(spec, planned, base_train.get("rounds", "?")))
     target = (spec.base.get("study") or {}).get("target_accuracy", 0.9)
     parts.append(f"target {100 * float(target):g}%")
