@@ -58,6 +58,7 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
         other = list(zip(draws, spec.seeds))
     else:
         other = [(pair[0], pair[1]) for pair in spec.other_pairs]
+    own = {algorithm: [(pair[0], pair[1]) for pair in pairs] for algorithm, pairs in spec.pairs.items()}
     runs = []
     for cell in grid_cells(spec.grid):
         for draw in draws:
@@ -68,12 +69,7 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
                     (spec.headline.cells is None or cell_id(cell) in spec.headline.cells)
                     and (spec.headline.algorithms is None or algorithm in spec.headline.algorithms)
                 )
-                if headline:
-                    pairs = every_pair
-                elif algorithm in spec.pairs:
-                    pairs = [(pair[0], pair[1]) for pair in spec.pairs[algorithm]]
-                else:
-                    pairs = other
+                pairs = every_pair if headline else own.get(algorithm, other)
                 for seed in spec.seeds:
                     if (draw, seed) in pairs:
                         run_id = f"{cell_id(cell)}__{algorithm}__d{draw}s{seed}"
