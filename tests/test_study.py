@@ -150,6 +150,22 @@ def test_an_algorithms_own_pairs_replace_other_pairs_for_it_alone() -> None:
     assert len([run for run in runs if run.algorithm == "fedprox" and run.cell_id == "0.1_0.5"]) == 3 * 2
 
 
+def test_headline_pairs_add_draws_with_one_seed_beside_draws_with_every_seed() -> None:
+    spec = parse_study(spec_dict(draws=[0, 1, 2], seeds=[3, 4],
+                                 headline={"algorithms": ["fedprox"], "pairs": [[0, 3], [0, 4], [1, 3], [2, 3]]},
+                                 other_pairs=[[0, 3], [1, 4]]))
+
+    runs = planned_runs(spec)
+
+    # fedprox (headline): the headline's 4 pairs in each of the 2 cells, flagged headline;
+    # fedavgm: other_pairs, untouched by headline.pairs.
+    fedprox = [run for run in runs if run.algorithm == "fedprox"]
+    assert sorted((run.cell_id, run.draw, run.seed) for run in fedprox) == [
+        (cell, draw, seed) for cell in ("0.1_0.5", "1_0.5") for draw, seed in [(0, 3), (0, 4), (1, 3), (2, 3)]]
+    assert all(run.headline for run in fedprox)
+    assert sorted((run.draw, run.seed) for run in runs if run.algorithm == "fedavgm") == [(0, 3), (0, 3), (1, 4), (1, 4)]
+
+
 def test_command_line_overrides_apply_to_the_base_before_the_grid() -> None:
     spec = parse_study(spec_dict())
 
@@ -185,7 +201,9 @@ def test_a_run_that_does_not_validate_is_named() -> None:
         ({"headline": {}, "draws": [0, 1], "other_pairs": [[2, 3]]}, r"\[2, 3\] is not a \[draw, seed\] pair"),
         ({"pairs": {"fedprox": [[0, 3]]}}, "pairs applies to the runs outside `headline:`"),
         ({"headline": {"algorithms": ["fedprox"]}, "draws": [0, 1], "pairs": {"fedprox": [[0, 3]]}},
-         "pairs.fedprox: a headline algorithm runs every draw x seed"),
+         "pairs.fedprox: a headline algorithm runs the headline's pairs"),
+        ({"headline": {"pairs": [[7, 3]]}, "draws": [0, 1]}, r"headline.pairs: \[7, 3\] is not a \[draw, seed\] pair"),
+        ({"headline": {"pairs": [[0, 3], [0, 3]]}, "draws": [0, 1]}, r"headline.pairs: \[\[0, 3\], \[0, 3\]\] repeats a pair"),
         ({"headline": {"algorithms": ["fedprox"]}, "draws": [0, 1], "pairs": {"x": [[0, 3]]}},
          r"pairs: 'x' is not one of the algorithms"),
         ({"headline": {"algorithms": ["fedprox"]}, "draws": [0, 1], "pairs": {"fedavgm": [[0, 3], [0, 3]]}},
@@ -672,16 +690,10 @@ SHIPPED = ["fedshift", "fedshift_tuned", "fedshift_partial", "fedshift_paper", "
            "feddisk_tuned"]
 
 
-FIVE_DRAWS = {"feddisk_tuned", "fedshift_paper"}
-"""Studies held to issue #23's 5 partition draws rather than 10: FedDisk's (its density
-phase, about 10 min a draw here) and FedShift's paper recipe (5 local epochs on every
-client, about 5 times a tuned FedShift run), a secondary view of fedshift_tuned."""
-
-
-THREE_DRAWS = {("iwds", "fedavg-cnn"), ("iwds", "fedavg+iwds-cnn"), ("fedshift", "fedavg-cnn"),
-               ("fedshift", "fedshift-cnn"), ("fedgsp", "fedavg-cnn"), ("fedgsp", "fedgsp-cnn")}
-"""Variants outside the headline kept to 3 partition draws: McMahan et al.'s CNN, 4-6 min a
-run on 2 cores (their studies' ``pairs:``), where issue #23 asks 5 of an ablation cell."""
+FIVE_DRAWS = {"feddisk", "feddisk_tuned", "fedshift_paper"}
+"""Studies whose headline issue #23 allows at 5 partition draws rather than 10: FedDisk's
+(its density phase, about 10 min a draw here) and FedShift's paper recipe (5 local epochs
+on every client, about 5 times a tuned FedShift run), a secondary view of fedshift_tuned."""
 
 
 @pytest.mark.parametrize("name", [*SHIPPED, "faults"])
@@ -694,21 +706,20 @@ def test_shipped_study_specs_expand_with_enough_runs(name: str) -> None:
 
     assert [run.run_id for run in runs] == [run.run_id for run in planned_runs(spec)]
     assert {run.config.study.name for run in runs} == {name}
-    # Issue #17: headline runs cover >= 3 partition draws x 3 training seeds, or (issue #23,
-    # the draw is the unit) >= 10 draws; every other cell x algorithm >= 5 draws (issue #23's
-    # ablation cells), a costly variant (THREE_DRAWS) 3; labels and baseline name real
-    # algorithms.
+    # Issue #23 (the partition draw is the unit): headline runs cover >= 10 draws (5 in
+    # FIVE_DRAWS), every other cell x algorithm >= 5 draws (the ablation cells); labels and
+    # baseline name real algorithms.
     groups: dict[tuple[str, str], list[Any]] = {}
     for run in runs:
         groups.setdefault((run.cell_id, run.algorithm), []).append(run)
     for (_, algorithm), members in groups.items():
         draws, seeds = len({run.draw for run in members}), len({run.seed for run in members})
         if members[0].headline:
-            # Issue #23 allows 5 draws where a draw is expensive (FIVE_DRAWS).
-            assert (draws >= 3 and seeds >= 3) or draws >= 10 or (name in FIVE_DRAWS and draws >= 5)
-            assert len(members) == draws * seeds
+            assert draws >= 10 or (name in FIVE_DRAWS and draws >= 5), (algorithm, draws)
+            headline_pairs = spec.headline.pairs if spec.headline and spec.headline.pairs else None
+            assert len(members) == (len(headline_pairs) if headline_pairs else draws * seeds)
         else:
-            assert draws >= 5 or (draws >= 3 and (name, algorithm) in THREE_DRAWS), (algorithm, draws)
+            assert draws >= 5, (algorithm, draws)
     assert spec.baseline in spec.algorithms or len(spec.algorithms) == 1
     assert set(spec.labels) == set(spec.algorithms)
     # An algorithm restricted to some cells (`cells:`) runs in exactly those; every headline

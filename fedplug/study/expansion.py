@@ -47,8 +47,9 @@ class StudyRun(PlannedRun):
 def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedRun]:
     """Every run of the study: grid cells outermost, then draws, then algorithms, then
     seeds (runs that share a federation come one after another). Headline runs (every run
-    without ``headline:``) cover every draw x seed, the others their ``pairs`` entry or
-    ``other_pairs``; an algorithm with a ``cells:`` entry runs only in those cells.
+    without ``headline:``) cover every draw x seed, or ``headline.pairs``; the others their
+    ``pairs`` entry or ``other_pairs``; an algorithm with a ``cells:`` entry runs only in
+    those cells.
     ``base_draw`` is the draw without ``draws:`` (default: the base's ``data.seed``)."""
     draws = spec.draws if spec.draws is not None else [base_draw if base_draw is not None else base_data_seed(spec.base)]
     every_pair = [(draw, seed) for draw in draws for seed in spec.seeds]
@@ -59,6 +60,9 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
     else:
         other = [(pair[0], pair[1]) for pair in spec.other_pairs]
     own = {algorithm: [(pair[0], pair[1]) for pair in pairs] for algorithm, pairs in spec.pairs.items()}
+    headline_pairs = every_pair
+    if spec.headline is not None and spec.headline.pairs is not None:
+        headline_pairs = [(pair[0], pair[1]) for pair in spec.headline.pairs]
     runs = []
     for cell in grid_cells(spec.grid):
         for draw in draws:
@@ -69,7 +73,7 @@ def planned_runs(spec: StudySpec, base_draw: int | None = None) -> list[PlannedR
                     (spec.headline.cells is None or cell_id(cell) in spec.headline.cells)
                     and (spec.headline.algorithms is None or algorithm in spec.headline.algorithms)
                 )
-                pairs = every_pair if headline else own.get(algorithm, other)
+                pairs = headline_pairs if headline else own.get(algorithm, other)
                 for seed in spec.seeds:
                     if (draw, seed) in pairs:
                         run_id = f"{cell_id(cell)}__{algorithm}__d{draw}s{seed}"

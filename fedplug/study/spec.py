@@ -87,6 +87,10 @@ class HeadlineSpec(StrictConfig):
     ``"base"`` without a grid); default None: every cell."""
     algorithms: list[str] | None = None
     """Algorithm labels; default None: every algorithm."""
+    pairs: list[list[int]] | None = None
+    """The ``[draw, seed]`` pairs of the headline runs; default None: every draw x seed.
+    For example more partition draws with one seed beside earlier draws with three (issue
+    #23: the draw is the unit), without re-running those."""
 
 
 class ParamRange(StrictConfig):
@@ -217,7 +221,8 @@ class StudySpec(StrictConfig):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     """``train.seed`` of each run (default [0])."""
     headline: HeadlineSpec | None = None
-    """The headline runs (every draw x seed); default None: every run is a headline run."""
+    """The headline runs (every draw x seed, or ``headline.pairs``); default None: every run
+    is a headline run."""
     other_pairs: Literal["all", "diagonal"] | list[list[int]] = "diagonal"
     """The (draw, seed) pairs of the runs outside ``headline``: ``all`` (every draw x seed),
     ``diagonal`` (draws and seeds paired in order: (d0, s0), (d1, s1), ...; the default), or
@@ -370,13 +375,15 @@ def _check_headline(spec: StudySpec, source: str) -> None:
                           f"draws and {len(spec.seeds)} seeds; give the pairs as a list of [draw, seed] or use `all`")
     if isinstance(spec.other_pairs, list):
         _check_pairs(spec.other_pairs, draws, spec.seeds, f"{source}: other_pairs")
+    if spec.headline.pairs is not None:
+        _check_pairs(spec.headline.pairs, draws, spec.seeds, f"{source}: headline.pairs")
     headline_algorithms = spec.headline.algorithms
     for algorithm, pairs in spec.pairs.items():
         if algorithm not in spec.algorithms:
             raise ConfigError(f"{source}: pairs: {algorithm!r} is not one of the algorithms ({', '.join(spec.algorithms)})")
         if headline_algorithms is None or algorithm in headline_algorithms:
-            raise ConfigError(f"{source}: pairs.{algorithm}: a headline algorithm runs every draw x seed; "
-                              "give pairs only to algorithms outside headline.algorithms")
+            raise ConfigError(f"{source}: pairs.{algorithm}: a headline algorithm runs the headline's pairs; "
+                              "give pairs only to algorithms outside headline.algorithms (or set headline.pairs)")
         _check_pairs(pairs, draws, spec.seeds, f"{source}: pairs.{algorithm}")
 
 
