@@ -12,6 +12,9 @@ exactly as a third-party plugin registers its own.
 from __future__ import annotations
 
 from fedplug.hookspecs import RegisterTracker, hookimpl
+from fedplug.project import (
+    experiment_artifact_location as local_artifact_location,  # the older name
+)
 from fedplug.tracking.mlflow_store import (
     HEALTH_TIMEOUT_SECONDS,
     LOCAL_STORE_NAME,
@@ -19,7 +22,6 @@ from fedplug.tracking.mlflow_store import (
     check_server,
     choose_tracking_uri,
     is_remote,
-    local_artifact_location,
     local_tracking_uri,
     resolve_tracking_uri,
 )

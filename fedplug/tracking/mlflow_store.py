@@ -138,12 +138,3 @@ def choose_tracking_uri(
                 "create the folder or fix tracking.uri / MLFLOW_TRACKING_URI"
             )
     return TrackingTarget(requested, requested)
-
-
-def local_artifact_location(uri: str) -> str | None:
-    """``file://<store folder>/mlruns`` for a local ``sqlite:///`` store (None otherwise:
-    the server or MLflow decides), so a store's artifacts lie next to it."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    store_folder = Path(uri.removeprefix("sqlite:///")).resolve().parent
-    return (store_folder / "mlruns").as_uri()
