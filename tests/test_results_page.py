@@ -277,6 +277,26 @@ def test_the_plan_names_an_algorithms_own_pairs(tmp_path: Path) -> None:
             "[[0, 0], [1, 1]]; FedProx (mu 0.01): (draw, seed) pairs [[1, 0]]") in page
 
 
+def test_the_plan_and_status_tell_headline_pairs_as_blocks_of_draws(tmp_path: Path) -> None:
+    renderer, layout = tiny_layout(tmp_path)
+    spec = yaml.safe_load((layout.root / "pipelines" / "studies" / "tiny.yaml").read_text())
+    spec.update(draws=[0, 1, 2], headline={"algorithms": ["fedavg"], "pairs": [[0, 0], [0, 1], [1, 0], [2, 0]]},
+                other_pairs=[[0, 0], [1, 1]])
+    (layout.root / "pipelines" / "studies" / "tiny.yaml").write_text(yaml.safe_dump(spec))
+    # fedavg's draw 2 (seed 0), a fourth headline run beside the tiny records' draws 0 and 1.
+    records = tiny_records()
+    write_jsonl(layout.results / "tiny.jsonl", [*records, dict(records[0], run="0.1__fedavg__d2s0", draw=2, seed=0)])
+
+    page = renderer.render_page(layout)
+
+    # fedavg: the 4 headline pairs; fedprox: other_pairs, so 6 runs in all. Draw 0 has
+    # seeds 0 and 1 in the records, draws 1 and 2 seed 0 (the tiny records' fedavg d1s1 is
+    # not planned any more, so not counted).
+    assert ("1 grid cell × 2 algorithms, 6 runs; headline (every cell, algorithms fedavg): 3 partition draws: "
+            "data.seed [0] × train.seed [0, 1], data.seed [1, 2] × train.seed [0]; the other 2 runs") in page
+    assert "| tiny | 5 / 6 | 3 | 3 draws x 1-2 seeds;" in page
+
+
 def test_a_study_with_results_cites_its_file_and_commit(tmp_path: Path) -> None:
     renderer, layout = tiny_layout(tmp_path)
     write_jsonl(layout.results / "tiny.jsonl", tiny_records())

@@ -690,10 +690,9 @@ SHIPPED = ["fedshift", "fedshift_tuned", "fedshift_partial", "fedshift_paper", "
            "feddisk_tuned"]
 
 
-FIVE_DRAWS = {"feddisk", "feddisk_tuned", "fedshift_paper"}
+FIVE_DRAWS = {"feddisk", "feddisk_tuned"}
 """Studies whose headline issue #23 allows at 5 partition draws rather than 10: FedDisk's
-(its density phase, about 10 min a draw here) and FedShift's paper recipe (5 local epochs
-on every client, about 5 times a tuned FedShift run), a secondary view of fedshift_tuned."""
+(a draw's density models, about 20 min of training here)."""
 
 
 @pytest.mark.parametrize("name", [*SHIPPED, "faults"])

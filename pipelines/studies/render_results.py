@@ -248,6 +248,8 @@ def plan_line(spec: Any) -> str:
     if spec.headline is None:
         parts.append(f"every cell: {full}")
     else:
+        if spec.headline.pairs is not None:
+            full = pairs_text(spec.headline.pairs)
         where = ", ".join(spec.headline.cells) if spec.headline.cells else "every cell"
         algorithms = f", algorithms {', '.join(spec.headline.algorithms)}" if spec.headline.algorithms else ""
         others = len(planned) - len(headline)
@@ -512,9 +514,23 @@ def status_table(layout: Layout, studies: list[tuple[str, Any, list[dict[str, An
     return "\n".join(lines)
 
 
+def pairs_text(pairs: list[list[int]]) -> str:
+    """``"4 partition draws: data.seed [0, 1] × train.seed [0, 1, 2], data.seed [2, 3] ×
+    train.seed [0]"``: (draw, seed) pairs told as blocks of draws that share their seeds."""
+    seeds_of: dict[int, list[int]] = {}
+    for draw, seed in pairs:
+        seeds_of.setdefault(draw, []).append(seed)
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for draw, seeds in seeds_of.items():
+        blocks.setdefault(tuple(sorted(seeds)), []).append(draw)
+    told = ", ".join(f"data.seed {draws} × train.seed {list(seeds)}" for seeds, draws in blocks.items())
+    return f"{len(seeds_of)} partition draw{'s' if len(seeds_of) != 1 else ''}: {told}"
+
+
 def headline_status(records: list[dict[str, Any]]) -> str:
-    """``"10 draws x 1 seed; 120 of 140 plateaued"``: the headline runs' partition draws and
-    seeds (the most of any one algorithm and cell) and how many of their curves flattened
+    """``"10 draws x 1 seed; 120 of 140 plateaued"``: the headline runs' partition draws (the
+    most of any one algorithm and cell), the seeds of each draw (``1-3 seeds`` where draws
+    differ) and how many of their curves flattened
     (:func:`fedplug.study.statistics.plateaued`); "-" without headline runs."""
     from fedplug.study.spec import cell_id
     from fedplug.study.statistics import plateaued
@@ -526,10 +542,13 @@ def headline_status(records: list[dict[str, Any]]) -> str:
     for record in headline:
         groups.setdefault((cell_id(record["cell"]), str(record["algorithm"])), []).append(record)
     draws = max(len({record["draw"] for record in group}) for group in groups.values())
-    seeds = max(len({record["seed"] for record in group}) for group in groups.values())
+    seeds_of: dict[int, set[int]] = {}
+    for record in headline:
+        seeds_of.setdefault(record["draw"], set()).add(record["seed"])
+    fewest, most = min(map(len, seeds_of.values())), max(map(len, seeds_of.values()))
+    seeds = f"{most} seed{'s' if most != 1 else ''}" if fewest == most else f"{fewest}-{most} seeds"
     flat = sum(plateaued(record.get("accuracy") or []) is True for record in headline)
-    return (f"{draws} draw{'s' if draws != 1 else ''} x {seeds} seed{'s' if seeds != 1 else ''}; "
-            f"{flat} of {len(headline)} plateaued")
+    return f"{draws} draw{'s' if draws != 1 else ''} x {seeds}; {flat} of {len(headline)} plateaued"
 
 
 def tuned_status(records: list[dict[str, Any]]) -> str:
