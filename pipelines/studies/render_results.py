@@ -248,15 +248,14 @@ def plan_line(spec: Any) -> str:
     if spec.headline is None:
         parts.append(f"every cell: {full}")
     else:
-        if spec.headline.pairs is not None:
-            full = pairs_text(spec.headline.pairs)
+        headline_runs = full if spec.headline.pairs is None else pairs_text(spec.headline.pairs)
         where = ", ".join(spec.headline.cells) if spec.headline.cells else "every cell"
         algorithms = f", algorithms {', '.join(spec.headline.algorithms)}" if spec.headline.algorithms else ""
         others = len(planned) - len(headline)
         pairs = spec.other_pairs if isinstance(spec.other_pairs, str) else f"pairs {spec.other_pairs}"
         own = "".join(f"; {spec.labels.get(algorithm, algorithm)}: (draw, seed) pairs {algorithm_pairs}"
                       for algorithm, algorithm_pairs in spec.pairs.items())
-        parts.append(f"headline ({where}{algorithms}): {full}; the other {others} runs: (draw, seed) {pairs}{own}")
+        parts.append(f"headline ({where}{algorithms}): {headline_runs}; the other {others} runs: (draw, seed) {pairs}{own}")
     parts.append(rounds_text(spec, planned, base_train.get("rounds", "?")))
     target = (spec.base.get("study") or {}).get("target_accuracy", 0.9)
     parts.append(f"target {100 * float(target):g}%")
