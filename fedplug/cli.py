@@ -158,7 +158,9 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
         progress.set_postfix(accuracy=f"{record.accuracy:.4f}", loss=f"{record.loss:.4f}", refresh=False)
         progress.refresh()
 
+    trained: list[Any] = []  # the rounds this command trained (a finished run's re-run trains none)
     ctrl_c = CtrlC()
+    simulator.observers.append(trained.append)
     simulator.observers.append(show)
     simulator.observers.append(tracker.log_round)
     simulator.observers.append(ctrl_c.after_round)
@@ -175,15 +177,24 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
             tracker.log_model(simulator.model, simulator.federation.test_x[:5].cpu())
             for name in ("config.yaml", "run_info.json", "metrics.json"):
                 tracker.log_artifacts({"": out / name})
-    summary = result.summary()
-    print(
-        f"final accuracy {summary['final_accuracy']:.4f}, best {summary['best_accuracy']:.4f} "
-        f"after {summary['rounds']} rounds; wrote {out / 'metrics.json'}"
-    )
+    print(result_line(result.summary(), out, trained_any=bool(trained)))
     if tracker.run_id is not None:
         hint = ui_hint(tracker.uri, project_root, tracker.experiment_id, tracker.run_id)
         print(f"MLflow run {tracker.run_id}: model {tracker.model_uri}; see it with: {hint}")
     return 0
+
+
+def result_line(summary: dict[str, Any], out: Any, *, trained_any: bool) -> str:
+    """What ``fedplug run`` says it did: the accuracy and the file it wrote, or, when no
+    round was trained (the same command again on its finished folder), that there was
+    nothing to do and how to train again."""
+    accuracy = f"final accuracy {summary['final_accuracy']:.4f}, best {summary['best_accuracy']:.4f}"
+    if not trained_any:
+        return (
+            f"nothing to do: {out} already holds the finished run of this config ({summary['rounds']} rounds, "
+            f"{accuracy}); pass --no-resume to train again"
+        )
+    return f"{accuracy} after {summary['rounds']} rounds; wrote {out / 'metrics.json'}"
 
 
 class CtrlC:

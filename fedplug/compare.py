@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedplug.errors import ConfigError, DataError, TrackingError
+from fedplug.safe_files import read_regular_bytes
 
 DEFAULT_FOLDER = Path("reports") / "runs"
 """Where the DVC pipeline's train stages write their runs."""
@@ -344,11 +345,21 @@ def common_target(runs: Sequence[RunSummary]) -> float | None:
 # --------------------------------------------------------------------- reading runs
 
 
+RUN_FILE_ADVICE = "delete that run folder or run it again"
+"""What to do about a run folder's file that cannot be read."""
+
+
+def _read_run_file(path: Path) -> bytes:
+    """The bytes of a run folder's file: a FIFO, socket or device there is refused in one
+    line (:class:`DataError`), not waited on."""
+    return read_regular_bytes(path, advice=RUN_FILE_ADVICE, error=DataError)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(_read_run_file(path))
     except (OSError, ValueError) as error:
-        raise DataError(f"{path} is not readable JSON ({error}); delete that run folder or run it again") from None
+        raise DataError(f"{path} is not readable JSON ({error}); {RUN_FILE_ADVICE}") from None
     if not isinstance(content, dict):
         raise DataError(f"{path} holds no metrics object; delete that run folder or run it again")
     return content
@@ -404,7 +415,7 @@ def runs_from_folders(folders: Sequence[Path]) -> list[RunSummary]:
                 continue
             config_path = run_folder / "config.yaml"
             try:
-                config = yaml.safe_load(config_path.read_text())
+                config = yaml.safe_load(_read_run_file(config_path))
             except (OSError, yaml.YAMLError) as error:
                 raise DataError(
                     f"{config_path} is missing or unreadable ({type(error).__name__}); a run folder of "
@@ -431,7 +442,7 @@ def with_timings(metrics: dict[str, Any], folder: Path) -> dict[str, Any]:
     if "total_seconds" in metrics or not timings.is_file():
         return metrics
     try:
-        measured = json.loads(timings.read_text())
+        measured = json.loads(_read_run_file(timings))
     except (OSError, ValueError):
         return metrics
     seconds = measured.get("total_seconds") if isinstance(measured, dict) else None

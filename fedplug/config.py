@@ -31,6 +31,7 @@ from fedplug.deadline import LONGEST_CLIENT_TIMEOUT_SECONDS
 from fedplug.errors import ConfigError
 from fedplug.faults import FaultsConfig
 from fedplug.registry import Registry
+from fedplug.safe_files import read_regular_bytes
 from fedplug.screening import ScreeningConfig
 
 # Config field -> registry kind, for every field that selects a component by name.
@@ -454,7 +455,10 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML mapping, with errors that say which file and line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        # Not read_text(): a FIFO or device given as the config is refused, not waited on.
+        text = read_regular_bytes(
+            path, what="config file", advice="give a params file (a regular file)", error=ConfigError
+        ).decode()
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except UnicodeDecodeError as error:

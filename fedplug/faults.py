@@ -24,6 +24,7 @@ from torch import Tensor
 
 from fedplug.components import ClientUpdate, StrictConfig
 from fedplug.errors import ConfigError, DataError
+from fedplug.safe_files import read_regular_bytes
 
 DROPOUT_STREAM = 0xD809
 """Tag of the generator that decides which sampled clients drop out: ``[seed, round, tag]``."""
@@ -117,13 +118,17 @@ def read_trace(path: str | Path, num_clients: int, rounds: int) -> dict[int, fro
     """The available clients of each round of a trace file, by 0-based round index.
 
     Raises:
-        ConfigError: the file does not exist or cannot be read.
+        ConfigError: the file does not exist, cannot be read, or is not a regular file
+            (a FIFO, socket or device is refused without waiting on it).
         DataError: the file is not a trace of this run (its line says what is wrong).
     """
     path = Path(path)
     name = str(path)
     try:
-        text = path.read_text()
+        # Not read_text(): a FIFO, socket or device given as the trace is refused, not waited on.
+        text = read_regular_bytes(
+            path, what="train.faults.dropout.trace: file", advice="give the trace as a regular CSV file"
+        ).decode()
     except FileNotFoundError:
         raise ConfigError(f"train.faults.dropout.trace: file {name!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:

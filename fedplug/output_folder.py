@@ -39,6 +39,7 @@ from fedplug.output_ownership import (
     remove_stale_temporaries,
     unlink_entry,
 )
+from fedplug.safe_files import refuse_unless_regular
 
 __all__ = [
     "LOCK_NAME",
@@ -158,6 +159,8 @@ def claim(folder: str | os.PathLike[str], fingerprint: str, **rules: Unpack[Fold
         return held
     inspect(path, fingerprint, **rules)
     path.mkdir(parents=True, exist_ok=True)
+    # Opened for writing too: a device planted there is refused before it is opened at all.
+    refuse_unless_regular(path / LOCK_NAME)
     lock_fd = open_no_follow(path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     try:
         try:

@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypedDict
 
 from fedplug.errors import ConfigError
+from fedplug.safe_files import open_regular_fd
 
 MARKER_NAME = ".fedplug-output.json"
 """The marker file in every folder fedplug writes outputs to."""
@@ -114,9 +115,11 @@ def read_marker(path: Path, option: str) -> dict[str, Any]:
         f"{option} {str(path)!r} has a damaged fedplug marker {MARKER_NAME}; choose another {option}, "
         "or delete the folder if its files are not needed"
     )
+    if os.path.islink(path / MARKER_NAME):
+        raise damaged
     try:
-        fd = open_no_follow(path / MARKER_NAME, os.O_RDONLY)
-    except ConfigError:
+        fd = open_no_follow(path / MARKER_NAME, os.O_RDONLY)  # a FIFO or device: its own one line
+    except OSError:
         raise damaged from None
     try:
         with os.fdopen(fd, "rb") as handle:
@@ -195,9 +198,11 @@ def _is_temporary(name: str, allowed: set[str]) -> bool:
 
 
 def open_no_follow(path: Path, flags: int) -> int:
-    """``os.open`` that refuses, with one line, a symlink at ``path``."""
+    """``os.open`` that refuses, with one line, a symlink at ``path``, and anything but a
+    regular file there without waiting on it (a FIFO planted as the lock or the marker:
+    :func:`fedplug.safe_files.open_regular_fd`)."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        return open_regular_fd(path, flags, follow_symlinks=False)
     except OSError as failure:
         if failure.errno == errno.ELOOP:
             raise ConfigError(

@@ -27,6 +27,7 @@ import numpy as np
 
 from fedplug.errors import DataError
 from fedplug.run.results import rounds_to_target
+from fedplug.safe_files import read_regular_bytes
 
 # ------------------------------------------------------------------------------ inputs
 
@@ -93,11 +94,15 @@ def load_run_metrics(
     """Read one run's ``metrics.json``.
 
     Raises:
-        DataError: the file is missing or not JSON (the message says which stage to run).
+        DataError: the file is missing, not JSON or not a regular file (a FIFO is refused
+            in one line, not waited on; the message says which stage to run).
     """
     path = Path(path)
     try:
-        summary = json.loads(path.read_text())
+        summary = json.loads(
+            read_regular_bytes(path, what="run metrics", advice=f"delete it and re-run the train stage of {algorithm} seed {seed}",
+                               error=DataError)
+        )
     except FileNotFoundError:
         raise DataError(
             f"{path} does not exist; run the train stage of {algorithm} seed {seed} first"

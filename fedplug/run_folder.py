@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from fedplug.output_folder import Legacy, files_named, write_text
+from fedplug.safe_files import read_regular_bytes
 
 TRACKER_FILES = files_named(("mlflow_run.json",))
 """A folder holding only the tracker's state is fedplug's: a library caller opens the tracker
@@ -44,7 +45,8 @@ def run_folder_layout(fingerprint: str) -> Legacy:
         if files is None or "config.yaml" not in files:
             return None
         try:
-            document = yaml.safe_load((folder / "config.yaml").read_text())
+            # Not read_text(): a FIFO put there since the scan is refused, not waited on.
+            document = yaml.safe_load(read_regular_bytes(folder / "config.yaml", what="run config"))
             written_for = sections_fingerprint(document["data"], document["train"])
         except (OSError, yaml.YAMLError, TypeError, KeyError):
             return None

@@ -333,6 +333,52 @@ def norm_problem(
     return None
 
 
+# ------------------------------------------------------------- setup-phase replies
+
+
+def claimed_samples_problem(what: str, claimed: Any, held: int | None, config: ScreeningConfig) -> str | None:
+    """Why a setup-phase reply's claim of ``claimed`` training samples (its value
+    ``what``) cannot be true, or None: over ``config.max_num_examples``, or (with
+    ``check_num_examples``) over ``held``, the client's class counts summed where the
+    server holds them (None: it does not). The round's rule, before round 1."""
+    if reason := count_problem(what, claimed, config.max_num_examples):
+        return reason
+    if config.check_num_examples and held is not None and int(claimed) > held:
+        return (
+            f"claimed {int(claimed)} samples ({what}) but its class counts sum to {held} "
+            "(train.screening.check_num_examples)"
+        )
+    return None
+
+
+def parameters_change_problem(
+    parameters: Mapping[str, Tensor], reference: Mapping[str, Tensor], config: ScreeningConfig
+) -> str | None:
+    """Why a setup-phase reply's ``parameters`` (a model trained from ``reference``, the
+    one the server sent, name by name) moved too far, or None: the change's L2 norm over
+    every tensor against ``max_update_norm`` and ``max_norm_ratio`` times
+    ``max(||reference||, 1)``, as a round's update (:func:`norm_problem`). Assumes the
+    names and shapes match (the phase's schema checked them)."""
+    ratio, bound = config.max_norm_ratio, config.max_update_norm
+    if ratio is None and bound is None:
+        return None
+    change_squared = reference_squared = 0.0
+    for name, sent in reference.items():
+        received = parameters[name].detach().double().cpu().reshape(-1)
+        base = sent.detach().double().cpu().reshape(-1)
+        change_squared += l2_norm(received - base) ** 2
+        reference_squared += l2_norm(base) ** 2
+    change, reference_norm = math.sqrt(change_squared), max(math.sqrt(reference_squared), 1.0)
+    if bound is not None and change > bound:
+        return f"sent parameters that moved by {change:.4g}, over train.screening.max_update_norm={bound:g}"
+    if ratio is not None and change > ratio * reference_norm:
+        return (
+            f"sent parameters that moved by {change:.4g}, over train.screening.max_norm_ratio={ratio:g} "
+            f"times the norm of those it was sent ({reference_norm:.4g})"
+        )
+    return None
+
+
 def over_weight_share(updates: Sequence[ClientUpdate], fraction: float) -> list[str | None]:
     """For each of the round's ``updates``: why its weight is over ``fraction`` of their
     total (``train.screening.max_weight_fraction``), or None. A lone update is kept."""

@@ -4,7 +4,7 @@ or the layers below it, and no runtime reaches into another runtime.
 The layers, bottom to top (docs/round.md, "Where things live"):
 
 1. **foundation**: errors, files and folders, the cost model, deadlines, memory limits.
-2. **interfaces**: the component interfaces and configs, the registry and plugin loading,
+2. **interfaces**: the component interfaces and configs, the registry and plugin loading, message schemas,
    screening, faults, the setup-phase contract, and the data and model libraries.
 3. **run**: ``fedplug.run``, the run lifecycle every runtime shares (the round core, the
    run state, evaluation, local training, vectors).
@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ["errors", "config_errors", "memory", "deadline", "cost_model", "output_folder", "output_ownership", "project",
-         "flower_internals"], 1
+         "flower_internals", "safe_files"], 1
     ),
     **dict.fromkeys(
         ["", "components", "component_config", "aggregation", "analysis", "registry", "plugins", "hookspecs",
-         "config", "screening", "faults", "setup_phase", "data", "models", "run_folder"],
+         "config", "screening", "faults", "setup_phase", "data", "models", "run_folder", "schema",
+         "schema_strategies"],
         2,
     ),
     "run": 3,

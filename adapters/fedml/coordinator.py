@@ -24,10 +24,12 @@ from fedplug.errors import TrainingError
 from fedplug.models.flops import training_flops_per_sample
 from fedplug.registry import Registry
 from fedplug.run.chains import RoundChains
+from fedplug.run.client_text import client_text
 from fedplug.run.components import Components
 from fedplug.run.evaluation import Evaluator
 from fedplug.run.federated_round import RoundCore
 from fedplug.run.model import build_model
+from fedplug.run.reply_metrics import bounded_metrics
 from fedplug.run.results import RoundRecord
 from fedplug.run.vectors import model_to_vector, tensors_num_bytes, vector_to_model
 from fedplug.screening import ScreeningConfig, count_problem, number_problem
@@ -242,19 +244,28 @@ class Coordinator:
         """Advance the result's chain with its member's model and counts, or fail it."""
         chain = self.round_chains.chains[result.chain_index]
         if result.error is not None or result.vector is None:
-            chain.fail(f"client {result.client_id}: {str(result.error or 'sent no model')[:300]}")
+            error = client_text(result.error or "sent no model", 300)  # the worker's text
+            chain.fail(f"client {result.client_id}: {error}")
             return
         reason = result_problem(result, self.core.screening_rules.config)
         if reason is not None:
             chain.fail(f"client {result.client_id}: {reason}")
             return
+        metrics = bounded_metrics(result.metrics)  # sizes first: the worker's, not fedplug's
+        if metrics.refused:
+            logger.warning(
+                "round %d: client %s's metrics: left out %s",
+                self.round_index + 1,
+                result.client_id,
+                metrics.refusals(),
+            )
         chain.advance(
             result.vector.to(self.federation.device),
             int(result.num_samples),
             int(result.num_steps),
             float(result.seconds),
             {key: value.to(self.federation.device) for key, value in result.extras.items()},
-            dict(result.metrics),  # a chain reports its last member's
+            metrics.kept,  # a chain reports its last member's
         )
 
     def _finish_round(self) -> None:

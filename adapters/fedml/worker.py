@@ -25,6 +25,7 @@ from fedplug.data.federation import Federation
 from fedplug.deadline import deadline
 from fedplug.errors import TrainingError
 from fedplug.registry import Registry
+from fedplug.run.client_text import client_text
 from fedplug.run.components import Components
 from fedplug.run.local_training import (
     LocalSchedule,
@@ -153,7 +154,10 @@ class Worker:
                 )
         except Exception as error:  # noqa: BLE001 - a failing client must not stop the federation
             return TaskResult(
-                task.client_id, task.chain_index, error=f"{type(error).__name__}: {error}"
+                task.client_id,
+                task.chain_index,
+                # Bounded before it travels: the server keeps it in the round's record.
+                error=client_text(f"{type(error).__name__}: {error}"),
             )
         return TaskResult(
             client_id=task.client_id,

@@ -41,7 +41,9 @@ from flwr.serverapp import Grid
 
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.flower_internals import CLIENT_APP_RAISED_EXCEPTION
+from fedplug.run.client_text import MAX_CONFIGURATION_LINE_CHARS, client_text
 
+from .reply_matching import answering_replies
 from .requirements import Component, own_loop_pieces
 
 CAPABILITY_ACTION = "fedplug"
@@ -123,7 +125,7 @@ def configuration_error_in(reply: Message) -> str | None:
     (:func:`configuration_errors_as_replies`), else None."""
     if not reply.has_error():
         return None
-    reason = str(reply.error.reason)
+    reason = client_text(reply.error.reason, MAX_CONFIGURATION_LINE_CHARS)
     if not reason.startswith(CONFIGURATION_ERROR):
         return None
     return reason[len(CONFIGURATION_ERROR) :]
@@ -293,7 +295,8 @@ def probe_client_app(
     node = min(node_ids)
     message = Message(RecordDict(), dst_node_id=node, message_type=CAPABILITY_QUERY)
     with quiet_flower(NO_HANDLER):
-        replies = list(grid.send_and_receive([message], timeout=timeout))
+        replies = grid.send_and_receive([message], timeout=timeout)
+        replies = answering_replies([message], replies, "fedplug's capability query")
     if not replies:
         raise TrainingError(f"node {node} did not answer fedplug's capability query within {timeout}s")
     reply = replies[0]
@@ -304,7 +307,7 @@ def probe_client_app(
                 f"{CAPABILITY_QUERY!r}), so no client trained: {to_add} ({GUIDE})"
             )
         raise TrainingError(
-            f"node {node} failed fedplug's capability query: {reply.error.reason}"
+            f"node {node} failed fedplug's capability query: {client_text(reply.error.reason)}"
         )
     record = reply.content.config_records.get(CAPABILITIES_KEY, ConfigRecord())
     return parse_capabilities(record)

@@ -25,6 +25,7 @@ from fedplug.components import RoundPlan
 from fedplug.deadline import REPLY_MARGIN_SECONDS, grace_period
 from fedplug.errors import TrainingError
 from fedplug.run.chains import ChainProgress, RoundChains
+from fedplug.run.client_text import client_text
 from fedplug.run.round_screen import Outcome
 
 from .decoding import MAX_NUM_EXAMPLES, MAX_NUM_STEPS, MAX_SECONDS, decode_array, finite_number
@@ -237,7 +238,7 @@ class RoundInProgress:
         round carried them (a ClientApp that cannot provide them, not one bad node).
         """
         if reply.has_error():
-            return f"raised during training: {reply.error.reason}"
+            return f"raised during training: {client_text(reply.error.reason)}"
         content = reply.content
         model = _single(content.array_records, MODEL_KEY, exclude=EXTRAS_KEY)
         metrics = _single(content.metric_records, METRICS_KEY)
@@ -293,7 +294,7 @@ class RoundInProgress:
                 self.server_round,
                 client_id,
                 EXTRAS_KEY,
-                ignored,
+                client_text(ignored),  # the client's names: bounded and escaped
             )
         extras: dict[str, Tensor] = {}
         for key in self.required_extras:

@@ -9,7 +9,9 @@ other's objects. A ClientApp that raises gets an error reply, as under the Flowe
 runtimes. Delivery is sequential, in message order, in the caller's thread (so a node's
 :func:`fedplug.deadline.deadline` interrupts with a timer signal, as in a Ray actor or a
 ``flwr-clientapp`` process); each message gets an id, which its reply names in
-``reply_to_message_id``.
+``reply_to_message_id``. Like a custom grid, it neither dedupes replies nor checks
+their ``src_node_id``: the server keeps only replies that answer its own messages, once,
+from the node each went to (:mod:`.reply_matching`).
 
 The two Flower internals a grid needs (``Run``, ``TaskIdentity``) come from
 :mod:`.internals`, the one module of fedplug outside Flower's public API.

@@ -4,6 +4,7 @@ their metrics, and the simulator's per-client accuracy spread."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -11,6 +12,9 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fedplug.run.client_text import client_text
+from fedplug.run.reply_metrics import bounded_metrics
 
 from .decoding import MAX_NUM_EXAMPLES, finite_number
 from .records import (
@@ -32,6 +36,8 @@ MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 replies' contents and the weighting key -> one MetricRecord."""
 FEDPLUG_PREFIX = "fedplug."
 """fedplug's own bookkeeping entries (client id, steps, seconds), never averaged."""
+MAX_METRIC_RECORDS = 8
+"""Most metric records of one reply averaged (Flower's and fedplug's replies carry one)."""
 METRIC_RANGES: dict[str, tuple[float, float]] = {ACCURACY: (0.0, 1.0)}
 """The values a reply's metric may take, where its meaning bounds them; a value outside
 is left out of every average (other metrics need only be finite)."""
@@ -79,45 +85,88 @@ def weighted_metrics(
     a reply without the weight, or a metric that only some replies carry, is tolerated:
     each metric is averaged over the replies that carry it and a positive weight.
 
-    A reply is another party's: its weight counts only when it is a number in
-    ``(0, MAX_NUM_EXAMPLES]``, and a value only when it is finite (an ``accuracy`` also
-    in ``[0, 1]``, a list only when all its items are); anything else is left out, so
-    one client cannot make the mean NaN, infinite or absurd."""
-    sums: dict[str, Any] = {}
-    totals: dict[str, float] = {}
+    A reply is another party's: its metrics are first bounded in size
+    (:func:`fedplug.run.reply_metrics.bounded_metrics`: a 1,000,000-item list or a
+    100 KB name is refused with a warning, without its items being read); its weight
+    counts only when it is a number in ``(0, MAX_NUM_EXAMPLES]``, and a value only when
+    it is finite (an ``accuracy`` also in ``[0, 1]``, a list only when all its items
+    are). The mean is each value times its reply's share of the weight (at most 1),
+    summed exactly (``math.fsum``): a convex combination of finite values, so it is
+    never NaN or infinite (``train_loss = 1.7e308`` stays finite) nor outside the
+    values' range; a metric whose sum would still overflow is left out with a warning.
+    So one client cannot make the mean NaN, infinite or absurd."""
+    weighted: dict[str, list[tuple[float, Any]]] = {}
     for content in contents:
         weight = _weight(content, weighted_by_key)
         if weight is None:
             continue
-        for record in content.metric_records.values():
-            for key, value in record.items():
-                if key == weighted_by_key or key.startswith(FEDPLUG_PREFIX):
-                    continue
-                usable = _usable_value(key, value)
-                if usable is None:
-                    continue
-                if isinstance(usable, list):
-                    scaled: Any = [item * weight for item in usable]
-                    current = sums.get(key)
-                    if isinstance(current, list) and len(current) == len(scaled):
-                        scaled = [a + b for a, b in zip(current, scaled, strict=True)]
-                    elif current is not None:
-                        continue  # a shape that disagrees with the other replies'
-                else:
-                    current = sums.get(key, 0.0)
-                    if isinstance(current, list):
-                        continue  # a number where the other replies sent a list
-                    scaled = usable * weight + float(current)
-                sums[key] = scaled
-                totals[key] = totals.get(key, 0.0) + weight
-    return MetricRecord(
-        {
-            key: [item / totals[key] for item in value]
-            if isinstance(value, list)
-            else value / totals[key]
-            for key, value in sums.items()
-        }
-    )
+        for key, value in _bounded_entries(content):
+            if key == weighted_by_key or key.startswith(FEDPLUG_PREFIX):
+                continue
+            usable = _usable_value(key, value)
+            if usable is not None and _same_kind(weighted.get(key), usable):
+                weighted.setdefault(key, []).append((weight, usable))
+    means: dict[str, Any] = {}
+    for key, values in weighted.items():
+        mean = _weighted_mean(values)
+        if mean is None:
+            logger.warning("metric %r left out of the average: its weighted sum overflows", key)
+        else:
+            means[key] = mean
+    return MetricRecord(means)
+
+
+def _bounded_entries(content: RecordDict) -> list[tuple[str, Any]]:
+    """The entries of a reply's metric records within the size bounds
+    (:func:`~fedplug.run.reply_metrics.bounded_metrics`, each record on its own; at most
+    :data:`MAX_METRIC_RECORDS` records), the refused ones named in one warning."""
+    entries: list[tuple[str, Any]] = []
+    refused: list[str] = []
+    records = content.metric_records
+    for name, record in itertools.islice(records.items(), MAX_METRIC_RECORDS):
+        bounded = bounded_metrics(record)
+        entries.extend(bounded.kept.items())
+        if bounded.refused:
+            refused.append(f"from {client_text(name, 60)!r}: {bounded.refusals()}")
+    if len(records) > MAX_METRIC_RECORDS:
+        refused.append(f"{len(records) - MAX_METRIC_RECORDS:,} metric records past the first")
+    if refused:
+        logger.warning("a reply's metrics left out of the average: %s", "; ".join(refused[:3]))
+    return entries
+
+
+def _same_kind(earlier: list[tuple[float, Any]] | None, value: float | list[float]) -> bool:
+    """Whether ``value`` is of the kind of the first value kept for its metric (a number,
+    or a list of the same length); a reply that disagrees is left out of that metric."""
+    if not earlier:
+        return True
+    first = earlier[0][1]
+    if isinstance(first, list):
+        return isinstance(value, list) and len(value) == len(first)
+    return not isinstance(value, list)
+
+
+def _weighted_mean(values: list[tuple[float, Any]]) -> float | list[float] | None:
+    """The weighted mean of ``(weight, value)`` pairs (values all numbers, or all lists
+    of one length): ``fsum(weight / total * value)``, finite for finite values; ``None``
+    when it would overflow all the same (rounding at the float range's edge)."""
+    total = math.fsum(weight for weight, _ in values)
+    shares = [weight / total for weight, _ in values]
+    try:
+        if isinstance(values[0][1], list):
+            columns = zip(*(value for _, value in values), strict=True)
+            mean: Any = [
+                math.fsum(share * item for share, item in zip(shares, column, strict=True))
+                for column in columns
+            ]
+            finite = all(math.isfinite(item) for item in mean)
+        else:
+            numbers = (value for _, value in values)
+            mean = math.fsum(share * value for share, value in zip(shares, numbers, strict=True))
+            finite = math.isfinite(mean)
+    except OverflowError:
+        return None
+    return mean if finite else None
 
 
 def _weight(content: RecordDict, weighted_by_key: str) -> float | None:
@@ -161,7 +210,7 @@ def client_accuracy(
     for reply in replies:
         client = client_of_node.get(reply.metadata.src_node_id)
         if reply.has_error():
-            reason = reply.error.reason
+            reason = client_text(reply.error.reason)
             logger.warning(
                 "round %d: client %s failed to evaluate: %s", server_round, client, reason
             )
@@ -170,10 +219,11 @@ def client_accuracy(
         if client is None or metrics is None:
             continue
         if accuracy_key_of is not None:
-            key = accuracy_key_of(metrics)
+            # Only bounded names reach it: it names a reply's metrics in a warning.
+            key = accuracy_key_of(bounded_metrics(metrics).kept)
         else:
             key = ACCURACY if ACCURACY in metrics else None
-        if key is None:
+        if key is None or key not in metrics:
             continue  # a ClientApp of its own may name its metrics otherwise
         try:
             if integer(metrics, NUM_EXAMPLES, 0, low=0, high=MAX_NUM_EXAMPLES) > 0:

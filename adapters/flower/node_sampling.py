@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.serverapp import Grid
@@ -94,6 +95,29 @@ class NodeRule:
             time.sleep(1.0)
         # The core samples (and injects train.faults' dropout) as on every runtime.
         return core.plan(round_index, candidates=np.asarray(candidates), count=size)
+
+
+@dataclass(frozen=True)
+class ScreenedDirectory(NodeDirectory):
+    """A run's :class:`~.priors.NodeDirectory` less the clients its setup phase dropped:
+    they are not in ``node_of``, so no round samples them and no evaluation asks them;
+    the run still has K clients (``num_clients``, the class counts and the checkpoint's
+    fingerprint are the directory's before the drop)."""
+
+    dropped: Mapping[int, str] = field(default_factory=dict)
+    """client id -> why the setup phase dropped it."""
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.node_of) + len(self.dropped)
+
+
+def without_dropped(directory: NodeDirectory, dropped: Mapping[int, str]) -> NodeDirectory:
+    """``directory`` less the clients of ``dropped`` (itself when there are none)."""
+    if not dropped:
+        return directory
+    node_of = {client: node for client, node in directory.node_of.items() if client not in dropped}
+    return ScreenedDirectory(node_of=node_of, class_counts=directory.class_counts, dropped=dict(dropped))
 
 
 def evaluation_count(connected: int, fraction_evaluate: float, min_evaluate_nodes: int) -> int:

@@ -22,7 +22,7 @@ from fedplug.run.components import Components
 
 from .priors import NodeDirectory, gather_class_counts, node_order_directory
 from .records import CLIENT_ID, NUM_CLASSES, NUM_CLIENTS, ROUND, encode_loss_state
-from .setup_phase import run_setup_phase
+from .setup_phase import SetupScreen, drive_setup_phase
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,14 @@ def prepare_components(
     message_config: dict[str, Any],
     requirement: str | None,
     timeout: float | None,
-) -> tuple[PhaseCost, tuple[ArrayRecord, ConfigRecord] | None]:
+    screen: SetupScreen | None = None,
+) -> tuple[PhaseCost, tuple[ArrayRecord, ConfigRecord] | None, dict[int, str]]:
     """Prepare every component from the class counts, then run on the nodes the setup
-    phase of every component that declares one; return the setup's cost and the loss
+    phase of every component that declares one (its replies screened by ``screen``,
+    :func:`.setup_phase.drive_setup_phase`); return the setup's cost, the loss
     transform's (named ``name``) prepared state to send with every train message (``None``
-    when it has none).
+    when it has none), and the clients a phase dropped (client id -> reason), which the
+    run leaves out.
 
     Raises:
         ConfigError: the sampler or the aggregator declares a setup phase
@@ -99,16 +102,19 @@ def prepare_components(
             handler, the message names what the ClientApp must add (``requirement``).
     """
     cost = components.prepare(FederationSummary(counts))
+    dropped: dict[int, str] = {}
     # after prepare, which may have loaded a result
     for _, phase in components.distributed_setup_phases("Flower"):
+        remaining = {client: node for client, node in directory.node_of.items() if client not in dropped}
         try:
-            extra = run_setup_phase(
-                grid, directory.node_of, phase, message_config=message_config, timeout=timeout
+            extra, lost = drive_setup_phase(
+                grid, remaining, phase, message_config=message_config, timeout=timeout, screen=screen
             )
         except TrainingError as error:
             if "function registered" in str(error) and requirement:
                 raise TrainingError(f"{error}; {requirement}") from None
             raise
         cost = cost + extra
+        dropped.update(lost)
     state = components.loss_transform.state_dict()
-    return cost, encode_loss_state(state, name) if state else None
+    return cost, encode_loss_state(state, name) if state else None, dropped

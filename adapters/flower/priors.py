@@ -26,6 +26,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedplug.errors import TrainingError
+from fedplug.run.client_text import client_text
 
 from .capabilities import quiet_flower
 from .decoding import MAX_NUM_EXAMPLES, MalformedReply, parse_integer
@@ -39,6 +40,7 @@ from .records import (
     PARTITION_ID,
     integer,
 )
+from .reply_matching import answering_replies
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
@@ -211,7 +213,12 @@ def _ask_class_counts(
         replies = list(grid.send_and_receive(messages[:1], timeout=timeout))
     if not (replies and replies[0].has_error() and NO_QUERY_HANDLER in replies[0].error.reason):
         replies += list(grid.send_and_receive(messages[1:], timeout=timeout)) if messages[1:] else []
-    answered = {reply.metadata.src_node_id: reply for reply in replies}
+    # Only a reply to a message of this query, once, from its node: a duplicated or
+    # forged reply cannot replace a node's own counts.
+    answered = {
+        reply.metadata.src_node_id: reply
+        for reply in answering_replies(messages, replies, "the class-count query")
+    }
     reports: dict[int, Report] = {}
     for node in node_ids:
         reply = answered.get(node)
@@ -227,7 +234,7 @@ def _ask_class_counts(
             if NO_QUERY_HANDLER in reply.error.reason:
                 raise TrainingError(f"node {node} has no @app.query() handler; {hint}")
             raise TrainingError(
-                f"node {node} failed to report its class counts: {reply.error.reason}"
+                f"node {node} failed to report its class counts: {client_text(reply.error.reason)}"
             )
         metrics = reply.content.metric_records.get(METRICS_KEY)
         if metrics is None or CLASS_COUNTS not in metrics:

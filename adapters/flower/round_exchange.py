@@ -30,6 +30,9 @@ from .messages import train_message
 from .node_setup import NodeMessages
 from .priors import NodeDirectory
 from .records import CHAIN_POSITION, CLIENT_TIMEOUT, REPLY_METRICS, ROUND, tensors_to_record
+from .reply_matching import answering_replies
+
+__all__ = ["TrainExchange", "answering_replies", "reply_bounds"]
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -60,6 +63,8 @@ class TrainExchange:
     """The attempt's replies so far, Flower's way: (with content, with an error)."""
     _waiting: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _node_of_reply: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _sent: list[Message] = field(default_factory=list, init=False, repr=False)
+    """The messages of the exchange in flight: only replies to them are taken."""
 
     @property
     def reply_wait(self) -> float | None:
@@ -93,7 +98,7 @@ class TrainExchange:
         self.payload_record = tensors_to_record(payload) if payload else None
         self.payload_bytes = tensors_num_bytes(payload)
         self.received = (0, 0)
-        self._waiting = {}
+        self._waiting, self._node_of_reply, self._sent = {}, {}, []
 
     def require_round(self) -> RoundInProgress:
         if self.round is None:
@@ -101,20 +106,25 @@ class TrainExchange:
         return self.round
 
     def absorb(self, replies: Iterable[Message]) -> None:
-        """Take the replies of one exchange into their chains, and count them.
+        """Take the replies of one exchange into their chains, and count them. Only
+        replies that answer a message of the exchange, once each, from the node it went
+        to count (:func:`.reply_matching.answering_replies`; any other is ignored with a
+        warning): a grid that does not dedupe cannot advance a chain twice, nor a node
+        answer for another.
 
         Raises:
             TrainingError: a node replied with a fedplug configuration error (its
                 ClientApp refused to train): the run stops at once, with its line.
         """
-        replies = list(replies)
+        round_number = self.round.server_round if self.round is not None else 0
+        replies = answering_replies(self._sent, replies, f"round {round_number}'s train messages")
         stop_at_configuration_error(replies)
         errors = sum(reply.has_error() for reply in replies)
         results, failures = self.received
         self.received = (results + len(replies) - errors, failures + errors)
         if self._waiting:
             self.require_round().absorb(self._waiting, replies, self._node_of_reply)
-        self._waiting, self._node_of_reply = {}, {}
+        self._waiting, self._node_of_reply, self._sent = {}, {}, []
 
     def next_messages(
         self,
@@ -161,6 +171,7 @@ class TrainExchange:
             )
             self._waiting[client] = chain
             self._node_of_reply[node] = client
+        self._sent = sent
         return sent
 
     def send_until_done(

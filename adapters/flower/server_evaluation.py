@@ -43,6 +43,7 @@ from .records import (
     record_to_vector,
     vector_layout,
 )
+from .reply_matching import answering_replies
 from .round_records import log_received, log_sampled
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
@@ -188,12 +189,21 @@ def federated_metrics(
     round_number: int,
     aggregate: MetricsAggregation,
     accuracy: AccuracyKeys,
+    sent: Iterable[Message] | None = None,
 ) -> tuple[MetricRecord | None, MetricRecord | None]:
     """The clients' evaluate metrics averaged by ``aggregate`` (weighted by
     ``num-examples``) with the mean and (population) spread of their accuracy
     (``accuracy`` says under which key) added (:func:`.messages.client_accuracy`), and
     that spread alone (``None``: none). Logs Flower's ``aggregate_evaluate: Received N
-    results and M failures`` line when there are replies."""
+    results and M failures`` line when there are replies.
+
+    ``sent`` (the evaluate messages, after the grid pushed them) keeps only the replies
+    that answer one of them, once each, from the node it went to
+    (:func:`.reply_matching.answering_replies`): a duplicated or forged reply cannot
+    count twice or speak for another node. ``None``: every reply from a node of
+    ``evaluating``."""
+    if sent is not None:
+        replies = answering_replies(sent, replies, f"round {round_number}'s evaluate messages")
     replies = list(replies)
     if replies:
         errors = sum(reply.has_error() for reply in replies)

@@ -17,16 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedplug.components import PhaseCost
+from fedplug.components import PhaseCost, RoundPlan
 from fedplug.cost_model import LinkAndDevice
 from fedplug.errors import TrainingError
 from fedplug.registry import Registry
 from fedplug.run.components import Components
-from fedplug.run.federated_round import RoundCore
+from fedplug.run.federated_round import RoundCore, screening_config
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.state import resume_run
 
@@ -38,7 +39,7 @@ from .capabilities import (
     provided_line,
     what_to_add,
 )
-from .node_sampling import NodeRule
+from .node_sampling import NodeRule, ScreenedDirectory, without_dropped
 from .node_setup import NodeMessages, find_clients, prepare_components
 from .priors import NodeDirectory
 from .records import record_to_vector
@@ -47,6 +48,7 @@ from .round_records import FinishedRound, RoundRecords, log_round, record_round
 from .server_checkpoint import run_fingerprint, save_run
 from .server_components import with_aggregator_for_nodes
 from .server_evaluation import CentralEvaluation, central_metrics, round_evaluation
+from .setup_phase import SetupScreen
 
 logger = logging.getLogger("flwr.fedplug")  # a child of Flower's logger: printed by its handlers
 
@@ -135,7 +137,7 @@ class ServerRun:
             )
         counts = directory.counts_or_zeros(settings.messages.num_classes)
         setup_started = time.perf_counter()
-        self.setup_cost, self.loss_records = prepare_components(
+        self.setup_cost, self.loss_records, dropped = prepare_components(
             grid,
             directory,
             counts,
@@ -144,6 +146,9 @@ class ServerRun:
             message_config=settings.messages.for_run(directory.num_clients),
             requirement=settings.requirement,
             timeout=timeout,
+            screen=SetupScreen(
+                screening_config(config), directory.client_sizes, config.failures.max_failed_fraction
+            ),
         )
         self.setup_seconds = time.perf_counter() - setup_started
         self.core = RoundCore.for_clients(
@@ -156,7 +161,9 @@ class ServerRun:
             runtime="flower",
             checkpoint=settings.checkpoint_path,
         )
-        self.directory = directory
+        # The run keeps its K clients (ids, counts, fingerprint); the dropped ones are
+        # never sampled or asked to evaluate again (on a rerun the phase drops them again).
+        self.directory = without_dropped(directory, dropped)
         self.fingerprint = run_fingerprint(
             config,
             settings.messages.message_config,
@@ -173,6 +180,20 @@ class ServerRun:
             time.perf_counter() - started,
         )
         return directory
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        """The clients the setup phase dropped (client id -> reason): left out of the run."""
+        directory = self.directory
+        return dict(directory.dropped) if isinstance(directory, ScreenedDirectory) else {}
+
+    def plan(self, round_index: int) -> RoundPlan:
+        """The round core's plan of round ``round_index`` (0-based) of a run of K fixed
+        clients, less the clients the setup phase dropped."""
+        core, directory = self.require_core(), self.require_setup()
+        if not self.dropped:
+            return core.plan(round_index)
+        return core.plan(round_index, candidates=np.asarray(sorted(directory.node_of), dtype=np.int64))
 
     def check_client_app(self, grid: Grid, node_ids: list[int], timeout: float | None) -> None:
         """Before any query, setup phase or train message: when the config needs fedplug

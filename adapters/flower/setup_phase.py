@@ -4,14 +4,17 @@ client and keeps its client's state in ``context.state``.
 
 Each step is one ``train.<phase name>`` message to every node; a node that fails stops
 the run with a :class:`~fedplug.errors.TrainingError` naming the step, client and node.
+Every reply is decoded against the schemas the phase declares and screened like a round's
+reply; a node that breaks them is dropped from a phase that can go on without it (the run
+then never samples it), else stops the run in one line.
 Design: docs/flower.md, 'Design notes: setup_phase'.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,19 +27,26 @@ from torch import Tensor
 from fedplug.components import SLOT_KINDS, PhaseCost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.registry import Registry
+from fedplug.run.client_text import client_text
+from fedplug.schema import MessageSchema, SchemaViolation
+from fedplug.screening import ScreeningConfig, claimed_samples_problem, parameters_change_problem
 from fedplug.setup_phase import (
+    DEFAULT_REPLY,
+    PLAIN_REPORT,
     ClientInputs,
+    ReplySchema,
     ReportValue,
     SetupPhase,
+    SetupReplies,
     SetupReply,
     SetupStep,
     Value,
-    checked_report,
     with_client_report,
 )
 
 from .decoding import MalformedReply, decode_array, to_tensor
 from .records import CLIENT_ID, CONFIG_KEY, record_to_tensors, tensors_to_record
+from .reply_matching import answering_replies
 
 logger = logging.getLogger("fedplug.adapters.flower")
 
@@ -47,9 +57,6 @@ FINAL = "fedplug.setup-final"
 VALUES_KEY = "fedplug.setup-values"
 TENSORS_KEY = "fedplug.setup-tensors"
 REPORT_KEY = "fedplug.setup-report"
-MAX_SETUP_ELEMENTS = 10**8
-"""The most elements one tensor of a node's setup reply may hold (400 MB of float32; a
-phase's messages carry small models such as FedDisk's MADEs)."""
 
 
 def message_type(phase: SetupPhase) -> str:
@@ -60,6 +67,19 @@ def message_type(phase: SetupPhase) -> str:
 # ------------------------------------------------------------------------- server
 
 
+@dataclass(frozen=True)
+class SetupScreen:
+    """What the server screens every setup reply against besides the phase's schemas, as
+    it screens a round's replies: ``train.screening``, the clients' class counts summed
+    where it holds them, and how many clients a phase may lose
+    (``train.failures.max_failed_fraction`` of them)."""
+
+    config: ScreeningConfig = field(default_factory=ScreeningConfig)
+    max_samples: np.ndarray | None = None
+    """Client k's class counts summed (None: the server holds none)."""
+    max_failed_fraction: float = 0.5
+
+
 def run_setup_phase(
     grid: Grid,
     node_of: Mapping[int, int],
@@ -67,8 +87,34 @@ def run_setup_phase(
     *,
     message_config: Mapping[str, Any],
     timeout: float | None,
+    screen: SetupScreen | None = None,
 ) -> PhaseCost:
+    """:func:`drive_setup_phase`'s cost (for a caller that does not sample nodes later)."""
+    cost, _ = drive_setup_phase(
+        grid, node_of, phase, message_config=message_config, timeout=timeout, screen=screen
+    )
+    return cost
+
+
+def drive_setup_phase(
+    grid: Grid,
+    node_of: Mapping[int, int],
+    phase: SetupPhase,
+    *,
+    message_config: Mapping[str, Any],
+    timeout: float | None,
+    screen: SetupScreen | None = None,
+) -> tuple[PhaseCost, dict[int, str]]:
     """Run ``phase`` with every client of ``node_of`` on its node (see the module docstring).
+
+    Every reply is decoded against what the phase declares for its step
+    (:meth:`~fedplug.setup_phase.SetupPhase.reply_schema`, and
+    :meth:`~fedplug.setup_phase.SetupPhase.report_schema` for the last step's reports) and
+    screened like a round's reply (``screen``). When the phase
+    :attr:`~fedplug.setup_phase.SetupPhase.tolerates_dropped_clients`, a client whose
+    reply breaks them (or that the phase's server side drops) is dropped with one
+    warning naming the client, its node and the reason: it gets no later step, and the
+    caller leaves it out of the run. Otherwise the run stops with one line.
 
     Args:
         grid: the ServerApp's grid.
@@ -76,33 +122,84 @@ def run_setup_phase(
         phase: a component's setup phase.
         message_config: entries for every message's ``config`` record (the experiment).
         timeout: bound of each exchange, seconds (None: no bound).
+        screen: the screening bounds (default: ``train.screening``'s defaults, no class
+            counts, half the clients may be dropped).
 
     Returns:
-        The phase's traffic, as its server side reports it.
+        The phase's traffic, as its server side reports it, and the dropped clients
+        (client id -> reason).
 
     Raises:
-        TrainingError: a node failed or replied malformed (the message names the step,
-            the client and the node).
+        TrainingError: a node failed, replied malformed to a phase that needs every
+            client, or more than ``max_failed_fraction`` of the clients (or all) were
+            dropped (the message names the step, and the client and node).
     """
+    screen = screen if screen is not None else SetupScreen()
     node_of = dict(sorted(node_of.items()))
+    active = dict(node_of)
+    dropped: dict[int, str] = {}
     conversation = phase.server(len(node_of))
+    cost = None
     try:
         step = next(conversation)
         while True:
-            replies = _exchange(grid, node_of, phase, step, message_config, timeout)
+            replies = _exchange(grid, active, phase, step, message_config, timeout, screen)
+            asked = step
             try:
                 step = conversation.send(replies)
+            except StopIteration:
+                _leave_out(phase, asked, replies, active, dropped, node_of, screen)
+                raise
             except (ValueError, TypeError, RuntimeError, KeyError, IndexError) as error:
                 # Well-typed replies the phase still cannot combine (tensors of shapes
                 # that disagree, say): one line, not the phase's traceback.
                 raise TrainingError(
-                    f"setup phase {phase.name!r}, step {step.name!r}: the server could not "
+                    f"setup phase {phase.name!r}, step {asked.name!r}: the server could not "
                     f"use the nodes' replies ({type(error).__name__}: {error}); a node "
                     "replied malformed, so the run stops"
                 ) from error
+            _leave_out(phase, asked, replies, active, dropped, node_of, screen)
     except StopIteration as stop:
         cost = stop.value
-    return cost if cost is not None else PhaseCost(0, 0, 0)
+    return (cost if cost is not None else PhaseCost(0, 0, 0)), dropped
+
+
+def _leave_out(
+    phase: SetupPhase,
+    step: SetupStep,
+    replies: SetupReplies,
+    active: dict[int, int],
+    dropped: dict[int, str],
+    node_of: Mapping[int, int],
+    screen: SetupScreen,
+) -> None:
+    """Take the clients dropped at ``step`` (by the runtime or the phase) out of
+    ``active``, each with one warning line.
+
+    Raises:
+        TrainingError: more than ``max_failed_fraction`` of the clients, or all of them,
+            are dropped.
+    """
+    for client, reason in replies.dropped.items():
+        if client in dropped:
+            continue
+        dropped[client] = reason
+        active.pop(client, None)
+        logger.warning(
+            "setup phase %r, step %r: client %d (node %d) dropped, it %s; the run goes on without it",
+            phase.name,
+            step.name,
+            client,
+            node_of[client],
+            reason,
+        )
+    limit = screen.max_failed_fraction * len(node_of)
+    if dropped and (not active or len(dropped) > limit):
+        named = "; ".join(f"client {client} (node {node_of[client]}) {reason}" for client, reason in dropped.items())
+        raise TrainingError(
+            f"setup phase {phase.name!r}: {len(dropped)} of {len(node_of)} clients dropped, over "
+            f"train.failures.max_failed_fraction={screen.max_failed_fraction:g} ({named[:600]}); the run stops"
+        )
 
 
 def _exchange(
@@ -112,9 +209,16 @@ def _exchange(
     step: SetupStep,
     message_config: Mapping[str, Any],
     timeout: float | None,
-) -> dict[int, SetupReply]:
-    """``step`` to every node; every client's reply, or a TrainingError naming the first
-    client that failed."""
+    screen: SetupScreen,
+) -> SetupReplies:
+    """``step`` to every node of ``node_of``; every client's decoded, screened reply. A
+    reply that breaks the phase's schema or the screen is left out and its client listed
+    in :attr:`~fedplug.setup_phase.SetupReplies.dropped` (when the phase tolerates it).
+
+    Raises:
+        TrainingError: a node failed or sent nothing, or (for a phase that needs every
+            client) replied malformed; the text names the first such client and node.
+    """
     tensors = tensors_to_record(step.tensors) if step.tensors else None
     messages = []
     for client, node in node_of.items():
@@ -141,25 +245,37 @@ def _exchange(
                 group_id=f"{phase.name}-{step.name}",
             )
         )
+    replies_received = grid.send_and_receive(messages, timeout=timeout)
     received = {
         reply.metadata.src_node_id: reply
-        for reply in grid.send_and_receive(messages, timeout=timeout)
+        for reply in answering_replies(
+            messages, replies_received, f"setup phase {phase.name!r}, step {step.name!r}"
+        )
     }
-    replies = {}
+    expects = phase.reply_schema(step)
+    report = phase.report_schema() if step.final else None
+    replies = SetupReplies()
     for client, node in node_of.items():
         reply = received.get(node)
         if reply is None:
             reason = f"sent no reply within {timeout}s"
         elif reply.has_error():
-            reason = f"raised: {reply.error.reason}"
+            reason = f"raised: {client_text(reply.error.reason)}"
         elif VALUES_KEY not in reply.content.config_records:
             reason = f"replied without a {VALUES_KEY!r} record"
         else:
             try:
-                replies[client] = decode_setup_reply(reply.content)
-                continue
+                decoded = decode_setup_reply(reply.content, expects, report)
+                problem = screen_setup_reply(decoded, expects, screen, client)
             except ValueError as error:
-                reason = f"replied malformed: {error}"
+                problem = f"replied malformed: {error}"
+            if problem is None:
+                replies[client] = decoded
+                continue
+            reason = client_text(problem)  # bounded and single-line: it reaches a log line
+            if phase.tolerates_dropped_clients:
+                replies.drop(client, reason)
+                continue
         raise TrainingError(
             f"setup phase {phase.name!r}, step {step.name!r}: client {client} (node {node}) "
             f"{reason}. The phase needs every client, so the run stops. (A ClientApp answers "
@@ -169,11 +285,34 @@ def _exchange(
     return replies
 
 
-def decode_setup_reply(content: RecordDict) -> SetupReply:
-    """A node's answer to a step, decoded defensively (:mod:`.decoding`): every tensor a
-    ``numpy.ndarray`` of a real dtype, at most :data:`MAX_SETUP_ELEMENTS` elements and
-    finite; every value an int, float, str or bool, numbers finite; the client report
-    (when there is one) as :func:`fedplug.setup_phase.checked_report` allows.
+def screen_setup_reply(
+    reply: SetupReply, expects: ReplySchema, screen: SetupScreen, client: int
+) -> str | None:
+    """Why ``client``'s decoded ``reply`` fails the screen a round's reply would, or None:
+    its claimed sample count (``expects.sample_count``) against
+    ``train.screening.max_num_examples`` and its class counts, its parameters' change
+    from ``expects.reference`` against the norm bounds
+    (:mod:`fedplug.screening`)."""
+    if expects.sample_count is not None and expects.sample_count in reply.values:
+        held = None
+        if screen.max_samples is not None and 0 <= client < len(screen.max_samples):
+            held = int(screen.max_samples[client])
+        claimed = reply.values[expects.sample_count]
+        if reason := claimed_samples_problem(expects.sample_count, claimed, held, screen.config):
+            return reason
+    if expects.reference is not None and reply.tensors:
+        return parameters_change_problem(reply.tensors, expects.reference, screen.config)
+    return None
+
+
+def decode_setup_reply(
+    content: RecordDict, expects: ReplySchema = DEFAULT_REPLY, report: MessageSchema | None = PLAIN_REPORT
+) -> SetupReply:
+    """A node's answer to a step, decoded defensively against what the phase declares
+    (``expects``; ``report``: the client report's schema, None: a report is ignored):
+    every tensor a ``numpy.ndarray`` of a real dtype, its ``.npy`` header read and
+    bounded by its field (:mod:`.decoding`) before any data is converted, then checked
+    (shape, finite values); every value and the report's fields as their schemas say.
 
     Raises:
         ValueError: the first field that breaks these rules (the text says which).
@@ -181,29 +320,27 @@ def decode_setup_reply(content: RecordDict) -> SetupReply:
     tensors: dict[str, Tensor] = {}
     arrays = content.array_records.get(TENSORS_KEY)
     for key in arrays.keys() if arrays is not None else []:
-        array = decode_array(arrays[key], key, max_elements=MAX_SETUP_ELEMENTS)
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise MalformedReply(f"sent tensor {key!r} with non-finite (NaN/Inf) values")
-        tensors[key] = to_tensor(array)
-    values: dict[str, Value] = {}
-    for key, value in content.config_records[VALUES_KEY].items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise MalformedReply(f"sent value {key!r} = {value}, not finite")
-        if not isinstance(value, (int, float, str, bool)):
-            raise MalformedReply(
-                f"sent value {key!r} as {type(value).__name__}, not an int, float, str or bool"
-            )
-        values[key] = value
+        bound = expects.tensors.element_bound(key)
+        if bound is None:
+            if expects.tensors.unknown == "ignore":
+                continue
+            raise MalformedReply(f"sent tensor {key!r}, which the step does not expect")
+        tensors[key] = to_tensor(decode_array(arrays[key], key, max_elements=bound))
+    tensors = _checked(expects.tensors, tensors, "")
+    values = _checked(expects.values, dict(content.config_records[VALUES_KEY].items()), "")
     report_record = content.config_records.get(REPORT_KEY)
-    report: dict[str, ReportValue] = {}
-    if report_record is not None:
-        try:
-            report = checked_report(
-                {key: list(value) if isinstance(value, (list, tuple)) else value for key, value in report_record.items()}
-            )
-        except ValueError as error:
-            raise MalformedReply(f"sent a malformed client report: {error}") from None
-    return SetupReply(tensors=tensors, values=values, report=report)
+    checked_report: dict[str, ReportValue] = {}
+    if report_record is not None and report is not None:
+        plain = {key: list(value) if isinstance(value, (list, tuple)) else value for key, value in report_record.items()}
+        checked_report = _checked(report, plain, "sent a malformed client report: ")
+    return SetupReply(tensors=tensors, values=values, report=checked_report)
+
+
+def _checked(schema: MessageSchema, mapping: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    try:
+        return schema.check(mapping)
+    except SchemaViolation as violation:
+        raise MalformedReply(f"{prefix}{violation}") from None
 
 
 # --------------------------------------------------------------------------- node

@@ -224,6 +224,8 @@ class FedplugStrategy(Strategy):
         self._components = components
         self._plans: dict[int, RoundPlan] = {}
         self._evaluating: dict[int, int] = {}
+        self._evaluate_sent: list[Message] = []
+        """The evaluate messages in flight: only replies to them count."""
         self.model: nn.Module | None = None
         if model is None and input_shape is not None and num_classes is not None:
             model = build_global_model(train_config, registry, input_shape, num_classes, self.device)
@@ -325,7 +327,7 @@ class FedplugStrategy(Strategy):
         (a retried round trains the same plan)."""
         if round_number not in self._plans:
             if self.num_clients is not None:
-                plan = self.run.require_core().plan(round_number - 1)
+                plan = self.run.plan(round_number - 1)
             else:
                 directory = self.run.require_setup()
                 assert self.exchange.grid is not None  # set by configure_train
@@ -448,7 +450,8 @@ class FedplugStrategy(Strategy):
         messages = evaluate_messages(
             self._evaluating, round_number, arrays, config, self.messages, directory.num_clients
         )
-        return self.record_keys.applied(messages)
+        self._evaluate_sent = self.record_keys.applied(messages)
+        return self._evaluate_sent
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -460,7 +463,12 @@ class FedplugStrategy(Strategy):
         evaluation is still to come."""
         round_number = server_round + self.run.offset
         metrics, spread = federated_metrics(
-            replies, self._evaluating, round_number, self.evaluate_metrics_aggr_fn, self.accuracy
+            replies,
+            self._evaluating,
+            round_number,
+            self.evaluate_metrics_aggr_fn,
+            self.accuracy,
+            sent=self._evaluate_sent,
         )
         self.run.records.evaluated_on_nodes(round_number, spread)
         return metrics

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import importlib.util
 import logging
+import math
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -42,6 +43,8 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "QFedAvg": ("q", "client_learning_rate"),
 }
 """The Flower strategies that aggregate on their own, with the parameters each takes."""
+FLOWER_DEFAULT_BETA = 0.2
+"""FedTrimmedAvg's ``beta`` when the config sets none (Flower's default)."""
 REPLY_METRICS: dict[str, tuple[str, ...]] = {
     "QFedAvg": (TRAIN_LOSS,),  # Flower's default train_loss_key is fedplug's TRAIN_LOSS
 }
@@ -49,6 +52,7 @@ REPLY_METRICS: dict[str, tuple[str, ...]] = {
 METRIC_MINIMUM: dict[str, float] = {TRAIN_LOSS: 0.0}
 """The least value a reply metric can take by its meaning (a mean cross-entropy is not
 negative); Flower's QFedAvg raises a negative loss to the power q, which is NaN."""
+logger = logging.getLogger("fedplug.algorithms.flower")
 DP_WRAPPER = "DifferentialPrivacyServerSideFixedClipping"
 WRAPPER_PARAMETERS = (
     "noise_multiplier",
@@ -118,23 +122,32 @@ class FlowerStrategyConfig(ComponentConfig):
     constructor's keyword arguments of the same name, and each strategy accepts only its
     own (a parameter it does not take is an error that lists those it does). Flower's
     node-sampling arguments (``fraction_train``, ``min_train_nodes``, ...) are not
-    offered: fedplug's ``train.client_fraction`` and grouper pick the clients.
+    offered: fedplug's ``train.client_fraction`` and grouper pick the clients. The bounds
+    are Flower 1.41's (``flwr/serverapp/strategy/``); :func:`robustness_warning` says
+    which one a round misses.
     """
 
     name: Literal["flower"] = "flower"
     strategy: str
     """The Flower strategy: ``FedAvg``, ``FedMedian``, ``FedTrimmedAvg``, ``Krum``,
     ``MultiKrum``, ``Bulyan``, ``QFedAvg`` or ``DifferentialPrivacyServerSideFixedClipping``
-    (required)."""
+    (required). The robust ones discard nothing unless a round has enough updates (n):
+    FedMedian n >= 3, FedTrimmedAvg int(beta * n) >= 1, Krum and MultiKrum n >= 2f + 3,
+    Bulyan n >= 4f + 3 with f >= 1; a round below its bound warns."""
     beta: float | None = Field(None, ge=0.0, lt=0.5)
     """FedTrimmedAvg: fraction cut off at each tail of every coordinate (Flower's default
-    0.2)."""
+    0.2). Flower cuts int(beta * n) of a round's n updates from each end, so a round
+    trims nothing (the plain mean) unless n >= 1 / beta: beta 0.2 needs 5 clients a round,
+    a round of 3 needs beta >= 1/3."""
     num_malicious_nodes: int | None = Field(None, ge=0)
     """Krum, MultiKrum, Bulyan: the number f of Byzantine clients tolerated (Flower's
-    default 0). Bulyan needs at least 4f + 3 updates in a round."""
+    default 0, which tolerates none by the guarantee). Krum and MultiKrum need
+    n >= 2f + 3 updates a round; Bulyan needs n >= 4f + 3 (fewer: the round fails), and
+    with f = 0 averages every update (the plain mean)."""
     num_nodes_to_select: int | None = Field(None, ge=1)
     """MultiKrum: how many of the lowest-scoring updates are averaged (Flower's default 1,
-    which is Krum)."""
+    which is Krum). At n or more it keeps every update of a round of n (FedAvg): keep it
+    at most n - max(f, 1)."""
     q: float | None = Field(None, ge=0.0)
     """QFedAvg: the fairness exponent (Flower's default 0.1); 0 weighs every client
     alike, larger values weigh clients with a higher training loss more."""
@@ -230,6 +243,106 @@ def missing_learning_rate(learning_rate: float | None = None) -> str:
     )
 
 
+def robustness_warning(config: FlowerStrategyConfig, num_updates: int) -> str | None:
+    """Why the aggregating strategy trims or discards nothing, or has lost its guarantee,
+    in a round of ``num_updates`` (n) updates, in one line with the fix; ``None`` when
+    its parameters hold for n (or it claims no robustness: FedAvg, QFedAvg).
+
+    The bounds are those of Flower 1.41's code: FedTrimmedAvg's ``trim_mean`` cuts
+    ``int(beta * n)`` per tail; FedMedian's ``np.median`` of 2 is their mean; Krum and
+    MultiKrum score each update by its ``n - f - 2`` closest (the guarantee needs
+    ``n >= 2f + 3``), and MultiKrum averages its ``num_nodes_to_select`` best; Bulyan
+    needs ``n >= 4f + 3`` and, with ``f = 0``, averages all n.
+    """
+    strategy = config.aggregating_strategy
+    check = _BOUND_CHECKS.get(strategy)
+    if check is None:
+        return None
+    problem = check(config, num_updates)
+    if problem is None:
+        return None
+    wrapping = f"{config.strategy} wrapping {strategy}: " if config.strategy == DP_WRAPPER else ""
+    return f"train.aggregator: {wrapping}{problem}"
+
+
+def _fewest_clients_trimmed(beta: float) -> int:
+    """The least n with ``int(beta * n) >= 1`` (``beta > 0``), as Flower computes it."""
+    clients = max(1, math.ceil(1 / beta))
+    while int(beta * clients) < 1:
+        clients += 1
+    while clients > 1 and int(beta * (clients - 1)) >= 1:
+        clients -= 1
+    return clients
+
+
+def _trimmed_avg_bound(config: FlowerStrategyConfig, n: int) -> str | None:
+    beta = config.beta if config.beta is not None else FLOWER_DEFAULT_BETA
+    cut = int(beta * n)
+    if cut > 0:
+        return None
+    fixes = [f"beta >= 1/{n}"] if n >= 3 else []
+    if beta > 0:
+        fixes.append(f"at least {_fewest_clients_trimmed(beta)} clients a round")
+    elif n < 3:
+        fixes.append("beta >= 1/3 and at least 3 clients a round")
+    return (
+        f"FedTrimmedAvg with beta={beta:g} trims int({beta:g}*{n})={cut} updates from each end "
+        f"of a round of {n}: it is the plain (unweighted) mean here; use {' or '.join(fixes)}"
+    )
+
+
+def _median_bound(config: FlowerStrategyConfig, n: int) -> str | None:
+    if n >= 3:
+        return None
+    return (
+        f"FedMedian of a round of {n} is the mean of its {n} update(s): a median discards an "
+        "outlier only among at least 3 updates; sample at least 3 clients a round"
+    )
+
+
+def _krum_bound(config: FlowerStrategyConfig, n: int) -> str | None:
+    malicious = config.num_malicious_nodes or 0
+    problems = []
+    name = config.aggregating_strategy
+    least = 2 * malicious + 3
+    if n < least:
+        lower = " or lower num_malicious_nodes" if malicious > 0 else ""
+        problems.append(
+            f"{name} with num_malicious_nodes={malicious} needs n >= 2f+3 = {least} updates a "
+            f"round (it scores each by its n-f-2 closest), and this round has {n}: it picks "
+            f"without its guarantee; sample at least {least} clients a round{lower}"
+        )
+    selected = config.num_nodes_to_select or 1
+    if name == "MultiKrum" and n > 1 and selected >= n:
+        problems.append(
+            f"MultiKrum with num_nodes_to_select={selected} keeps all {n} updates of a round of "
+            f"{n}: it is FedAvg here; use num_nodes_to_select <= {max(1, n - max(malicious, 1))} "
+            "or more clients a round"
+        )
+    return "; ".join(problems) or None
+
+
+def _bulyan_bound(config: FlowerStrategyConfig, n: int) -> str | None:
+    malicious = config.num_malicious_nodes or 0
+    if malicious > 0:
+        return None  # fewer than 4f + 3 updates: Flower returns no model, the round fails
+    return (
+        f"Bulyan with num_malicious_nodes=0 selects all {n} updates of a round of {n} and "
+        "averages them all (theta = n - 2f, beta = theta - 2f): it is the plain mean here; "
+        "set num_malicious_nodes >= 1 and sample at least 4f+3 = 7 clients a round"
+    )
+
+
+_BOUND_CHECKS = {
+    "FedTrimmedAvg": _trimmed_avg_bound,
+    "FedMedian": _median_bound,
+    "Krum": _krum_bound,
+    "MultiKrum": _krum_bound,
+    "Bulyan": _bulyan_bound,
+}
+"""The robust strategies, each with its check of a round's number of updates."""
+
+
 class _ReplyGrid:
     """The grid a strategy's ``configure_train`` samples from: one node per reply.
 
@@ -290,6 +403,8 @@ class FlowerStrategyAggregator(Aggregator):
         self.config = config
         self.rounds_aggregated = 0
         """Rounds aggregated so far; round t is Flower's ``server_round`` t."""
+        self.warned_sizes: set[int] = set()
+        """The round sizes already warned about (:func:`robustness_warning`: once each)."""
 
     def client_needs(self) -> ClientNeeds:
         """The reply metrics the strategy reads (QFedAvg: ``train_loss``); the others need
@@ -313,6 +428,18 @@ class FlowerStrategyAggregator(Aggregator):
 
     def initialize(self, global_vector: Tensor) -> None:
         self.rounds_aggregated = 0
+        self.warned_sizes = set()
+
+    def warn_if_inert(self, num_updates: int) -> None:
+        """Warn, once per run and round size, when the strategy's parameters trim or
+        discard nothing for ``num_updates`` updates (:func:`robustness_warning`): a
+        robust aggregator that silently averages everything is worse than none."""
+        if num_updates in self.warned_sizes:
+            return
+        line = robustness_warning(self.config, num_updates)
+        if line is not None:
+            self.warned_sizes.add(num_updates)
+            logger.warning("%s", line)
 
     def build_strategy(self, num_replies: int) -> Any:
         """The Flower strategy of one round of ``num_replies`` replies."""
@@ -371,6 +498,7 @@ class FlowerStrategyAggregator(Aggregator):
                 "round (every sampled client failed or held no training samples); check the "
                 "partition and the fraction of clients sampled per round"
             )
+        self.warn_if_inert(len(replies))
         server_round = self.rounds_aggregated + 1
         current = global_vector.detach().to("cpu", torch.float32).numpy()
         seed_words = [self.config.noise_seed or 0, server_round, *model_digest(global_vector)]

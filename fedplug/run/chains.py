@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from fedplug.components import ClientUpdate, RoundPlan
+from fedplug.run.client_text import client_text
 from fedplug.run.round_plan import chain_update, round_steps
 from fedplug.run.round_screen import ClientFailure, Outcome, unusable
 
@@ -115,8 +116,10 @@ class ChainProgress:
 
     def fail(self, reason: str) -> None:
         """Stop the chain: no further member trains, and it ends the round as a
-        :class:`ClientFailure` with ``reason``."""
-        self.failure = reason
+        :class:`ClientFailure` with ``reason`` (bounded and escaped,
+        :func:`~fedplug.run.client_text.client_text`: runtimes put a client's own text in
+        it)."""
+        self.failure = client_text(reason)
 
     def update(self, plan: RoundPlan, seconds: float | None = None) -> ClientUpdate:
         """The update of the members trained so far under ``plan``'s weight rule

@@ -14,13 +14,14 @@ import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from fedplug.errors import FedplugError, PluginError, TrainingError
 from fedplug.run.checkpoint_bounds import ADVICE, check_file_size, check_structure
+from fedplug.safe_files import open_regular
 
 CHECKPOINT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -129,10 +130,23 @@ def load_weights_only(
         ``error``: the file names a class or function a weights-only load refuses (the
             message names them: nothing of the file ran), or cannot be read at all.
     """
+    # Opened here, not by torch: a FIFO planted at ``path`` is refused at once instead of
+    # blocking ``torch.load`` until a writer comes.
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        handle = open_regular(path, what=what, advice=advice, error=error)
+    except OSError as failure:  # missing, no permission
+        raise error(f"{what} {str(path)!r} is unreadable ({type(failure).__name__}); {advice}") from None
+    with handle:
+        return _load_opened(handle, path, what, advice, error)
+
+
+def _load_opened(handle: BinaryIO, path: Path, what: str, advice: str, error: type[FedplugError]) -> Any:
+    """:func:`load_weights_only` of the file already open as ``handle``."""
+    try:
+        return torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as failure:
-        refused = _refused_names(path, failure)
+        handle.seek(0)
+        refused = _refused_names(handle, failure)
         if refused:
             raise error(
                 f"{what} {str(path)!r} holds {', '.join(refused[:3])}, not only tensors and plain "
@@ -145,11 +159,12 @@ def load_weights_only(
         raise error(f"{what} {str(path)!r} is unreadable ({kind}); {advice}") from None
 
 
-def _refused_names(path: Path, failure: Exception) -> list[str]:
-    """The globals that made a weights-only load refuse ``path`` (read from the file's
-    pickle without running it, else from torch's message); empty when it is just corrupt."""
+def _refused_names(handle: BinaryIO, failure: Exception) -> list[str]:
+    """The globals that made a weights-only load refuse the file open as ``handle`` (read
+    from the file's pickle without running it, else from torch's message); empty when it
+    is just corrupt."""
     try:
-        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(handle))
     except Exception:  # not a zip checkpoint (garbage, or torch's legacy format)
         names = []
     if names:

@@ -33,12 +33,14 @@ def checkpoint_size_bound(model_bytes: int, num_clients: int, num_samples: int =
     """The most bytes a checkpoint of such a run can need: the global model, server state
     of up to 16 model copies (momentum, control variates, Adam's moments), two model
     copies of state per client (SCAFFOLD's control variates), 64 bytes of state per
-    training sample (FedDisk's sample weights) and about 4 KB plus 16 bytes per client
-    of record per round (the dropped clients it names), plus :data:`SLACK_BYTES`."""
+    training sample (FedDisk's sample weights) and about 4 KB plus 640 bytes per client
+    of record per round (a dropped client's id and its reason, which
+    :func:`~fedplug.run.client_text.client_text` cuts to 500 characters), plus
+    :data:`SLACK_BYTES`."""
     return (
         (2 * num_clients + 17) * model_bytes
         + 64 * num_samples
-        + rounds * (4096 + 16 * num_clients)
+        + rounds * (4096 + 640 * num_clients)
         + SLACK_BYTES
     )
 

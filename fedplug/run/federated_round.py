@@ -33,6 +33,7 @@ from fedplug.components import (
 from fedplug.cost_model import LinkAndDevice, chain_training_seconds, round_cost
 from fedplug.errors import ConfigError, TrainingError
 from fedplug.faults import Faults, RoundDropout, corrupt
+from fedplug.run.client_text import client_text
 from fedplug.run.components import Components
 from fedplug.run.results import RoundRecord, RunResult
 from fedplug.run.round_plan import participants, plan_round, sample_round
@@ -434,9 +435,9 @@ class RoundCore:
         except Exception as error:  # noqa: BLE001 - one client's update must not stop the server
             if handed.last is not None and not handed.exhausted:
                 update = handed.last
-                reason = (
+                reason = client_text(  # the error may quote what the client sent
                     f"its update made the {self.config.aggregator.name!r} aggregator fail "
-                    f"({type(error).__name__}: {str(error)[:200]})"
+                    f"({type(error).__name__}: {client_text(error, 200)})"
                 )
                 return None, (update, reason)
             if isinstance(error, (ValueError, TrainingError)) and not tally.accepted:

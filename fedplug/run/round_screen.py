@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from fedplug.components import ClientUpdate
+from fedplug.run.client_text import client_text
 from fedplug.run.vectors import tensors_num_bytes
 from fedplug.screening import ScreeningRules, l2_norm, update_problem
 
@@ -25,10 +26,15 @@ logger = logging.getLogger("fedplug.round")
 
 @dataclass(frozen=True)
 class ClientFailure:
-    """A chain whose training raised, timed out, or sent nothing usable."""
+    """A chain whose training raised, timed out, or sent nothing usable. ``reason`` is
+    kept bounded and escaped (:func:`~fedplug.run.client_text.client_text`): it often
+    holds the client's own text (an exception's message, an error reply)."""
 
     chain: list[int]
     reason: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", client_text(self.reason))
 
 
 Outcome = ClientUpdate | ClientFailure
@@ -131,7 +137,10 @@ def screen(
 
 
 def drop(tally: Tally, chain: list[int], reason: str, round_number: int) -> None:
-    """Count a dropped chain in ``tally`` and log why."""
+    """Count a dropped chain in ``tally`` and log why. The reason is made safe first
+    (:func:`~fedplug.run.client_text.client_text`: at most 500 characters, one line): it
+    is kept in the round's record, so in ``metrics.json`` and in every later checkpoint."""
+    reason = client_text(reason)
     tally.failures += 1
     tally.dropped.append((chain, reason))
     logger.warning("round %d: dropped client(s) %s: %s", round_number, chain, reason)
@@ -142,7 +151,8 @@ def _checked(check: UpdateCheck, update: ClientUpdate) -> str | None:
     try:
         return check(update)
     except Exception as error:  # noqa: BLE001 - a bad update must not stop the server
-        return f"failed the aggregator's check ({type(error).__name__}: {str(error)[:200]})"
+        shown = client_text(error, 200)
+        return f"failed the aggregator's check ({type(error).__name__}: {shown})"
 
 
 def update_bytes(update: ClientUpdate, model_bytes: int) -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TextIO
 
 from fedplug.errors import ConfigError, FedplugError
+from fedplug.safe_files import read_regular_bytes
 
 FAILED_NAME = "failed.json"
 """The study folder's record of runs that failed in parallel runs: run id -> why."""
@@ -349,14 +350,20 @@ def collect(ref: Any, run_id: str, started: float) -> RunOutcome:
 
 def read_failures(out: Path) -> dict[str, dict[str, Any]]:
     """The study folder's :data:`FAILED_NAME`: run id -> ``{"error": ..., ...}`` (empty
-    when absent)."""
+    when absent).
+
+    Raises:
+        ConfigError: the file is unreadable, or not a regular file (a FIFO is refused in
+            one line, not waited on).
+    """
     path = out / FAILED_NAME
-    if not path.is_file():
-        return {}
+    advice = "delete it (it only lists failed runs) and run again"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular_bytes(path, what="list of failed runs", advice=advice))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # as is_file() said: absent
+        return {}
     except (OSError, ValueError) as error:
-        raise ConfigError(f"{path}: unreadable ({error}); delete it (it only lists failed runs) and run again") from None
+        raise ConfigError(f"{path}: unreadable ({error}); {advice}") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -15,9 +15,13 @@ import numpy as np
 from fedplug.analysis import Analysis, RoundMetricColumn, SetupSummary, registered_analysis
 from fedplug.errors import DataError
 from fedplug.run.results import first_round_reaching
+from fedplug.safe_files import read_regular_bytes
 from fedplug.study.expansion import StudyRun
 from fedplug.study.provenance import CLOCK_KEYS
 from fedplug.study.run_folders import config_hash
+
+RESTORE = "restore the file from git or re-run the study"
+"""What to do about a results file that cannot be read."""
 
 
 def run_row(summary: dict[str, Any], target: float, analysis: Analysis | None = None) -> dict[str, float | None]:
@@ -224,22 +228,25 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         DataError: a line is not a JSON object with ``run``, ``cell``, ``algorithm``,
-            ``draw``, ``seed`` (the message names the file and line).
+            ``draw``, ``seed`` (the message names the file and line); a FIFO, socket or
+            device lies at ``path`` (refused in one line, not waited on).
     """
     path = Path(path)
-    if not path.is_file():
+    try:
+        text = read_regular_bytes(path, what="study results file", advice=RESTORE, error=DataError).decode()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # as is_file() said: no results file yet
         return []
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not JSON ({error.msg}); restore the file from git or re-run the study") from None
+            raise DataError(f"{path}:{number}: not JSON ({error.msg}); {RESTORE}") from None
         missing = [key for key in ("run", "cell", "algorithm", "draw", "seed") if not isinstance(record, dict) or key not in record]
         if missing:
-            raise DataError(f"{path}:{number}: a study record needs {', '.join(missing)}; restore the file from git or re-run the study")
+            raise DataError(f"{path}:{number}: a study record needs {', '.join(missing)}; {RESTORE}")
         records.append(record)
     return records
 

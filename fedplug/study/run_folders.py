@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 
 import yaml
 
+from fedplug.safe_files import read_regular_bytes
 from fedplug.study.expansion import StudyRun
 
 IGNORED_CONFIG_FIELDS = ("study", "tracking", "algorithms", "data.root", "train.workers")
@@ -86,16 +87,22 @@ def run_folder_state(run: StudyRun, folder: str | Path) -> RunFolderState:
     A finished run (``metrics.json``) or a started one (``checkpoint.pt``) counts only
     when its ``config.yaml`` (the resolved config :func:`fedplug.experiment.run_experiment`
     wrote) equals the run's config, :data:`IGNORED_CONFIG_FIELDS` aside.
+
+    Raises:
+        ConfigError: the ``config.yaml`` is a FIFO, socket or device (refused in one line,
+            not waited on).
     """
     folder = Path(folder)
     has_results = (folder / "metrics.json").is_file() or (folder / "checkpoint.pt").is_file()
     config_path = folder / "config.yaml"
-    if not config_path.is_file():
+    try:
+        stored = yaml.safe_load(
+            read_regular_bytes(config_path, what="run config", advice="delete that run folder to train the run again")
+        )
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # as is_file() said: no config.yaml
         if has_results:
             return RunFolderState("mismatched", "it holds results but no config.yaml, so its settings are unknown")
         return RunFolderState("new")
-    try:
-        stored = yaml.safe_load(config_path.read_text())
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as error:
         return RunFolderState("mismatched", f"its config.yaml is unreadable ({type(error).__name__})")
     if not isinstance(stored, dict):

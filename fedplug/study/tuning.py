@@ -25,6 +25,7 @@ import difflib
 import hashlib
 import itertools
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,10 +35,11 @@ from typing import Any
 
 from fedplug.config import flatten, set_dotted, validate_experiment
 from fedplug.data.build import build_federation
-from fedplug.errors import ConfigError, TrainingError
+from fedplug.errors import ConfigError, DataError, TrainingError
 from fedplug.registry import Registry
 from fedplug.run.model import resolve_device
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.safe_files import read_regular_bytes
 from fedplug.study.expansion import StudyRun
 from fedplug.study.run_folders import comparable_config
 from fedplug.study.spec import StudySpec, TuneSpec, algorithm_cells, cell_id, grid_cells
@@ -46,6 +48,10 @@ TUNED_NAME = "tuned.json"
 """The file in the study folder that keeps the choice (:func:`apply_tuning`)."""
 EVERY_ALGORITHM = "all"
 """The key of ``tuned.json``'s one entry with ``per_algorithm: false``."""
+FAILURE_ATTR = "fedplug.failure"
+"""The user attribute of a failed Optuna trial that keeps why it failed (one line)."""
+FAILURE_TAG_LENGTH = 500
+"""Characters of a failure's reason kept in a trial's line, attribute and MLflow tag."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +349,40 @@ def suggest(trial: Any, tune: TuneSpec) -> dict[str, Any]:
     return values
 
 
+def trial_failures() -> tuple[type[Exception], ...]:
+    """What fails one trial and not the search: values that train badly
+    (:class:`TrainingError`: a diverged model), or that the data or the config refuse
+    although the ``tune:`` ranges' ends passed (:class:`DataError`: ``data.num_clients``
+    above the dataset's samples; :class:`ConfigError` and pydantic's ``ValidationError``)."""
+    from pydantic import ValidationError
+
+    return (TrainingError, DataError, ConfigError, ValidationError)
+
+
+def failure_reason(error: BaseException) -> str:
+    """``error``'s message on one line, at most :data:`FAILURE_TAG_LENGTH` characters."""
+    text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text[:FAILURE_TAG_LENGTH]
+
+
+class ReportedFailures(logging.Filter):
+    """Keeps Optuna's own log of a failed trial (a warning with the traceback, then
+    "failed with value None") off stderr for the trials whose one line fedplug printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbers: set[int] = set()
+        """Trial numbers already reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message.startswith(f"Trial {number} failed") for number in self.numbers)
+
+
+OPTUNA_TRIAL_LOGGER = "optuna.study._optimize"
+"""The logger Optuna reports each trial's outcome to (``optuna/study/_optimize.py``)."""
+
+
 Train = Callable[[Any, Sequence[Callable[[RoundRecord], None]]], RunResult]
 """Trains a config with round observers (the trial's reporter), returning its result."""
 OpenTracker = Callable[[Any, int, Mapping[str, Any]], Any]
@@ -352,18 +392,24 @@ OpenTracker = Callable[[Any, int, Mapping[str, Any]], Any]
 def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train, open_trial_tracker: OpenTracker,
            *, label: str = "", report: Callable[[str], None] = print) -> Any:
     """Run one Optuna study on ``config`` (the tuned run's) and return it, every trial
-    trained by ``train`` and logged by the tracker ``open_trial_tracker`` opens."""
+    trained by ``train`` and logged by the tracker ``open_trial_tracker`` opens.
+
+    A trial that fails (:func:`trial_failures`: it diverged, or the data or config refuse
+    its values) is Optuna's ``TrialState.FAIL`` with its reason in the user attribute
+    :data:`FAILURE_ATTR` (and its MLflow run FAILED, tagged ``tune.state: failed`` and
+    ``tune.error``), reported in one line, and the search goes on."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     direction = "maximize" if tune.metric == "val_accuracy" else "minimize"
     study = optuna.create_study(direction=direction, sampler=make_sampler(tune), pruner=make_pruner(tune))
     total = number_of_trials(tune)
+    failures = trial_failures()
+    reported = ReportedFailures()
 
     def objective(trial: Any) -> float:
         values = suggest(trial, tune)
-        trial_config_ = trial_config(config, tune, values, registry)
-        tracker = open_trial_tracker(trial_config_, trial.number, values)
+        tracker: Any = None  # opened once the trial's config is valid
 
         def report_round(record: RoundRecord) -> None:
             trial.report(round_value(record, tune), record.round)
@@ -371,23 +417,40 @@ def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train,
                 raise optuna.TrialPruned(f"{tune.metric} after round {record.round} behind the median")
 
         try:
+            trial_config_ = trial_config(config, tune, values, registry)
+            tracker = open_trial_tracker(trial_config_, trial.number, values)
             result = train(trial_config_, [tracker.log_round, report_round])
+            value = objective_value(result.history, tune)
         except optuna.TrialPruned:
             tracker.set_tags({"tune.state": "pruned"})
             tracker.finish()
             report(f"tune {label}: trial {trial.number + 1}/{total} {values} pruned")
             raise
-        except BaseException:
-            tracker.fail()
+        except failures as error:
+            reason = failure_reason(error)
+            trial.set_user_attr(FAILURE_ATTR, reason)
+            if tracker is not None:
+                tracker.set_tags({"tune.state": "failed", "tune.error": reason})
+                tracker.fail()
+            reported.numbers.add(trial.number)
+            report(f"tune {label}: trial {trial.number + 1}/{total} {values} failed: {reason}")
             raise
-        value = objective_value(result.history, tune)
+        except BaseException:
+            if tracker is not None:
+                tracker.fail()
+            raise
         tracker.log_result(result)
         tracker.set_tags({"tune.state": "complete", "tune.value": repr(value)})
         tracker.finish()
         report(f"tune {label}: trial {trial.number + 1}/{total} {values} -> {tune.metric} {value:.4f}")
         return value
 
-    study.optimize(objective, n_trials=total, catch=(TrainingError,))
+    optuna_trials = logging.getLogger(OPTUNA_TRIAL_LOGGER)
+    optuna_trials.addFilter(reported)
+    try:
+        study.optimize(objective, n_trials=total, catch=failures)
+    finally:
+        optuna_trials.removeFilter(reported)
     return study
 
 
@@ -395,17 +458,31 @@ def best_choice(study: Any, run_id: str, fingerprint: str, label: str) -> Choice
     """The values of ``study``'s best finished trial (the first of equals).
 
     Raises:
-        TrainingError: no trial finished (all were pruned or failed).
+        TrainingError: no trial finished (all were pruned or failed); when every one
+            failed, the first one's reason.
     """
     import optuna
 
     finished = [trial for trial in study.trials if trial.state == optuna.trial.TrialState.COMPLETE]
+    failed = [trial for trial in study.trials if trial.state == optuna.trial.TrialState.FAIL]
+    if not finished and failed and len(failed) == len(study.trials):
+        first = failed[0]
+        raise TrainingError(f"tune {label}: all {len(failed)} trials failed, the first (trial {first.number + 1}, "
+                            f"{first.params}) with: {first.user_attrs.get(FAILURE_ATTR, 'see the log above')}; "
+                            "change tune.params so that its values can train")
     if not finished:
         raise TrainingError(f"tune {label}: no trial finished ({len(study.trials)} pruned or failed); widen the "
                             "ranges, add trials or turn the pruner off")
     best = study.best_trial
     pruned = sum(trial.state == optuna.trial.TrialState.PRUNED for trial in study.trials)
     return Choice(dict(best.params), float(best.value), len(study.trials), pruned, run_id, fingerprint)
+
+
+def failed_trials(study: Any) -> int:
+    """How many of ``study``'s trials failed (their reasons: :data:`FAILURE_ATTR`)."""
+    import optuna
+
+    return sum(trial.state == optuna.trial.TrialState.FAIL for trial in study.trials)
 
 
 # ---------------------------------------------------------------------- the hook
@@ -480,8 +557,10 @@ def apply_tuning(
                        trial_tracker_opener(spec, planned.algorithm, tracking, registry), label=label)
         choice = best_choice(study, run.run_id, wanted, label)
         choices[key] = dataclasses.replace(choice, seconds=round(time.perf_counter() - started, 1))
+        failed = failed_trials(study)
         print(f"tune {label}: chose {choices[key].params} ({tune.metric} {choices[key].value:.4f}, "
-              f"{choices[key].trials} trials, {choices[key].pruned} pruned, {choices[key].seconds:.0f} s)", flush=True)
+              f"{choices[key].trials} trials, {choices[key].pruned} pruned, "
+              + (f"{failed} failed, " if failed else "") + f"{choices[key].seconds:.0f} s)", flush=True)
         saved[key] = choices[key].as_dict()
         write_tuned(out, saved, fingerprint, legacy)
     if tracking is not None:
@@ -525,9 +604,16 @@ def registry_or_default(registry: Registry | None) -> Registry:
 
 
 def read_tuned(path: Path) -> dict[str, dict[str, Any]]:
-    """``tuned.json``'s entries (empty when it is missing or unreadable: the searches run again)."""
+    """``tuned.json``'s entries (empty when it is missing or unreadable: the searches run again).
+
+    Raises:
+        ConfigError: a FIFO, socket or device lies at ``path`` (refused in one line, not
+            waited on).
+    """
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(
+            read_regular_bytes(path, what="tuning choices", advice="remove it (the searches run again)")
+        )
     except (OSError, ValueError):
         return {}
     return content if isinstance(content, dict) else {}

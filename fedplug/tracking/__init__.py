@@ -3,7 +3,8 @@ plugin's tracker) through one observer, :func:`open_tracker` (:mod:`.observer`),
 every runtime calls. Backends: :mod:`.mlflow_tracker` (one MLflow run per run, resumed
 after a restart) and :mod:`.tensorboard_tracker`; beside them :mod:`.mlflow_store` (where
 MLflow runs go, the server check), :mod:`.payloads` (what every backend logs),
-:mod:`.outage` (calls kept while the server is down), :mod:`.naming` (the experiment and
+:mod:`.outage` (calls kept while the server is down), :mod:`.store_faults` (a locked,
+corrupt, read-only or full store named in one line), :mod:`.naming` (the experiment and
 run names of ``fedplug run``) and :mod:`.ui` (links that open MLflow's UI on the runs).
 The built-in backends register through the hook ``fedplug_register_trackers`` below,
 exactly as a third-party plugin registers its own.

@@ -18,8 +18,10 @@ from typing import Any
 from fedplug.errors import TrackingError
 from fedplug.project import ensure_experiment
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.safe_files import read_regular_bytes
 from fedplug.tracking.outage import OnError, Outbox, bounded_http_requests
 from fedplug.tracking.payloads import params_payload, round_metrics, summary_metrics
+from fedplug.tracking.store_faults import StoreUnavailable, store_fault
 
 logger = logging.getLogger("fedplug.tracking")
 
@@ -120,6 +122,11 @@ class MlflowTracker:
                 run (``fedplug run``'s, whose checkpoint stays).
 
         Opening waits a bounded time for the server (:func:`bounded_http_requests`).
+
+        Raises:
+            StoreUnavailable: the store is locked, corrupt, read-only or full
+                (:mod:`fedplug.tracking.store_faults`); nothing was logged.
+            TrackingError: MLflow refused to start the run.
         """
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -140,10 +147,17 @@ class MlflowTracker:
                     on_error,
                     keep_finished,
                 )
-        except MlflowException as error:
-            raise TrackingError(
-                f"MLflow at {uri} refused to start the run: {error.message}"
-            ) from None
+        except Exception as error:
+            # A locked, corrupt, read-only or full store fails deep in sqlalchemy: name
+            # the cause, and let open_tracker follow tracking.on_error.
+            fault = store_fault(error)
+            if fault is not None:
+                raise StoreUnavailable(uri, fault) from None
+            if isinstance(error, MlflowException):
+                raise TrackingError(
+                    f"MLflow at {uri} refused to start the run: {error.message}"
+                ) from None
+            raise
 
     @classmethod
     def _open(
@@ -459,10 +473,16 @@ def _package_version(name: str) -> str | None:
 
 
 def _read_state(path: Path | None) -> dict[str, Any] | None:
-    if path is None or not path.is_file():
+    """The run recorded in the state file ``path`` (None: no file, or not a run's state).
+
+    Raises:
+        ConfigError: something other than a regular file lies at ``path`` (a FIFO is
+            refused in one line, not waited on).
+    """
+    if path is None:
         return None
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(read_regular_bytes(path, what="MLflow run state", advice="remove it (it only names the MLflow run to resume)"))
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) and isinstance(state.get("run_id"), str) else None

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from fedplug.components import SLOTS as ALGORITHM_SLOTS
 from fedplug.errors import TrackingError
 from fedplug.run.results import RoundRecord, RunResult
+from fedplug.tracking.store_faults import StoreUnavailable
 
 logger = logging.getLogger("fedplug.tracking")
 
@@ -264,7 +265,9 @@ def open_tracker(
             the file is deleted, and a re-run is a new MLflow run).
 
     Raises:
-        TrackingError: an unknown backend, an unreachable server, a missing package.
+        TrackingError: an unknown backend, an unreachable server, a missing package, a
+            store that cannot be used with ``tracking.on_error: stop`` (with ``continue``,
+            the default, one warning and the run goes on without it: :func:`open_backend`).
     """
     tracking = config.tracking
     if enabled is None:
@@ -295,7 +298,9 @@ def open_tracker(
     opened: dict[str, TrackerBackend] = {}
     try:
         for name, factory in factories.items():
-            opened[name] = factory(context)
+            backend = open_backend(factory, context)
+            if backend is not None:
+                opened[name] = backend
         tracker = Tracker(opened, register_model=tracking.register_model)
         from fedplug.config import flatten
 
@@ -304,6 +309,26 @@ def open_tracker(
         Tracker(opened).fail()
         raise
     return tracker
+
+
+def open_backend(factory: BackendFactory, context: TrackerContext) -> TrackerBackend | None:
+    """``factory(context)``, or None when its store cannot be used (locked, corrupt,
+    read-only, full: :class:`~fedplug.tracking.store_faults.StoreUnavailable`) and
+    ``tracking.on_error`` is ``continue``: one warning names the cause and the run trains
+    without that backend. With ``stop`` the run ends there, before training, in one line.
+
+    Raises:
+        TrackingError: the store cannot be used and ``tracking.on_error`` is ``stop``.
+    """
+    try:
+        return factory(context)
+    except StoreUnavailable as unavailable:
+        if getattr(context.config.tracking, "on_error", "continue") == "stop":
+            raise TrackingError(unavailable.stopping()) from None
+        # The output folder keeps its finished run (fedplug run): the same command, run
+        # again, trains nothing and logs the whole run (its rounds are in the checkpoint).
+        logger.warning("%s", unavailable.going_on(rerun_logs_it=context.keep_finished))
+        return None
 
 
 def config_fingerprint(config: Any) -> str:

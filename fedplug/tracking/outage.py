@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fedplug.errors import TrackingError
+from fedplug.tracking.store_faults import store_fault
 
 logger = logging.getLogger("fedplug.tracking")
 
@@ -26,6 +27,9 @@ HTTP_TIMEOUT_SECONDS = 10
 """Seconds to wait for one answer (MLflow's default: 120)."""
 PROBE_SECONDS = 30.0
 """While the server is unreachable, how often a logging call checks whether it is back."""
+
+SQL_STORE_LOGGER = "mlflow.store.db.utils"
+"""MLflow's logger that prints a failing SQL store's traceback before the error is raised."""
 
 OnError = Literal["continue", "stop"]
 
@@ -39,7 +43,8 @@ _BOUNDS = {
 @contextmanager
 def bounded_http_requests() -> Iterator[None]:
     """MLflow's HTTP retries and timeout bounded for the calls inside (the variables the
-    user set are left as they are), restored afterwards."""
+    user set are left as they are), restored afterwards; the retries' and a failing SQL
+    store's log lines kept quiet (the error raised says it in one line)."""
     added = [name for name in _BOUNDS if name not in os.environ]
     for name in added:
         os.environ[name] = _BOUNDS[name]
@@ -48,10 +53,16 @@ def bounded_http_requests() -> Iterator[None]:
     retries = logging.getLogger("urllib3.connectionpool")
     level = retries.level
     retries.setLevel(logging.ERROR)
+    # MLflow logs a failing SQL store's traceback ("SQLAlchemy database error", "engine
+    # could not be created") before raising: the error raised gets fedplug's one line.
+    sql_store = logging.getLogger(SQL_STORE_LOGGER)
+    sql_level = sql_store.level
+    sql_store.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         retries.setLevel(level)
+        sql_store.setLevel(sql_level)
         for name in added:
             os.environ.pop(name, None)
 
@@ -65,13 +76,19 @@ def failures() -> tuple[type[BaseException], ...]:
 
 def refused(error: BaseException) -> bool:
     """True when the store answered and refused the call (an HTTP 4xx: an invalid value,
-    a deleted run), as opposed to not answering or failing inside (5xx, no connection)."""
+    a deleted run), as opposed to not answering or failing inside (5xx, no connection).
+    A local store that is locked, corrupt, read-only or full fails every call alike
+    (:func:`~fedplug.tracking.store_faults.store_fault`): not a refusal of this call."""
     status = getattr(error, "get_http_status_code", None)
-    return status is not None and 400 <= int(status()) < 500
+    return status is not None and 400 <= int(status()) < 500 and store_fault(error) is None
 
 
 def reason_of(error: BaseException) -> str:
-    """A short, one-line reason for ``error`` (MLflow's messages quote whole URLs)."""
+    """A short, one-line reason for ``error`` (MLflow's messages quote whole URLs; a
+    store fault is named by its cause, not by sqlalchemy's outer text)."""
+    fault = store_fault(error)
+    if fault is not None:
+        return fault.reason
     text = str(getattr(error, "message", None) or error)
     lowered = text.lower()
     for marker, reason in (

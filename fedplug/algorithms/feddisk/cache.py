@@ -10,7 +10,6 @@ import json
 import os
 import re
 import tempfile
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ from fedplug.components import PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import DataError
 from fedplug.output_folder import default_file_mode
+from fedplug.safe_files import load_npz
 
 from .weights import FedDiskWeights
 
@@ -109,39 +109,66 @@ def save_weights(path: str | Path, result: FedDiskWeights) -> None:
         raise
 
 
+MAX_PHASE_BYTES = 2**50
+"""Most bytes a cached phase may say it moved each way (1 PiB: far above any real setup
+phase, far below what overflows a sum of costs)."""
+
+
 def load_weights(path: str | Path, config: SampleWeightConfig) -> FedDiskWeights:
     """Read what :func:`save_weights` wrote and normalise the ratios as ``config`` says
     (:meth:`FedDiskWeights.from_ratios`), with ``allow_pickle=False``: a file holding
-    pickled objects is refused (a :class:`DataError` naming it), never unpickled.
+    pickled objects is refused (a :class:`DataError` naming it), never unpickled; so is a
+    FIFO or device at ``path`` (without waiting on it) and an array header claiming more
+    than the file holds (before anything is allocated: :func:`fedplug.safe_files.load_npz`).
 
     Raises:
-        DataError: the file is missing, unreadable, or does not hold finite,
-            non-negative ratios; the message names the file.
+        DataError: the file is missing, unreadable, holds a cost outside
+            :func:`check_cost`'s range, or does not hold finite, non-negative ratios; the
+            message names the file.
     """
     path = Path(path)
     problem = f"cached FedDisk weights {str(path)!r} are unreadable or corrupt"
-    advice = "; delete the file so that the weights are recomputed"
+    advice = "delete the file so that the weights are recomputed"
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            num_clients = int(archive["num_clients"])
-            cost = [int(value) for value in archive["cost"]]
-            ratios = [
-                np.asarray(archive[f"ratios_{k}"], dtype=np.float64) for k in range(num_clients)
-            ]
+        arrays = load_npz(path, what="FedDisk weights cache", advice=advice)
     except FileNotFoundError:
         raise DataError(f"cached FedDisk weights {str(path)!r} do not exist") from None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        raise DataError(f"{problem} ({error}){advice}") from None
-    if len(cost) != 3 or any(value < 0 for value in cost):
-        raise DataError(f"{problem} (bad cost record {cost}){advice}")
+    try:
+        num_clients = int(arrays["num_clients"])
+        cost = [int(value) for value in np.asarray(arrays["cost"]).reshape(-1)]
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
+        raise DataError(f"{problem} ({type(error).__name__}: {error}); {advice}") from None
+    stored = sum(1 for name in arrays if name.startswith("ratios_"))
+    if num_clients != stored or any(f"ratios_{k}" not in arrays for k in range(stored)):
+        raise DataError(f"{problem} (it says {num_clients} clients but holds {stored} ratio arrays); {advice}")
+    check_cost(path, cost, config)
+    ratios = [np.asarray(arrays[f"ratios_{k}"], dtype=np.float64) for k in range(num_clients)]
     for index, client_ratios in enumerate(ratios):
         if (
             client_ratios.ndim != 1
             or not np.all(np.isfinite(client_ratios))
             or np.any(client_ratios < 0)
         ):
-            raise DataError(f"{problem} (client {index} ratios are not finite and >= 0){advice}")
+            raise DataError(f"{problem} (client {index} ratios are not finite and >= 0); {advice}")
     return FedDiskWeights.from_ratios(ratios, PhaseCost(*cost), config)
+
+
+def check_cost(path: Path, cost: list[int], config: SampleWeightConfig) -> None:
+    """Refuse a cached phase cost ``[rounds, bytes_up, bytes_down]`` that no phase of
+    ``config`` can have: rounds above the config's ``global_rounds`` (0 for a phase
+    without rounds), bytes negative or above :data:`MAX_PHASE_BYTES`. It becomes the
+    run's ``setup_rounds`` and byte counts, so a crafted one would be reported as
+    measured."""
+    max_rounds = int(getattr(config, "global_rounds", 0))
+    if (
+        len(cost) != 3
+        or not 0 <= cost[0] <= max_rounds
+        or not all(0 <= value <= MAX_PHASE_BYTES for value in cost[1:])
+    ):
+        raise DataError(
+            f"cached FedDisk weights {str(path)!r} hold a phase cost {cost[:3]} (rounds, bytes up, bytes down) "
+            f"outside [0, {max_rounds}] rounds and [0, 2**50] bytes; delete it to recompute"
+        )
 
 
 def cache_path(folder: str | Path, federation: Federation, config: SampleWeightConfig) -> Path:

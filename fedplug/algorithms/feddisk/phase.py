@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Generator, Sequence
+import math
+from collections import Counter
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar
 
@@ -18,10 +20,13 @@ from torch import Tensor
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import ConfigError, DataError, TrainingError
+from fedplug.schema import MAX_COUNT, Count, MessageSchema, Real, TensorField
 from fedplug.setup_phase import (
     ClientInputs,
     PhaseInputs,
+    ReplySchema,
     SetupPhase,
+    SetupReplies,
     SetupReply,
     SetupStep,
     Value,
@@ -59,7 +64,9 @@ from .weights import (
     histogram_top,
     log_classifier_training,
     normalise_weights,
+    report_counts,
     sample_weight_context,
+    weight_report_schema,
 )
 
 logger = logging.getLogger("fedplug.algorithms.feddisk")
@@ -97,6 +104,31 @@ HISTOGRAM_TOP = "histogram-top"
 """The upper edge of the weight histogram the client reports over (:func:`~.weights.histogram_top`
 of the server's config)."""
 
+MAX_INPUT_DIM = 10**7
+"""The most input dimensions a client may report (a 3 x 1000 x 1000 image has 3 x 10^6)."""
+VALUE_BYTES = 4096
+"""The most bytes of plain values in one client's reply to a step (they hold a few numbers)."""
+NO_TENSORS = MessageSchema("setup tensor", max_bytes=0)
+"""The replies that carry no MADE: any tensor is refused."""
+NLL = Real(0.0, math.inf, allow_nonfinite=True)
+"""A validation NLL: never negative; NaN or infinite from a diverged MADE, which the
+server's stopping rule handles (:class:`~.density.GlobalMadeStopping`)."""
+
+
+def _values(step: str, fields: dict[str, Any]) -> MessageSchema:
+    return MessageSchema(f"{step!r} reply value", fields, max_bytes=VALUE_BYTES)
+
+
+def _made_tensors(step: str, made: dict[str, Tensor]) -> MessageSchema:
+    """A MADE's parameters, each of the shape of ``made``'s, nothing else."""
+    fields = {name: TensorField(shape=tuple(value.shape)) for name, value in made.items()}
+    return MessageSchema(f"{step!r} reply tensor", fields, max_bytes=1 << 40)
+
+
+def _sample_counts(step: str, **more: Any) -> MessageSchema:
+    return _values(step, {NUM_SAMPLES: Count(0, MAX_COUNT), **more})
+
+
 ClientStep = Callable[
     [SetupStep, Sequence[ClientInputs], Sequence[dict[str, Any]]], list[SetupReply]
 ]
@@ -109,6 +141,7 @@ class FedDiskPhase(SetupPhase):
     """FedDisk's phase 1 (see the module docstring)."""
 
     name: ClassVar[str] = "feddisk"
+    tolerates_dropped_clients: ClassVar[bool] = True
 
     config: FedDiskConfig
     """The validated :class:`~.config.FedDiskConfig`."""
@@ -137,15 +170,21 @@ class FedDiskPhase(SetupPhase):
     # ---------------------------------------------------------------------- server
 
     def server(self, num_clients: int) -> Generator[SetupStep, dict[int, SetupReply], PhaseCost]:
+        """The server's side (see the module docstring). A client whose reply it cannot
+        use is dropped (:meth:`~fedplug.setup_phase.SetupReplies.drop`) and the phase goes
+        on with the others: every step reads the clients of its own replies."""
         config = self.config
         rng = self.rng if self.rng is not None else np.random.default_rng(config.seed)
         seeds = PhaseOneSeeds.draw(rng)
 
-        ranges = yield SetupStep(RANGE)
-        sizes = [int(_value(ranges, client, RANGE, NUM_SAMPLES)) for client in sorted(ranges)]
-        dimensions = {int(_value(ranges, client, RANGE, INPUT_DIM)) for client in ranges}
-        if len(dimensions) != 1:
-            raise DataError(f"the clients' inputs have different sizes {sorted(dimensions)}")
+        range_reply = ReplySchema(
+            _sample_counts(RANGE, **{INPUT_DIM: Count(1, MAX_INPUT_DIM), INPUT_MIN: Real(), INPUT_MAX: Real()}),
+            NO_TENSORS,
+            sample_count=NUM_SAMPLES,
+        )
+        ranges = yield SetupStep(RANGE, expects=range_reply)
+        sizes = {client: int(_value(ranges, client, RANGE, NUM_SAMPLES)) for client in sorted(ranges)}
+        dimension = _common_dimension(ranges)
         bounds = unit_interval_bounds(
             [
                 (
@@ -156,7 +195,7 @@ class FedDiskPhase(SetupPhase):
             ],
             "the clients' data",
         )
-        template = made_template(dimensions.pop(), config, seeds)
+        template = made_template(dimension, config, seeds)
         settings: dict[str, Value] = {
             CONFIG: config.model_dump_json(),
             TEMPLATE_SEED: seeds.template,
@@ -165,30 +204,43 @@ class FedDiskPhase(SetupPhase):
         if bounds is not None:
             settings[LOWER_BOUND], settings[UPPER_BOUND] = bounds
 
-        local = yield SetupStep(LOCAL, tensors=made_parameters(template), values=settings)
-        initial_nll = federated_nll(_nlls(local, LOCAL), sizes)
+        sent = made_parameters(template)
+        local = yield SetupStep(LOCAL, tensors=sent, values=settings, expects=self._update_reply(LOCAL, sent))
+        initial_nll = federated_nll(_nlls(local, LOCAL), _sizes_of(local, sizes))
         stopping = GlobalMadeStopping(config.global_rounds, initial_nll)
         updates = _made_updates(local, LOCAL, template)
         while True:
-            evaluated = yield SetupStep(EVALUATE, tensors=average_state_dicts(updates, sizes))
-            stopping.record(federated_nll(_nlls(evaluated, EVALUATE), sizes))
+            sent = average_state_dicts(list(updates.values()), _sizes_of(updates, sizes))
+            evaluated = yield SetupStep(
+                EVALUATE, tensors=sent, expects=ReplySchema(_values(EVALUATE, {VALIDATION_NLL: NLL}), NO_TENSORS)
+            )
+            stopping.record(federated_nll(_nlls(evaluated, EVALUATE), _sizes_of(evaluated, sizes)))
             if stopping.finished:
                 break
-            updates = _made_updates((yield SetupStep(TRAIN)), TRAIN, template)
+            trained = yield SetupStep(TRAIN, expects=self._update_reply(TRAIN, sent))
+            updates = _made_updates(trained, TRAIN, template)
 
-        done = yield SetupStep(
-            WEIGHTS, values={KEEP: PREVIOUS if stopping.rose else LATEST}, final=True
+        epochs = Count(0, config.classifier_epochs)
+        weights_reply = ReplySchema(
+            _sample_counts(WEIGHTS, **{CLASSIFIER_EPOCHS: epochs, CLASSIFIER_BEST_EPOCH: epochs}),
+            NO_TENSORS,
+            sample_count=NUM_SAMPLES,
         )
-        for client, size in zip(sorted(done), sizes):
-            count = int(_value(done, client, WEIGHTS, NUM_SAMPLES))
-            if count != size:
-                raise _failure(WEIGHTS, client, f"holds {count} weights for {size} samples")
+        done = yield SetupStep(
+            WEIGHTS,
+            values={KEEP: PREVIOUS if stopping.rose else LATEST},
+            final=True,
+            expects=weights_reply,
+        )
+        _drop_miscounted(done, sizes)
         log_classifier_training(
             [int(_value(done, client, WEIGHTS, CLASSIFIER_EPOCHS)) for client in sorted(done)],
             [int(_value(done, client, WEIGHTS, CLASSIFIER_BEST_EPOCH)) for client in sorted(done)],
         )
         if self.on_reports is not None:
-            self.on_reports([dict(done[client].report) for client in sorted(done)])
+            # Every client that began the phase, in client order; one dropped since
+            # reports nothing (its entries are null, its weights not counted).
+            self.on_reports([dict(done[client].report) if client in done else {} for client in _every_client(num_clients, sizes)])
         self.cost = made_phase_cost(stopping.rounds, len(sizes), parameter_bytes(template))
         logger.info(
             "FedDisk phase 1: %d global MADE rounds (federated validation NLL %s), %d bytes up, "
@@ -199,6 +251,21 @@ class FedDiskPhase(SetupPhase):
             self.cost.bytes_down,
         )
         return self.cost
+
+    def _update_reply(self, step: str, sent: dict[str, Tensor]) -> ReplySchema:
+        """A reply that carries a client's MADE trained from ``sent``: the MADE's
+        parameters of their shapes, screened by their change from ``sent``."""
+        values = {NUM_SAMPLES: Count(0, MAX_COUNT)}
+        if step == LOCAL:
+            values[VALIDATION_NLL] = NLL
+        return ReplySchema(_values(step, values), _made_tensors(step, sent), sample_count=NUM_SAMPLES, reference=sent)
+
+    def report_schema(self) -> MessageSchema:
+        """A client's :meth:`client_report`: ``histogram_counts``, exactly
+        :data:`~.weights.HISTOGRAM_BINS` counts, and each of :data:`~.weights.WEIGHT_STATS`
+        a finite weight in ``[0, histogram_top]`` (absent for a client without samples);
+        nothing else (:func:`~.weights.weight_report_schema`)."""
+        return weight_report_schema(histogram_top(self.config))
 
     # ---------------------------------------------------------------------- clients
 
@@ -440,6 +507,54 @@ def _value(replies: dict[int, SetupReply], client: int, step: str, key: str) -> 
     return value
 
 
+def _drop(replies: dict[int, SetupReply], step: str, client: int, reason: str) -> None:
+    """Drop ``client`` where the runtime can (:class:`~fedplug.setup_phase.SetupReplies`;
+    the runtime logs it), else stop the run naming it."""
+    if not isinstance(replies, SetupReplies):
+        raise _failure(step, client, reason)
+    replies.drop(client, reason)
+
+
+def _common_dimension(ranges: dict[int, SetupReply]) -> int:
+    """The input size of most clients; a client reporting another one is dropped.
+
+    Raises:
+        DataError: no size is reported by more clients than every other one.
+    """
+    dimensions = {client: int(_value(ranges, client, RANGE, INPUT_DIM)) for client in sorted(ranges)}
+    tally = Counter(dimensions.values()).most_common()
+    if len(tally) > 1 and tally[0][1] == tally[1][1]:
+        raise DataError(f"the clients' inputs have different sizes {sorted(set(dimensions.values()))}")
+    common = tally[0][0]
+    for client, size in dimensions.items():
+        if size != common:
+            _drop(ranges, RANGE, client, f"reported inputs of {size} dimensions, most clients' have {common}")
+    return common
+
+
+def _drop_miscounted(done: dict[int, SetupReply], sizes: dict[int, int]) -> None:
+    """Drop a client whose weights, or whose report's histogram, do not count the samples
+    it reported in the first step."""
+    for client in sorted(done):
+        count = int(_value(done, client, WEIGHTS, NUM_SAMPLES))
+        counted = report_counts(done[client].report)
+        if count != sizes[client]:
+            _drop(done, WEIGHTS, client, f"holds {count} weights for {sizes[client]} samples")
+        elif counted is not None and counted != sizes[client]:
+            _drop(done, WEIGHTS, client, f"reported a weight histogram of {counted} samples, not its {sizes[client]}")
+
+
+def _every_client(num_clients: int, sizes: dict[int, int]) -> list[int]:
+    """Every client that could have replied: ids 0..K-1 (every runtime numbers them so),
+    or those of the first step's replies when they are numbered otherwise."""
+    return list(range(num_clients)) if set(sizes) <= set(range(num_clients)) else sorted(sizes)
+
+
+def _sizes_of(replies: Mapping[int, Any], sizes: dict[int, int]) -> list[int]:
+    """The first step's sample counts of the clients of ``replies``, in client order."""
+    return [sizes[client] for client in sorted(replies)]
+
+
 def _nlls(replies: dict[int, SetupReply], step: str) -> list[float]:
     """Every client's validation NLL, in client order."""
     return [float(_value(replies, client, step, VALIDATION_NLL)) for client in sorted(replies)]
@@ -447,16 +562,20 @@ def _nlls(replies: dict[int, SetupReply], step: str) -> list[float]:
 
 def _made_updates(
     replies: dict[int, SetupReply], step: str, template: MADE
-) -> list[dict[str, Tensor]]:
-    """Every client's MADE parameters, in client order, checked against ``template``."""
-    updates = []
+) -> dict[int, dict[str, Tensor]]:
+    """Every client's MADE parameters, by client id, checked against ``template``; a client
+    whose parameters do not fit it is dropped."""
+    updates = {}
     for client in sorted(replies):
         parameters = replies[client].tensors
         try:
             load_made_parameters(copy.deepcopy(template), parameters)
         except ValueError as error:
-            raise _failure(step, client, str(error)) from None
-        updates.append(dict(parameters))
+            _drop(replies, step, client, str(error))
+            continue
+        updates[client] = dict(parameters)
+    if not updates:
+        raise TrainingError(f"FedDisk phase 1, step {step!r}: no client sent a usable MADE, so the run stops")
     return updates
 
 

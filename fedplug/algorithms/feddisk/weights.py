@@ -20,6 +20,7 @@ from torch.nn.utils import skip_init
 from fedplug.components import Context, PhaseCost
 from fedplug.data.federation import Federation
 from fedplug.errors import TrainingError
+from fedplug.schema import MAX_COUNT, Counts, MessageSchema, Real
 
 from .density import (
     BYTES_PER_PARAMETER,
@@ -424,6 +425,29 @@ PREFIX = "sample_weight."
 """The prefix of every entry of the setup report."""
 
 
+REPORT_BYTES = 4096
+"""The most bytes of one client's report (its 9 statistics and 40 counts take about 600)."""
+
+
+def weight_report_schema(top: float) -> MessageSchema:
+    """What the server accepts as one client's :func:`client_weight_summary` for the
+    histogram of ``top`` (:func:`histogram_top`): ``histogram_counts``, exactly
+    :data:`HISTOGRAM_BINS` counts in ``[0, 10^9]``; each of :data:`WEIGHT_STATS` a weight
+    in ``[0, top]`` (a hair above, for the 6-digit rounding), absent for a client without
+    samples; nothing else, at most :data:`REPORT_BYTES`. Checked before anything adds the
+    counts up, so no count can wrap an int64 sum."""
+    weight = Real(0.0, top * (1 + 1e-5), optional=True)
+    fields = {HISTOGRAM_COUNTS: Counts(length=HISTOGRAM_BINS, high=MAX_COUNT)}
+    return MessageSchema("report", {**fields, **dict.fromkeys(WEIGHT_STATS, weight)}, max_bytes=REPORT_BYTES)
+
+
+def report_counts(report: Mapping[str, object]) -> int | None:
+    """How many samples a client's report counts over its histogram (None: it holds no
+    histogram)."""
+    counts = report.get(HISTOGRAM_COUNTS)
+    return int(sum(int(count) for count in counts)) if isinstance(counts, list) else None
+
+
 def histogram_top(config: SampleWeightConfig) -> float:
     """The upper edge of the weight histogram, which every weight ``config`` gives lies
     under: ``clip_max`` for the ``"mean"`` normalisation, 2 for ``"minmax"``. Fixed by the
@@ -461,16 +485,20 @@ def merge_weight_summaries(
     order), as JSON-ready values:
 
     - ``sample_weight.min``, ``.q05``, ``.q25``, ``.median``, ``.q75``, ``.q95``, ``.max``,
-      ``.mean``, ``.std``: one list entry per client, null for a client without samples;
+      ``.mean``, ``.std``: one list entry per client, null for a client without samples
+      (or one the setup phase dropped: its summary is empty);
     - ``sample_weight.histogram``: ``{"edges": [41 floats from 0 to top], "counts": [40
       ints]}``, the clients' counts added up (the weights of all clients pooled).
+
+    The summaries are the ones :func:`weight_report_schema` accepted (or computed here).
     """
     report: dict[str, object] = {
         PREFIX + name: [summary.get(name) for summary in client_summaries] for name in WEIGHT_STATS
     }
     counts = np.zeros(HISTOGRAM_BINS, dtype=np.int64)
     for summary in client_summaries:
-        counts += np.asarray(summary[HISTOGRAM_COUNTS], dtype=np.int64)
+        if HISTOGRAM_COUNTS in summary:  # a dropped client's summary is empty
+            counts += np.asarray(summary[HISTOGRAM_COUNTS], dtype=np.int64)
     report[PREFIX + "histogram"] = {
         "edges": [float(f"{edge:.6g}") for edge in histogram_edges(top)],
         "counts": [int(count) for count in counts],

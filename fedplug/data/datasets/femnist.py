@@ -12,6 +12,7 @@ import numpy as np
 from fedplug.components import ComponentConfig
 from fedplug.data.datasets.dataset import Dataset
 from fedplug.errors import DataError
+from fedplug.safe_files import read_regular_bytes
 
 
 class FemnistConfig(ComponentConfig):
@@ -64,8 +65,8 @@ def read_leaf_json(files: list[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]
     for path in files:
         hint = f"delete {path} and produce it again with LEAF's preprocess.sh"
         try:
-            with open(path, encoding="utf-8") as stream:
-                content = json.load(stream)
+            # Not a plain open(): a FIFO among the json files is refused, not waited on.
+            content = json.loads(read_regular_bytes(path, what="FEMNIST file", advice=hint, error=DataError))
             users = [str(user) for user in content["users"]]
             counts = [int(count) for count in content["num_samples"]]
             user_data = content["user_data"]

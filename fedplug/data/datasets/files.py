@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import gzip
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from fedplug.data.datasets.dataset import Dataset
 from fedplug.errors import DataError
+from fedplug.safe_files import open_regular
 
 REDOWNLOAD_HINT = (
     "delete it and load the dataset again with `download: true` (or re-run the pipeline's "
@@ -43,14 +46,28 @@ class _ArrayUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+@contextmanager
+def open_data_file(path: Path, hint: str = REDOWNLOAD_HINT) -> Iterator[BinaryIO]:
+    """``path`` open for binary reading, through gzip when it ends in ``.gz``; anything but
+    a regular file (a FIFO, a device) is refused in one line ending with ``hint``, without
+    waiting on it (:func:`fedplug.safe_files.open_regular`)."""
+    with open_regular(path, what="dataset file", advice=hint, error=DataError) as raw:
+        if path.suffix == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unpacked:
+                yield unpacked  # type: ignore[misc]
+        else:
+            yield raw
+
+
 def read_pickle(path: Path, hint: str = REDOWNLOAD_HINT) -> Any:
     """Read a (possibly gzipped) pickle of numpy arrays, as Python 2 era datasets ship
     them (``latin1`` decoding). Raises :class:`~fedplug.errors.DataError` naming ``path``
     and ending with ``hint`` (default: delete and download again) when it cannot be read."""
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as stream:
+        with open_data_file(path, hint) as stream:
             return _ArrayUnpickler(stream, encoding="latin1").load()
+    except DataError:
+        raise
     except Exception as error:  # every way a damaged pickle can fail
         raise DataError(f"{path} is not a readable pickle ({error}); {hint}") from error
 
@@ -62,9 +79,8 @@ def read_idx(path: Path) -> np.ndarray:
     only type MNIST-style datasets use), the number of dimensions ``d``, then ``d``
     big-endian uint32 sizes, then the data in C order.
     """
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as stream:
+        with open_data_file(path) as stream:
             raw = stream.read()
     except (OSError, EOFError, gzip.BadGzipFile) as error:
         raise DataError(f"{path} could not be read ({error}); {REDOWNLOAD_HINT}") from error

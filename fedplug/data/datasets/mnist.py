@@ -20,6 +20,7 @@ from fedplug.data.datasets.files import (
     read_pickle,
 )
 from fedplug.errors import DataError
+from fedplug.safe_files import load_npz
 
 
 class MnistConfig(ComponentConfig):
@@ -113,11 +114,13 @@ def _write_npz_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 def _read_mnist_cache(path: Path) -> dict[str, np.ndarray]:
     hint = "delete it and load MNIST again to rebuild it"
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {key: archive[key] for key in IDX_FILES}
-    except Exception as error:  # truncated zip, missing key, pickled object
-        raise DataError(f"{path} is not a valid MNIST cache ({error}); {hint}") from error
+    # A FIFO at the path, or a header claiming more than the file holds, is refused
+    # before anything waits or is allocated; a torn zip or a pickle is one line too.
+    stored = load_npz(path, what="MNIST cache", advice=hint)
+    missing = [key for key in IDX_FILES if key not in stored]
+    if missing:
+        raise DataError(f"{path} is not a valid MNIST cache (it lacks {', '.join(missing)}); {hint}")
+    arrays = {key: stored[key] for key in IDX_FILES}
     for split in ("train", "test"):
         if arrays[f"{split}_x"].dtype != np.uint8 or arrays[f"{split}_x"].shape[1:] != (28, 28):
             raise DataError(

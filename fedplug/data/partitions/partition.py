@@ -6,7 +6,6 @@ from __future__ import annotations
 import operator
 import os
 import tempfile
-import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 
 from fedplug.errors import DataError
 from fedplug.output_folder import default_file_mode
+from fedplug.safe_files import load_npz
 
 
 class ClientIndices(Sequence[np.ndarray]):
@@ -166,45 +166,62 @@ def save_partition(path: str | os.PathLike[str], partition: Partition) -> None:
 def load_partition(path: str | os.PathLike[str]) -> Partition:
     """Read a partition written by :func:`save_partition`.
 
-    Raises :class:`DataError` naming ``path`` when the file is missing, unreadable or
-    inconsistent (offsets that do not cover the indices, class counts that do not match
-    the client sizes).
+    Raises :class:`DataError` naming ``path`` when the file is missing, not a regular file
+    (a FIFO is refused without waiting on it), unreadable, has an array header claiming
+    more than the file holds (refused before anything is allocated:
+    :func:`fedplug.safe_files.load_npz`), or is inconsistent (offsets that do not cover
+    the indices, negative or fractional class counts, counts that do not match the client
+    sizes, negative indices, noise that is not finite and non-negative).
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"partition file {path} does not exist; {_how_to_regenerate(path)}")
+    advice = _how_to_regenerate(path)
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            indices = np.asarray(archive["indices"])
-            offsets = np.asarray(archive["offsets"])
-            class_counts = np.asarray(archive["class_counts"])
-            noise_std = np.asarray(archive["noise_std"]) if "noise_std" in archive.files else None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        arrays = load_npz(path, what="partition file", advice=advice)
+    except FileNotFoundError:
+        raise DataError(f"partition file {path} does not exist; {advice}") from None
+    missing = {"indices", "offsets", "class_counts"} - set(arrays)
+    if missing:
         raise DataError(
-            f"partition file {path} is corrupt or not a fedplug partition ({error}); "
-            f"{_how_to_regenerate(path)}"
-        ) from None
-    if (
-        indices.ndim != 1
-        or offsets.ndim != 1
-        or offsets.size < 1
-        or not np.issubdtype(indices.dtype, np.integer)
-        or not np.issubdtype(offsets.dtype, np.integer)
-        or offsets[0] != 0
-        or offsets[-1] != indices.size
-        or np.any(np.diff(offsets) < 0)
-        or class_counts.ndim != 2
-        or class_counts.shape[0] != offsets.size - 1
-        or not np.array_equal(class_counts.sum(axis=1), np.diff(offsets))
-        or (noise_std is not None and noise_std.shape != (offsets.size - 1,))
-    ):
-        raise DataError(
-            f"partition file {path} is inconsistent (offsets, class counts and noise do not "
-            f"match its indices); {_how_to_regenerate(path)}"
+            f"partition file {path} is corrupt or not a fedplug partition (it lacks "
+            f"{', '.join(sorted(missing))}); {advice}"
         )
-    indices = indices.astype(np.int64, copy=False)
+    indices, offsets, class_counts = arrays["indices"], arrays["offsets"], arrays["class_counts"]
+    noise_std = arrays.get("noise_std")
+    problem = _inconsistency(indices, offsets, class_counts, noise_std)
+    if problem is not None:
+        raise DataError(f"partition file {path} is inconsistent ({problem}); {advice}")
     return Partition(
-        client_indices=ClientIndices(indices, offsets),
+        client_indices=ClientIndices(indices.astype(np.int64, copy=False), offsets),
         class_counts=class_counts.astype(np.int64, copy=False),
         noise_std=None if noise_std is None else noise_std.astype(np.float64, copy=False),
     )
+
+
+def _inconsistency(
+    indices: np.ndarray, offsets: np.ndarray, class_counts: np.ndarray, noise_std: np.ndarray | None
+) -> str | None:
+    """What in a loaded partition's arrays cannot be a partition, or None."""
+    if indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer):
+        return "indices are not a vector of integers"
+    if indices.size and indices.min() < 0:
+        return "indices below 0"
+    if offsets.ndim != 1 or offsets.size < 1 or not np.issubdtype(offsets.dtype, np.integer):
+        return "offsets are not a vector of integers"
+    if offsets[0] != 0 or offsets[-1] != indices.size or np.any(np.diff(offsets) < 0):
+        return "offsets do not cover the indices in order"
+    if class_counts.ndim != 2 or class_counts.shape[0] != offsets.size - 1:
+        return f"class counts of shape {class_counts.shape} for {offsets.size - 1} clients"
+    if not np.issubdtype(class_counts.dtype, np.integer) or (class_counts.size and class_counts.min() < 0):
+        return "class counts that are not non-negative integers"
+    if class_counts.size and class_counts.max() > indices.size:  # before summing: no wrap-around
+        return f"a class count above the {indices.size} samples it indexes"
+    if not np.array_equal(class_counts.sum(axis=1, dtype=np.int64), np.diff(offsets)):
+        return "class counts do not add up to the client sizes"
+    if noise_std is not None and (
+        noise_std.shape != (offsets.size - 1,)
+        or not np.issubdtype(noise_std.dtype, np.floating)
+        or not np.all(np.isfinite(noise_std))
+        or np.any(noise_std < 0)
+    ):
+        return "noise_std is not one finite, non-negative value per client"
+    return None
