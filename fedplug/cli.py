@@ -9,10 +9,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
+# Only what `fedplug --help` and a config error need is imported here: torch, Ray, Flower
+# and MLflow are imported by the subcommands that use them (issue 41: `--help` took 12.7 s
+# on a busy machine when it imported torch).
 from fedplug.errors import ConfigError, FedplugError
-from fedplug.registry import KINDS, Registration
+from fedplug.registry import KINDS
+
+if TYPE_CHECKING:
+    from fedplug.registry import Registration
 
 SECTIONS = ("study", "tracking", "data", "train")
 """The config's sections whose keys ``fedplug list`` shows."""
@@ -60,6 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="overwrite a fedplug output folder of another config (deletes only the files fedplug wrote there)",
     )
     run_parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    run_parser.add_argument(
+        "--threads", type=thread_count, metavar="N",
+        help="torch's threads (default: train.threads, else $FEDPLUG_TORCH_THREADS, else 1; 0 = torch's "
+        "default, one per core); never more than the cores this process may use",
+    )
     tracking = run_parser.add_mutually_exclusive_group()
     tracking.add_argument(
         "--track", dest="track", action="store_true", default=None,
@@ -100,6 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fedplug.config_files import read_with_overrides
+
+    # A missing or malformed file and a malformed --set are reported before the plugins
+    # (and torch with them) are imported to validate the config.
+    read_with_overrides(args.config, args.overrides)
     from fedplug.config import load_experiment
     from fedplug.experiment import prepare_experiment
     from fedplug.output_folder import claim
@@ -118,7 +134,7 @@ def run_command(args: argparse.Namespace) -> int:
     # Everything that can refuse the run (data, partition, model, checkpoint, tracking)
     # runs before anything is printed: a refused run shows its one error line only, never
     # a progress bar that started.
-    simulator = prepare_experiment(config, out, resume=resume, force=args.force)
+    simulator = prepare_experiment(config, out, resume=resume, force=args.force, threads=args.threads)
     # From here on the folder is ours: locked against a second run, marked as this config's.
     with claim(out, fingerprint, force=args.force, legacy=run_folder_layout(fingerprint)):
         return train_and_report(args, config, simulator, out, resume)
@@ -131,6 +147,7 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
     from tqdm import tqdm
 
     from fedplug.experiment import checkpointed_rounds, train_experiment
+    from fedplug.threads import announce_threads
     from fedplug.tracking.naming import command_line_experiment, open_command_line_tracker
 
     # The config file's folder is the project: its local store is <project>/mlflow.db.
@@ -148,6 +165,7 @@ def train_and_report(args: argparse.Namespace, config: Any, simulator: Any, out:
         project_root=project_root,
         enabled=args.track,
     )
+    announce_threads()  # chosen by prepare_experiment; said once the run can no longer be refused
     if tracker.run_id is not None:
         state = " (resumed)" if tracker.resumed else " (finished before: nothing new to log)" if tracker.complete else ""
         print(f"MLflow run {tracker.run_id} in {tracker.uri}{state}", file=sys.stderr)
@@ -307,6 +325,19 @@ def describe_os_error(error: OSError) -> str:
     return f"{reason}{where}; check data.root, --out and the files under them (free space, permissions)"
 
 
+def thread_count(text: str) -> int:
+    """``--threads``'s value: a whole number from 0 (torch's default) to 1024."""
+    from fedplug.threads import MAX_THREADS
+
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads, e.g. 1, got {text!r}") from None
+    if not 0 <= threads <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"use 0 (torch's default) to {MAX_THREADS} threads, got {threads}")
+    return threads
+
+
 def join_set_values(argv: Sequence[str]) -> list[str]:
     """``argv`` with each ``--set KEY VALUE`` written as ``--set KEY=VALUE`` (a KEY without
     ``=`` followed by a word that is not an option), so both spellings work; everything
@@ -359,6 +390,29 @@ def wrapped(text: str, indent: int, hang: int = 4) -> list[str]:
     ) or [""]
 
 
+NOT_SENTENCE_ENDS = (
+    "e.g.", "i.e.", "et al.", "cf.", "vs.", "approx.", "resp.", "Fig.", "Eq.", "Sec.", "No.",
+)
+"""Abbreviations whose full stop does not end a docstring's first sentence."""
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of ``doc``'s first paragraph, on one line: what ``fedplug list``
+    shows for a component (a docstring's first *line* can stop mid-sentence). A sentence ends
+    at ``.``, ``?`` or ``!`` before a space and a capital letter, a backquote or a quote, or
+    at the paragraph's end; abbreviations (:data:`NOT_SENTENCE_ENDS`), initials and decimals
+    do not end it."""
+    import re
+
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    for end in re.finditer(r"[.?!](?=\s+[A-Z`\"'(])", paragraph):
+        before = paragraph[: end.end()]
+        if before.endswith(NOT_SENTENCE_ENDS) or re.search(r"(^|\s)[A-Z]\.$", before):
+            continue
+        return before
+    return paragraph
+
+
 def one_line(name: str, summary: str) -> str:
     """``  name             summary``, the summary wrapped under itself at :data:`WIDTH`
     columns (the overview's rows)."""
@@ -384,7 +438,10 @@ def describe_components(kind: str | None = None, params: tuple[str, Any] | None 
     lines = ["Components by kind (`fedplug list KIND` shows their parameters):"]
     for each_kind in KINDS:
         lines.append(f"{each_kind}:")
-        lines += [one_line(entry.name, entry.summary) for entry in registry.entries(each_kind)]
+        lines += [
+            one_line(entry.name, first_sentence(entry.config_class.__doc__))
+            for entry in registry.entries(each_kind)
+        ]
     lines.append(describe_trackers(registry, details=False))
     lines += wrapped(
         f"Config sections: {', '.join(SECTIONS)} (`fedplug list SECTION` shows each key with its default"
@@ -398,7 +455,7 @@ def describe_kind(registry: Any, kind: str) -> str:
     lines = [f"{kind}:"]
     for entry in registry.entries(kind):
         lines.append(f"  {entry.name}  [{entry.plugin}]")
-        lines += wrapped(" ".join(entry.summary.split()), 4)
+        lines += wrapped(first_sentence(entry.config_class.__doc__), 4)
         for text in describe_parameters(entry):
             lines += wrapped(text, 6)
     return "\n".join(lines)
@@ -407,7 +464,7 @@ def describe_kind(registry: Any, kind: str) -> str:
 def describe_trackers(registry: Any, details: bool = True) -> str:
     lines = ["trackers:  (tracking.backends)"]
     for entry in registry.tracker_entries():
-        summary = " ".join((entry.factory.__doc__ or "").strip().split("\n\n")[0].split())
+        summary = first_sentence(entry.factory.__doc__)
         if details:
             lines.append(f"  {entry.name}  [{entry.plugin}]")
             lines += wrapped(summary, 4)

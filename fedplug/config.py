@@ -22,28 +22,19 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, model_serializer, model_validator
 
 from fedplug.components import SLOTS, ComponentConfig, StrictConfig
 from fedplug.config_errors import format_validation_error  # callers import it from here too
+# Reading a file and --set needs no registry (fedplug.config_files); callers import these from here too.
+from fedplug.config_files import COMPONENT_FIELDS, component_entry, deep_merge, read_with_overrides
+from fedplug.config_files import MAX_NESTING, apply_override, parse_yaml, read_yaml, set_dotted, too_deep  # noqa: F401
 from fedplug.deadline import LONGEST_CLIENT_TIMEOUT_SECONDS
 from fedplug.errors import ConfigError
 from fedplug.faults import FaultsConfig
 from fedplug.registry import Registry
-from fedplug.safe_files import read_regular_bytes
 from fedplug.screening import ScreeningConfig
 
-# Config field -> registry kind, for every field that selects a component by name.
-COMPONENT_FIELDS = {
-    "dataset": "datasets",
-    "partition": "partitioners",
-    "model": "models",
-    "sampler": "samplers",
-    "loss_transform": "loss_transforms",
-    "aggregator": "aggregators",
-    "grouper": "groupers",
-}
 ALGORITHM_SLOTS = SLOTS
 """The algorithm slots of ``train`` (:data:`fedplug.components.SLOTS`)."""
 
@@ -51,12 +42,6 @@ MAX_SEED = 2**32 - 1
 """The largest seed (``train.seed``, ``data.seed``, ``study.seeds``): FedML seeds numpy's
 legacy generator with ``train.seed``, which takes 32 bits; torch takes 64."""
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-
-
-def component_entry(value: Any) -> Any:
-    """A component entry in its long form: ``aggregator: fedavg`` is short for
-    ``aggregator: {name: fedavg}``. Anything but a string is returned as it is."""
-    return {"name": value} if isinstance(value, str) else value
 
 
 class StrictModel(StrictConfig):
@@ -202,6 +187,14 @@ class TrainConfigBase(StrictModel):
     workers: int | None = Field(None, ge=1, le=1024)
     """Worker processes of engine ``parallel`` (None = one per CPU this process may run
     on, ``len(os.sched_getaffinity(0))``); a round with fewer chains starts fewer."""
+    threads: int | None = Field(None, ge=0, le=1024)
+    """torch's intra-op threads in each process of the run (:func:`fedplug.threads.choose_threads`;
+    ``fedplug run --threads N`` overrides it): None = ``$FEDPLUG_TORCH_THREADS``, else 1 (the
+    models are too small to split: torch's default of one thread per core was 30-40x slower
+    on a shared 2-core machine); 0 = torch's default. Never more than the cores a process may
+    use, shared among the parallel engine's workers. On CUDA it concerns the CPU-side work
+    only. Left out of the resolved config while None, so earlier run folders, checkpoints
+    and study records still match."""
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$")
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)."""
     eval_batch_size: int = Field(1000, ge=1)
@@ -221,6 +214,8 @@ class TrainConfigBase(StrictModel):
         data = handler(self)
         if isinstance(data, dict) and self.screening == ScreeningConfig():
             data.pop("screening", None)
+        if isinstance(data, dict) and self.threads is None:
+            data.pop("threads", None)  # as screening: earlier run folders and study hashes still match
         return data
 
     @model_validator(mode="after")
@@ -279,6 +274,8 @@ def _name_check(registry: Registry, field: str):
     noun = kind[:-1].replace("_", " ")
 
     def check(value: Any) -> Any:
+        if field == "loss_transform":
+            value = composed_loss_entry(value, registry)
         value = component_entry(value)
         if isinstance(value, dict):
             name = value.get("name")
@@ -292,6 +289,28 @@ def _name_check(registry: Registry, field: str):
         return value
 
     return check
+
+
+COMPOSITE_LOSS = "composite"
+"""The loss transform that composes several (fedplug/algorithms/composite_loss.py)."""
+REGISTRY_CONTEXT = "fedplug.registry"
+"""The pydantic validation-context key of the registry a composite's parts validate against."""
+
+
+def composed_loss_entry(value: Any, registry: Registry) -> Any:
+    """The ``loss_transform`` slot's value with a composite validated: a list of loss
+    transforms (``[fedshift, {name: fedprox, mu: 0.01}]``) is short for ``{name: composite,
+    parts: [...]}``, which validates here with ``registry`` in its context, so that its parts
+    validate against the same registry (each at its path, ``parts.1.mu``). Anything else is
+    returned as it is: a single loss transform validates (and hashes) as before."""
+    if COMPOSITE_LOSS not in registry.names("loss_transforms"):
+        return value
+    if isinstance(value, (list, tuple)):
+        value = {"name": COMPOSITE_LOSS, "parts": list(value)}
+    if isinstance(value, dict) and value.get("name") == COMPOSITE_LOSS:
+        config_class = registry.get("loss_transforms", COMPOSITE_LOSS).config_class
+        return config_class.model_validate(value, context={REGISTRY_CONTEXT: registry})
+    return value
 
 
 def _registered_elsewhere(registry: Registry, name: str, field: str) -> str:
@@ -337,160 +356,6 @@ def _registry(registry: Registry | None) -> Registry:
     return registry
 
 
-# ------------------------------------------------------------------ merging
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``override`` on top of ``base``; a component whose ``name`` changes is replaced
-    whole (its old parameters belong to another algorithm)."""
-    merged = dict(base)
-    for key, value in override.items():
-        old = merged.get(key)
-        if isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) == old.get("name"):
-            merged[key] = deep_merge(old, value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
-    """Apply one ``dotted.key=value`` (value parsed as YAML) to a nested dict."""
-    key, separator, raw = assignment.partition("=")
-    if not separator or not key.strip():
-        example = key.strip() if key.strip() and " " not in key.strip() else "train.rounds"
-        raise ConfigError(
-            f"--set {_shown(assignment)}: expected dotted.key=value; write --set {example}=VALUE "
-            f"(or --set {example} VALUE), e.g. --set train.rounds=5"
-        )
-    if key.count(".") >= MAX_NESTING:
-        raise ConfigError(
-            f"--set {_shown(assignment)}: the key has {key.count('.') + 1} parts, more than {MAX_NESTING}; "
-            "fedplug's keys have fewer than 10"
-        )
-    try:
-        where = too_deep(raw)
-        if where is not None:
-            raise ConfigError(
-                f"--set {_shown(assignment)}: the value is nested more than {MAX_NESTING} levels deep "
-                f"(at column {where[1]}); fedplug's values nest fewer than 10"
-            )
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"--set {_shown(assignment)}: the value is not valid YAML ({error})") from None
-    return set_dotted(data, key.strip(), value)
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """``repr(text)``, cut to about ``limit`` characters (a huge ``--set`` stays one line)."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
-    """``data`` with the dotted ``key`` set to ``value``, merged by :func:`deep_merge`.
-
-    A name given to a component field switches the component
-    (``train.aggregator=fedavgm``); a value under it tunes the component
-    (``train.aggregator.momentum=0.5``).
-    """
-    keys = key.split(".")
-    override: dict[str, Any] = {}
-    node = override
-    for part in keys[:-1]:
-        node = node.setdefault(part, {})
-    node[keys[-1]] = component_entry(value) if keys[-1] in COMPONENT_FIELDS else value
-    return deep_merge(data, override)
-
-
-# -------------------------------------------------------------------------- loading
-
-MAX_NESTING = 50
-"""The deepest nesting of mappings and lists a config file or ``--set`` value may have
-(fedplug's own configs nest 6 levels). PyYAML builds a document recursively, so a few
-hundred levels would end in a ``RecursionError``; :func:`too_deep` checks first."""
-
-
-def too_deep(text: str) -> tuple[int, int] | None:
-    """``(line, column)`` (1-based) where ``text``'s YAML nests more than
-    :data:`MAX_NESTING` mappings or lists, or None. Reads PyYAML's event stream, which
-    is not recursive, and stops at the first level too many.
-
-    Raises:
-        yaml.YAMLError: ``text`` is not valid YAML before that point.
-    """
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_NESTING:
-                return event.start_mark.line + 1, event.start_mark.column + 1
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-    return None
-
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, where PyYAML
-    would silently keep the last value."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first_line = seen.get(key)
-            except TypeError:  # an unhashable key: the base class reports it
-                continue
-            if first_line is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given at line {first_line + 1})", key_node.start_mark
-                )
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that say which file and line."""
-    path = Path(path)
-    try:
-        # Not read_text(): a FIFO or device given as the config is refused, not waited on.
-        text = read_regular_bytes(
-            path, what="config file", advice="give a params file (a regular file)", error=ConfigError
-        ).decode()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8"
-        ) from None
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
-    return parse_yaml(text, str(path))
-
-
-def parse_yaml(text: str, source: str) -> dict[str, Any]:
-    """The YAML mapping in ``text`` (``source`` names it in errors: a file, a run-config
-    key), refused in one line when it is invalid, nested too deep, or not a mapping."""
-    try:
-        where = too_deep(text)
-        if where is not None:
-            raise ConfigError(
-                f"{source}: nested more than {MAX_NESTING} levels deep at line {where[0]}, column {where[1]}; "
-                "a fedplug config nests fewer than 10 levels"
-            )
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections (data:, train:, ...), got {type(data).__name__}")
-    return data
 
 
 def validate_experiment(
@@ -548,9 +413,7 @@ def load_experiment(
     """Read, override and validate an experiment config file (see
     :func:`validate_experiment` for ``check_every_algorithm``). A relative ``data.root``
     is read against the file's folder (:meth:`DataConfigBase.root_path`)."""
-    data = read_yaml(path)
-    for assignment in overrides:
-        data = apply_override(data, assignment)
+    data = read_with_overrides(path, overrides)
     if algorithm is not None:
         # Validate the file as written first, so that a bad value in algorithms.<label> is
         # reported at that path (not at the train.* path it is merged into).

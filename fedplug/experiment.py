@@ -24,6 +24,7 @@ from fedplug.run_folder import (
     write_yaml,
 )
 from fedplug.simulation.simulator import RoundObserver, Simulator
+from fedplug.threads import announce_threads, choose_run_threads
 
 
 class ExperimentOptions(TypedDict, total=False):
@@ -41,6 +42,9 @@ class ExperimentOptions(TypedDict, total=False):
     force: bool
     """Replace a fedplug folder of another config (default False;
     :func:`fedplug.output_folder.claim`); the run then starts over."""
+    threads: int | None
+    """torch's threads, over ``train.threads`` (``fedplug run --threads``; default None:
+    :func:`fedplug.threads.choose_run_threads` decides)."""
 
 
 def run_experiment(
@@ -88,9 +92,11 @@ def prepare_experiment(
     holds: :func:`fedplug.output_folder.inspect`), the federation, the simulator, and the
     checkpoint in ``out_dir`` when resuming (a corrupt one, or one of another config, is
     refused). More observers can join ``simulator.observers`` before
-    :func:`train_experiment`."""
+    :func:`train_experiment`. torch's threads are chosen first (the data is loaded with
+    them too) and said by :func:`train_experiment`, once the run can no longer be refused."""
     registry = options.get("registry") or default_registry()
     resume = resumes(config, out_dir, options)
+    choose_run_threads(config.train, options.get("threads"), announce=False)
     checkpoint = Path(out_dir) / "checkpoint.pt" if out_dir is not None else None
     federation = options.get("federation")
     if federation is None:
@@ -121,6 +127,7 @@ def train_experiment(
     """Train a prepared experiment and write its files to ``out_dir`` (when given), which
     is claimed meanwhile (:func:`fedplug.output_folder.claim`: locked against a second run,
     marked with :func:`output_fingerprint`; ``force`` as in :func:`run_experiment`)."""
+    announce_threads()
     if out_dir is None:
         return simulator.run(resume=resume)
     out = Path(out_dir)

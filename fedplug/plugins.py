@@ -44,6 +44,7 @@ BUILTIN_PLUGINS = (
     "fedplug.algorithms.fedshift",
     "fedplug.algorithms.fedgsp",
     "fedplug.algorithms.feddisk",
+    "fedplug.algorithms.composite_loss",
     "fedplug.algorithms.flower_strategies",
     "fedplug.tracking",
 )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedplug.components import ComponentConfig
 from fedplug.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:  # imported where it is used: `fedplug --help` imports this module, not torch
+    from fedplug.component_config import ComponentConfig
 
 KINDS = (
     "datasets",
@@ -132,6 +134,8 @@ class Registry:
 
     def _declared_name(self, kind: str, plugin: str, config_class: Any) -> str:
         """The one string of ``config_class.name: Literal[...]``: the component's name."""
+        from fedplug.component_config import ComponentConfig
+
         class_name = getattr(config_class, "__name__", repr(config_class))
         where = f"{self.describe(plugin)} registering {kind[:-1]} by config class {class_name}"
         if not (isinstance(config_class, type) and issubclass(config_class, ComponentConfig)):
@@ -157,6 +161,8 @@ class Registry:
         factory: Callable[..., Any],
     ) -> None:
         """Add one component; reject what would make the registry ambiguous or unusable."""
+        from fedplug.component_config import ComponentConfig
+
         where = f"{self.describe(plugin)} registering {kind[:-1]} {name!r}"
         if not isinstance(name, str) or not name:
             raise PluginError(f"{where}: the name must be a non-empty string")

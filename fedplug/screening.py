@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -89,6 +90,19 @@ class ScreeningRules:
     config: ScreeningConfig = field(default_factory=lambda: ScreeningConfig())
 
 
+MAX_SECONDS = 10.0**9
+"""The most wall time a reply may claim (``seconds``; about 31 years): a bound before any
+sum of a chain's times, on every runtime (Flower's decoding has the same)."""
+MAX_METRIC_NAME_CHARS = 128
+"""The longest name of a reply's metric (:data:`fedplug.run.reply_metrics.MAX_METRIC_KEY_CHARS`,
+which cuts a runtime's metrics before they reach the round core)."""
+MAX_METRICS_BYTES = 16 * 1024
+"""The most bytes of a reply's metrics, names and 8 bytes a number
+(:data:`fedplug.run.reply_metrics.MAX_METRICS_BYTES`)."""
+LARGEST_FLOAT = sys.float_info.max
+"""A metric's magnitude bound: any finite float; a larger int is refused before it is converted."""
+
+
 # ------------------------------------------------------------------- metadata checks
 
 REAL_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -164,7 +178,12 @@ def number_problem(what: str, value: Any, low: float = -math.inf, high: float = 
     """Why ``value`` is not a real, finite number in ``[low, high]``, or None."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         return f"sent {what} = {_short(value)} of type {type(value).__name__}, expected a number"
-    number = float(value)
+    if isinstance(value, numbers.Integral) and not low <= value <= high:  # exact, before float() can overflow
+        return f"sent {what} = {_short(value)}, expected a number in [{low:g}, {high:g}]"
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        return f"sent {what} = {_short(value)}, expected a finite number"
     if not math.isfinite(number):
         return f"sent {what} = {number}, expected a finite number"
     if not low <= number <= high:
@@ -217,7 +236,7 @@ def _update_problem(
         return reason
     if reason := count_problem("num-steps", update.num_steps, config.max_num_steps):
         return reason
-    if reason := number_problem("seconds", update.seconds, 0.0):
+    if reason := number_problem("seconds", update.seconds, 0.0, MAX_SECONDS):
         return reason
     if reason := _vector_problem(update.vector, rules.model_shape):
         return reason
@@ -290,9 +309,18 @@ def _metrics_problem(metrics: Any, required: tuple[str, ...]) -> str | None:
             return f"reported no {name!r} in its metrics"
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
             return f"reported {name} = {value} (not finite; a client that trained no batch has none)"
+    used = 0
     for name, value in metrics.items():
-        if reason := number_problem(f"metric {str(name)[:40]!r}", value):
+        if not isinstance(name, str) or len(name) > MAX_METRIC_NAME_CHARS:
+            return (
+                f"sent a metric named {_short(name)}, expected a string of at most "
+                f"{MAX_METRIC_NAME_CHARS} characters"
+            )
+        if reason := number_problem(f"metric {name[:40]!r}", value, -LARGEST_FLOAT, LARGEST_FLOAT):
             return reason
+        used += len(name) + 8
+        if used > MAX_METRICS_BYTES:
+            return f"sent metrics of more than {MAX_METRICS_BYTES} bytes (names and 8 bytes a number)"
     return None
 
 

@@ -36,7 +36,7 @@ SETUP_DIR = Path("data/setup")
 # runs: an ad-hoc run must not make the `evaluate` stage (which depends on this folder) stale.
 RUNS_DIR = Path("reports/runs")
 REPORTS_DIR = Path("reports")
-THREADS_VARIABLE = "FEDPLUG_TORCH_THREADS"
+THREADS_VARIABLE = "FEDPLUG_TORCH_THREADS"  # fedplug.threads.THREADS_VARIABLE
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -110,22 +110,20 @@ def merged_train_slot(params: dict[str, Any], label: str, slot: str) -> Any:
     return merged.get(slot)
 
 
-def set_torch_threads() -> int:
-    """Use ``$FEDPLUG_TORCH_THREADS`` threads (default 1: the models are small, and on a
-    shared few-core machine extra threads mostly wait on each other); returns the count."""
-    import torch
+def set_torch_threads(train: Any = None) -> int:
+    """torch's threads for a stage, chosen as every fedplug runtime chooses them
+    (:func:`fedplug.threads.choose_threads`): ``train.threads`` when a validated ``train``
+    section is given, else ``$FEDPLUG_TORCH_THREADS``, else 1 (the models are small, and on
+    a shared few-core machine extra threads mostly wait on each other); returns the count.
 
-    raw = os.environ.get(THREADS_VARIABLE, "1")
-    try:
-        threads = int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"{THREADS_VARIABLE}={raw!r}: expected a whole number of threads, e.g. 1"
-        ) from None
-    if threads < 1:
-        raise ConfigError(f"{THREADS_VARIABLE}={raw!r}: use at least 1 thread")
-    torch.set_num_threads(threads)
-    return threads
+    Raises:
+        ConfigError: ``$FEDPLUG_TORCH_THREADS`` is not a whole number from 0 to 1024.
+    """
+    from fedplug.threads import choose_run_threads, choose_threads
+
+    if train is not None:
+        return choose_run_threads(train)
+    return choose_threads(None)
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:

@@ -10,7 +10,9 @@ algorithms no longer in the params are ignored) and, for wall time, the setup st
 - ``curves.png``: accuracy vs round and accuracy vs cumulative bytes, every algorithm on
   each chart;
 - ``curves.csv``: the same curves in long format (the data of the DVC plots);
-- ``summary.json``: per-algorithm metrics for ``dvc metrics show`` / ``dvc exp show``.
+- ``summary.json``: per-algorithm metrics (DVC metrics) for ``dvc exp show`` / ``dvc exp
+  diff``; ``dvc metrics diff --all --no-path`` lists them a line each (``dvc metrics show``
+  puts them all in one row).
 
 Those four are DVC outputs committed to git and hold only what the params and the code
 determine, so a re-run reproduces them byte for byte. The measured wall times (each run's
@@ -45,6 +47,8 @@ from common import (
     validate_model,
 )
 
+from fedplug.safe_files import read_regular_bytes
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     files = write_report(runs, args.out, study.target_accuracy, title)
     wall_times = wall_time_markdown(summarize(runs, study.target_accuracy), title)
     (Path(args.out) / "wall_times.md").write_text(wall_times)
-    print(files.comparison.read_text())
+    print(read_regular_bytes(files.comparison).decode())
     print(wall_times)
     log_to_parent_run(params, study.name, files, args.params, runs)
     return 0
@@ -118,7 +122,7 @@ def log_to_parent_run(
     )
     if parent is None:
         return
-    summary = json.loads(files.summary.read_text())
+    summary = json.loads(read_regular_bytes(files.summary))
     metrics = {
         f"{algorithm}.{key}": value
         for algorithm, values in summary.items()
@@ -144,9 +148,10 @@ def log_to_parent_run(
 def measured_seconds(path: Path, key: str) -> float:
     """A measured time from a timings file (0 when the file, or the key, is missing: the
     setup stage writes none for an algorithm without a setup phase, and a
-    queued experiment brings back only the DVC outputs)."""
+    queued experiment brings back only the DVC outputs); a FIFO, socket or device there
+    is refused in one line, not waited on."""
     try:
-        timings = json.loads(path.read_text())
+        timings = json.loads(read_regular_bytes(path, what="timings file", advice="delete it and run its stage again"))
     except (OSError, ValueError):
         return 0.0
     seconds = timings.get(key) if isinstance(timings, dict) else None

@@ -57,6 +57,8 @@ from common import (
     validate_device,
 )
 
+from fedplug.safe_files import read_regular_bytes
+
 INFO_NAME = "info.json"
 TIMING_NAME = "timing.json"
 """Beside ``info.json``, the seconds the setup files took to compute: a measured time, in
@@ -221,8 +223,10 @@ def ensure_setup_file(label: str, work: SetupWork, file_name: str, federation: A
 
 
 def _read_info(folder: Path, name: str = INFO_NAME) -> dict[str, Any] | None:
+    """``folder``'s ``name`` (None: missing or not a JSON object); a FIFO, socket or
+    device there is refused in one line, not waited on."""
     try:
-        info = json.loads((folder / name).read_text())
+        info = json.loads(read_regular_bytes(folder / name, advice="delete it and run the setup stage again"))
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None

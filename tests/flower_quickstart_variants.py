@@ -91,8 +91,10 @@ TRAIN_TAKES_CRITERION = (
 )
 
 
-def served_by_fedplug(train_config: str) -> tuple[Edit, ...]:
-    """The server's strategy line: ``FedplugStrategy`` with the same keywords."""
+def served_by_fedplug(train_config: str = "") -> tuple[Edit, ...]:
+    """The server's strategy line: ``FedplugStrategy`` with the same keywords, after
+    ``train_config``'s arguments (default none: the literal class-name swap)."""
+    arguments = f"{train_config}, " if train_config else ""
     return (
         Edit(
             SERVER,
@@ -102,7 +104,7 @@ def served_by_fedplug(train_config: str) -> tuple[Edit, ...]:
         Edit(
             SERVER,
             STRATEGY_LINE,
-            f"    strategy = FedplugStrategy({train_config}, fraction_evaluate=fraction_evaluate)",
+            f"    strategy = FedplugStrategy({arguments}fraction_evaluate=fraction_evaluate)",
         ),
     )
 
@@ -136,6 +138,13 @@ def scaffold_loop(finish_round: str, *task_edits: Edit) -> tuple[Edit, ...]:
 
 
 VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "fedavg",
+        "FedplugStrategy",
+        "the class name swapped, `FedAvg` -> `FedplugStrategy`, and its import; no train "
+        "section: FedAvg with the defaults (`fraction_train` 1.0, as Flower's)",
+        served_by_fedplug(),
+    ),
     Variant(
         "fedavgm",
         "FedplugStrategy",

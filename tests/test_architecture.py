@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ["errors", "config_errors", "memory", "deadline", "cost_model", "output_folder", "output_ownership", "project",
-         "flower_internals", "safe_files"], 1
+         "flower_internals", "safe_files", "threads"], 1
     ),
     **dict.fromkeys(
         ["", "components", "component_config", "aggregation", "analysis", "registry", "plugins", "hookspecs",
-         "config", "screening", "faults", "setup_phase", "data", "models", "run_folder", "schema",
+         "config", "config_files", "screening", "faults", "setup_phase", "data", "models", "run_folder", "schema",
          "schema_strategies"],
         2,
     ),

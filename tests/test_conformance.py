@@ -1,7 +1,9 @@
 """Conformance: the simulator and Flower's in-process grid give the same round records.
 
 For every combination of the built-in aggregators x loss transforms x samplers x groupers
-that Flower runs (the config accepts it and no component needs pooled raw data), and for
+that Flower runs (the config accepts it and no component needs pooled raw data), for the
+loss transforms composed in one slot (:data:`COMPOSED_LOSSES`: FedShift + FedProx,
+FedDisk + FedProx), and for
 the test-only plugins of :mod:`conformance_plugins` (a stateful aggregator with a payload
 and a reply extra, a loss transform with a two-step setup phase, a grouper with its own
 metrics), a two-round run on both runtimes must agree: accuracy and loss within 1e-5;
@@ -84,6 +86,21 @@ DEFAULTS = {
     "grouper": "none",
 }
 TEST_ONLY = {"loss_transform": LOSS_TRANSFORM, "aggregator": AGGREGATOR, "grouper": GROUPER}
+COMPOSED_LOSSES: dict[str, list[Any]] = {
+    "fedshift+fedprox": ["fedshift", {"name": "fedprox", **SETTINGS["fedprox"]}],
+    "feddisk+fedprox": [{"name": "feddisk", **SETTINGS["feddisk"]}, {"name": "fedprox", **SETTINGS["fedprox"]}],
+}
+"""Loss transforms composed in the one slot (``loss_transform: [a, b]``, the ``composite``
+loss transform), by row label; the bare name ``composite`` has no parts and no row."""
+COMPOSED_ROWS: list[dict[str, str]] = [
+    {**DEFAULTS, "loss_transform": "fedshift+fedprox"},
+    {**DEFAULTS, "loss_transform": "fedshift+fedprox", "aggregator": "scaffold"},
+    {**DEFAULTS, "loss_transform": "fedshift+fedprox", "sampler": "iwds"},
+    {**DEFAULTS, "loss_transform": "fedshift+fedprox", "grouper": "fedgsp"},
+    {**DEFAULTS, "loss_transform": "feddisk+fedprox"},
+]
+"""The compositions' rows: FedShift + FedProx with each slot's other interesting choice
+(SCAFFOLD's client penalty adds to FedProx's), FedDisk + FedProx (a part with a setup phase)."""
 
 
 def base_experiment() -> dict[str, Any]:
@@ -96,7 +113,7 @@ def base_experiment() -> dict[str, Any]:
 def experiment_dict(names: dict[str, str], **train: Any) -> dict[str, Any]:
     data = base_experiment()
     for slot, name in names.items():
-        data["train"][slot] = {"name": name, **SETTINGS.get(name, {})}
+        data["train"][slot] = COMPOSED_LOSSES.get(name) or {"name": name, **SETTINGS.get(name, {})}
         if name in CLIENT_FRACTION:
             data["train"]["client_fraction"] = CLIENT_FRACTION[name]
     data["train"].update(train)
@@ -134,6 +151,7 @@ def combinations() -> list[Any]:
                 chosen.append({**DEFAULTS, slot: plugin, other: name})
     for sampler in builtin["sampler"]:
         chosen.append({"sampler": sampler, **TEST_ONLY})
+    chosen += COMPOSED_ROWS
     unique = {tuple(names[slot] for slot in SLOTS): names for names in chosen}
     return [
         pytest.param(names, id="-".join(key))
@@ -262,7 +280,7 @@ def test_the_matrix_covers_every_registered_component() -> None:
     covered: dict[str, set[str]] = {slot: set() for slot in SLOTS}
     for param in combinations():
         for slot, name in param.values[0].items():
-            covered[slot].add(name)
+            covered[slot].add("composite" if name in COMPOSED_LOSSES else name)
     registry = conformance_registry()
     expected = {
         slot: {
@@ -273,6 +291,7 @@ def test_the_matrix_covers_every_registered_component() -> None:
         for slot, kind in SLOTS.items()
     }
     assert "feddisk_ab" not in expected["loss_transform"]  # it pools raw data: simulator only
+    expected["loss_transform"].add("composite")  # its rows: COMPOSED_ROWS
     assert covered == expected
 
 

@@ -15,7 +15,8 @@ sees all six, in chains of 6 and then 3):
 
 - every combination of the built-in aggregators x loss transforms x samplers x groupers
   that the config accepts and :func:`~fedplug.adapters.fedml.runtime.check_supported`
-  lets through;
+  lets through, and the loss transforms composed in one slot (:data:`COMPOSED_LOSSES`:
+  FedShift + FedProx, FedDisk + FedProx) with the other slots at their defaults;
 - the test-only plugins of ``tests/conformance_plugins.py`` (a stateful aggregator with
   a payload and a reply extra, a loss transform with a two-step setup phase, a grouper
   with its own round metrics), together;
@@ -130,6 +131,13 @@ component runs with its defaults."""
 CLIENT_FRACTION = {"fedgsp": 1.0}
 """FedGSP samples groups itself, so it sees every client."""
 
+COMPOSED_LOSSES: dict[str, list[Any]] = {
+    "fedshift+fedprox": ["fedshift", {"name": "fedprox", **SETTINGS["fedprox"]}],
+    "feddisk+fedprox": [{"name": "feddisk", **SETTINGS["feddisk"]}, {"name": "fedprox", **SETTINGS["fedprox"]}],
+}
+"""Loss transforms composed in the one slot (``loss_transform: [a, b]``, the ``composite``
+loss transform), by row label; the bare name ``composite`` has no parts and no row."""
+
 SLOTS = {
     "sampler": "samplers",
     "loss_transform": "loss_transforms",
@@ -145,7 +153,9 @@ DROPOUT = {"faults": {"dropout": {"probability": 0.7}}, "rounds": 4}
 """A dropout that empties some of the 4 rounds (3 of 6 clients sampled) and not others."""
 
 
-def component(kind: str, name: str) -> dict[str, Any]:
+def component(kind: str, name: str) -> Any:
+    if name in COMPOSED_LOSSES:
+        return COMPOSED_LOSSES[name]
     fields = REGISTRY.get(kind, name).config_class.model_fields
     settings = {key: value for key, value in SETTINGS.get(name, {}).items() if key in fields}
     return {"name": name, **settings}
@@ -170,7 +180,12 @@ def supported_combinations() -> list[tuple[str, str, str, str]]:
     """Every built-in (sampler, loss transform, aggregator, grouper) FedML can run."""
     builtin = default_registry()
     combinations = []
-    for names in itertools.product(*(builtin.names(kind) for kind in SLOTS.values())):
+    composed = [
+        ("uniform", label, "fedavg", "none") for label in COMPOSED_LOSSES
+    ]
+    for names in [*itertools.product(*(builtin.names(kind) for kind in SLOTS.values())), *composed]:
+        if "composite" in names:
+            continue  # no parts: its rows are the composed ones
         try:
             config = experiment(**dict(zip(SLOTS, names)))
             check_supported(config)
@@ -340,7 +355,8 @@ def test_every_built_in_slot_value_is_covered():
     # A component FedML refuses in every combination would vanish from the list silently.
     builtin = default_registry()
     for position, kind in enumerate(SLOTS.values()):
-        assert {names[position] for names in COMBINATIONS} == set(builtin.names(kind)), kind
+        covered = {"composite" if names[position] in COMPOSED_LOSSES else names[position] for names in COMBINATIONS}
+        assert covered == set(builtin.names(kind)), kind
 
 
 @pytest.mark.parametrize(

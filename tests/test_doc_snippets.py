@@ -247,6 +247,7 @@ def test_server_side_algorithms_change_only_the_strategy_line() -> None:
 EXAMPLE_CONFIGS: dict[str, dict[str, Any]] = {
     # Components whose default config is incomplete, and modes that change the needs.
     "flower": {"name": "flower", "strategy": "FedMedian"},
+    "composite": {"name": "composite", "parts": ["fedshift", "fedprox"]},
 }
 EXTRA_ROWS: list[tuple[str, dict[str, Any], str]] = [
     ("grouper", {"name": "fedgsp", "mode": "naive"}, "`grouper: fedgsp` (`mode: naive`)"),

@@ -206,7 +206,7 @@ def test_the_runs_and_an_accuracy_chart_in_mlflows_ui(project: Path, browser: We
     assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"
     names = sorted(run.info.run_name for run in runs)
     assert len(names) == len(ALGORITHMS) and all(
-        any(name.startswith(f"{algorithm}-seed0-synthetic-") for name in names) for algorithm in ALGORITHMS
+        any(name.startswith(f"{algorithm}-seed0-") and name.endswith("-synthetic") for name in names) for algorithm in ALGORITHMS
     ), names
     log = tmp_path / "make-ui.log"
     with running_make_ui(project, log) as base:

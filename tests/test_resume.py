@@ -106,6 +106,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
     "feddisk_ab": {"classifier_hidden": 8, "classifier_epochs": 1},
 }
+# FedDisk + FedProx in one slot: the resumed run must restore FedDisk's weights from the
+# composite's per-part state.
+SETTINGS["composite"] = {"parts": [{"name": "feddisk", **SETTINGS["feddisk"]}, {"name": "fedprox", "mu": 0.1}]}
 """Small settings for components whose defaults are slow or need a parameter."""
 
 PLUGIN_DISTRIBUTION = "fedplug-conformance-plugins"

@@ -398,6 +398,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "feddisk_ab": {"classifier_hidden": 8, "classifier_epochs": 1},
     "fedgsp": {"mode": "fedgsp", "group_fraction": 0.5},
     "flower": {"strategy": "FedAvg"},  # the bridge needs a Flower strategy named
+    "composite": {"parts": [{"name": "feddisk", "made_hidden": 8, "made_max_epochs": 1, "global_rounds": 1,
+                             "classifier_hidden": 8, "classifier_epochs": 1}, {"name": "fedprox", "mu": 0.1}]},
 }
 TRAIN_OVERRIDES: dict[str, dict[str, Any]] = {"fedgsp": {"client_fraction": 1.0}}
 SLOTS = {

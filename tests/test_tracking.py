@@ -649,7 +649,7 @@ def test_fedplug_run_has_its_own_experiment_names_configs_apart_and_logs_a_finis
     for name, extra in variants.items():
         resolved = load_experiment(config, extra[1::2], None, check_every_algorithm=False)
         label = "fedavgm" if name == "momentum" else "fedavg"
-        expected[f"{label}-seed0-synthetic-{output_fingerprint(resolved)[:8]}"] = name
+        expected[f"{label}-seed0-{output_fingerprint(resolved)[:8]}-synthetic"] = name
     assert sorted(runs) == sorted(expected)  # three names for three configs, none twice
     first = runs[next(run for run, name in expected.items() if name == "a")]
     assert "nothing new to log" in again.err and f"MLflow run {first.info.run_id}" in again.out

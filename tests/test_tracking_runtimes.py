@@ -139,8 +139,8 @@ def test_the_ready_server_app_round_trips_through_an_mlflow_server(
     client = MlflowClient(mlflow_server)
     run = only_run(client)
     run_id = run.info.run_id
-    name = run.info.run_name  # <algorithm>-seed<seed>-<dataset>-<config hash>, as fedplug run's
-    assert name.startswith("momentum-seed0-synthetic-") and len(name.rsplit("-", 1)[1]) == 8
+    name = run.info.run_name  # <algorithm>-seed<seed>-<config hash>-<dataset>, as fedplug run's
+    assert name.startswith("momentum-seed0-") and name.endswith("-synthetic") and len(name.split("-")[2]) == 8
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert {key: tags[key] for key in ("fedplug.runtime", "fedplug.algorithm", "fedplug.seed")} == {

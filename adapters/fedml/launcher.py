@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedplug.errors import ConfigError, FedplugError, TrainingError
 from fedplug.run.results import RunResult
+from fedplug.safe_files import read_regular_bytes
 
 if TYPE_CHECKING:
     from fedplug.tracking import Tracker
@@ -288,7 +289,7 @@ def _abandoned_ranks(out: Path) -> list[int] | None:
     """The ranks of rank 0's ``abandoned-ranks.json`` (``None``: no such note, or an
     unreadable one)."""
     try:
-        return [int(rank) for rank in json.loads((out / ABANDONED_FILE).read_text())["ranks"]]
+        return [int(rank) for rank in _read_rank_json(out / ABANDONED_FILE)["ranks"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -306,19 +307,25 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+def _read_rank_json(path: Path) -> Any:
+    """The JSON a rank wrote into the run folder: a FIFO, socket or device planted there is
+    refused in one line, not waited on."""
+    return json.loads(read_regular_bytes(path, what="FedML rank file", advice="remove it and run again"))
+
+
 def _load_result(path: Path) -> RunResult:
-    return RunResult.from_dict(json.loads(path.read_text()))
+    return RunResult.from_dict(_read_rank_json(path))
 
 
 def _blocked_network(out: Path) -> dict[int, list[str]]:
     found = {}
     for path in sorted(out.glob("network-rank*.json")):
-        found[int(path.stem.removeprefix("network-rank"))] = json.loads(path.read_text())
+        found[int(path.stem.removeprefix("network-rank"))] = _read_rank_json(path)
     return found
 
 
 def _rank_failure(out: Path, returncode: int, log_path: Path) -> FedplugError:
-    errors = [json.loads(path.read_text()) for path in sorted(out.glob("error-rank*.json"))]
+    errors = [_read_rank_json(path) for path in sorted(out.glob("error-rank*.json"))]
     if not errors:
         return TrainingError(
             f"mpirun exited with code {returncode}; log {log_path}:\n{_tail(log_path)}"
@@ -333,8 +340,8 @@ def _rank_failure(out: Path, returncode: int, log_path: Path) -> FedplugError:
 
 def _tail(path: Path) -> str:
     try:
-        return path.read_text(errors="replace")[-LOG_TAIL_CHARACTERS:]
-    except OSError:
+        return read_regular_bytes(path).decode(errors="replace")[-LOG_TAIL_CHARACTERS:]
+    except (OSError, FedplugError):  # the tail only adds to another error's message
         return "(no log)"
 
 

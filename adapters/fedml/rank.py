@@ -85,6 +85,7 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
     from fedplug.errors import ConfigError
     from fedplug.plugins import default_registry
     from fedplug.run.model import build_model, resolve_device
+    from fedplug.safe_files import read_regular_bytes
 
     from .coordinator import Coordinator
     from .protocol import plan_rounds
@@ -96,8 +97,11 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
         raise ConfigError(
             f"started with {size} MPI ranks; a run on {workers} workers needs {workers + 1}"
         )
-    config = validate_experiment(json.loads(Path(options.experiment).read_text()))
+    # Not read_text(): a FIFO planted in the run folder is refused, not waited on.
+    experiment = read_regular_bytes(options.experiment, what="FedML experiment file", advice="remove it and run again")
+    config = validate_experiment(json.loads(experiment))
     check_supported(config)
+    choose_rank_threads(config.train, rank, size)
     registry = default_registry()
     device = resolve_device(config.train.device)
     federation = build_federation(config.data, registry, device)
@@ -154,6 +158,21 @@ def run_rank(rank: int, size: int, options: argparse.Namespace, out: Path) -> li
         trainer = FedplugClientTrainer(model, args, worker)
         FedMLRunner(args, device, dataset, model, client_trainer=trainer).run()
     return []
+
+
+def choose_rank_threads(train: Any, rank: int, size: int) -> int:
+    """torch's threads in this rank (:func:`fedplug.threads.choose_threads`):
+    ``train.threads``, else the launcher's ``--threads-per-rank`` (every rank's
+    ``OMP_NUM_THREADS``, :func:`.guard.fedml_environment`); the ``size`` ranks share this
+    machine's cores. Rank 0 says what it chose."""
+    import os
+
+    from fedplug.threads import choose_threads, parse_threads
+
+    setting, source = train.threads, "train.threads"
+    if setting is None and os.environ.get("OMP_NUM_THREADS", "").strip():
+        setting, source = parse_threads(os.environ["OMP_NUM_THREADS"], "--threads-per-rank"), "--threads-per-rank"
+    return choose_threads(setting, workers=size, source=source, announce=rank == 0)
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -41,6 +41,7 @@ from fedplug.run_folder import (
     write_json,
     write_yaml,
 )
+from fedplug.threads import choose_run_threads
 
 from .capabilities import ANY_COMPONENT, CLIENT_SLOTS, declare
 from .flower_log import report_fedplug_errors_in_one_line
@@ -211,6 +212,7 @@ def run_on_grid(
         registry = default_registry()
     source_path = experiment if isinstance(experiment, (str, os.PathLike)) else None
     experiment = load_experiment_source(experiment, registry)
+    choose_run_threads(experiment.train)  # train.threads, else 1: once per process, before the data loads
     dataset = load_dataset(experiment.data, registry)
     device = resolve_device(experiment.train.device)
     out = Path(out_dir) if out_dir else None
@@ -279,8 +281,8 @@ def open_server_tracker(
         out_dir: the run's output folder (keeps ``mlflow_run.json`` for resuming; default
             None: nothing to resume).
         track: default None: ``experiment.tracking.enabled``.
-        algorithm: the run's label: its name ``<algorithm>-seed<seed>-<dataset>-<config
-            hash>`` (:func:`fedplug.tracking.naming.command_line_run_name`) and tag
+        algorithm: the run's label: its name ``<algorithm>-seed<seed>-<config
+            hash>-<dataset>`` (:func:`fedplug.tracking.naming.command_line_run_name`) and tag
             ``fedplug.algorithm`` (default: the aggregator's name).
         project_root: folder of the default local store (default: ``$DVC_ROOT`` or the
             working folder).

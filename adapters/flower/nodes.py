@@ -116,7 +116,11 @@ def node_experiment(message: Message, context: Context) -> NodeExperiment:
             f"partition-id 0..{num_clients - 1}"
         )
     from fedplug.plugins import default_registry
+    from fedplug.threads import choose_run_threads
 
+    # torch's threads as the server's (train.threads, else 1), set once per experiment in this
+    # process; the ServerApp says what they are, so many nodes do not repeat it.
+    choose_run_threads(experiment.train, announce=False)
     registry = default_registry()
     device = resolve_device(experiment.train.device)
     data_key = json.dumps([experiment.data.model_dump(mode="json"), str(device)], sort_keys=True)

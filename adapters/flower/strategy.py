@@ -93,7 +93,10 @@ class FedplugStrategy(Strategy):
       stream).
 
     Args:
-        train_config: the ``train`` section, validated or as a dict.
+        train_config: the ``train`` section, validated or as a dict (default None: an
+            empty one, which validates to FedAvg with the defaults: so that
+            ``FedplugStrategy(fraction_evaluate=...)``, Flower's quickstart with only the
+            class name changed, runs FedAvg as Flower's ``FedAvg`` does).
         num_clients: K, the number of nodes (one fedplug client each); ``None``: sample
             among the connected nodes, Flower's way (default).
         num_classes: C; needed when a component needs the clients' class counts, or to
@@ -143,7 +146,7 @@ class FedplugStrategy(Strategy):
     """
     def __init__(
         self,
-        train_config: Mapping[str, Any] | Any,
+        train_config: Mapping[str, Any] | Any | None = None,
         *,
         num_clients: int | None = None,
         num_classes: int | None = None,
@@ -176,6 +179,8 @@ class FedplugStrategy(Strategy):
             from fedplug.plugins import default_registry
 
             registry = default_registry()
+        if train_config is None:
+            train_config = {}
         if isinstance(train_config, Mapping):
             train_config = validate_section("train", dict(train_config), registry)
         fraction = train_config.client_fraction if fraction_train is None else fraction_train

@@ -36,7 +36,7 @@ from fedplug.faults import Faults, RoundDropout, corrupt
 from fedplug.run.client_text import client_text
 from fedplug.run.components import Components
 from fedplug.run.results import RoundRecord, RunResult
-from fedplug.run.round_plan import participants, plan_round, sample_round
+from fedplug.run.round_plan import chain_members, participants, plan_round, sample_round
 from fedplug.run.round_screen import (
     ClientFailure,
     HandedUpdates,
@@ -520,6 +520,8 @@ class RoundCore:
             faults_straggler_timeouts=tally.straggler_timeouts,
             faults_corrupted=tally.corrupted,
             dropped=dropped,
+            clients=[int(client) for client in members],
+            chains=chain_members(plan),
             metrics={**(self.round_metrics(plan) if plan.chains else {}), **evaluation.validation_metrics()},
         )
 

@@ -42,6 +42,13 @@ class RoundRecord:
     dropped: list[dict[str, Any]] = field(default_factory=list)
     """What was dropped from the round and why: ``{"clients": [...], "reason": "..."}``
     per dropout, failed chain and screened-out update (the final attempt's)."""
+    clients: list[int] | None = None
+    """The clients that trained in the round, chain by chain (the plan's members, which
+    ``participants`` counts; one whose update failed is also named in ``dropped``). None
+    in a record written before fedplug recorded them (an older checkpoint)."""
+    chains: list[list[int]] | None = None
+    """Each chain's members in training order, when a grouper chained clients (a chain
+    of more than one); None when every client trained alone, as ``clients`` then says."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What the components report about the round themselves
     (:meth:`fedplug.components.Grouper.round_metrics`: ``cpd_median``, ``cpd_mean``);
@@ -49,7 +56,7 @@ class RoundRecord:
 
     def as_dict(self) -> dict[str, Any]:
         """The record as one flat dict: the fixed fields, then the components' metrics
-        (``dropped`` is the one list)."""
+        (``dropped``, ``clients`` and ``chains`` are the lists)."""
         values = asdict(self)
         metrics = values.pop("metrics")
         return {key: _json_number(value) for key, value in {**values, **metrics}.items()}
@@ -60,6 +67,9 @@ class RoundRecord:
         names = {item.name for item in fields(cls)} - {"metrics"}
         fixed = {key: (float("nan") if value is None else value) for key, value in values.items() if key in names}
         fixed["dropped"] = [dict(entry) for entry in values.get("dropped") or []]
+        clients, chains = values.get("clients"), values.get("chains")
+        fixed["clients"] = None if clients is None else [int(client) for client in clients]
+        fixed["chains"] = None if chains is None else [[int(client) for client in chain] for chain in chains]
         if isinstance(values.get("metrics"), dict):  # asdict()'s form, as checkpoints hold it
             metrics = dict(values["metrics"])
         else:
@@ -137,20 +147,29 @@ WALL_CLOCK_KEYS = ("total_seconds", "setup_seconds")
 """The measured (machine- and load-dependent) values of :meth:`RunResult.summary`; each
 round's are ``seconds``. Everything else in ``metrics.json`` is a function of the config."""
 
+BESIDE_HASHED_ROUND_KEYS = {"seconds": "round_seconds", "clients": "round_clients", "chains": "round_chains"}
+"""Round keys a pipeline keeps beside the files DVC hashes, under these names: the measured
+``seconds``, and the rounds' client ids (:attr:`RoundRecord.clients`, ``chains``), which
+are reproducible but came after the committed runs were hashed: kept beside them, adding
+them moved no committed hash (the MLflow run shows them per round)."""
+
 
 def split_wall_clock(summary: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(reproducible, timings)`` of a :meth:`RunResult.summary`: the summary without its
     measured times, and those times (``total_seconds``, ``setup_seconds`` and the rounds'
     ``seconds`` as ``round_seconds``). Files a pipeline commits keep only the first, so a
-    re-run on another machine writes them byte for byte."""
+    re-run on another machine writes them byte for byte. The rounds' client ids go with
+    the times (``round_clients``, ``round_chains``; :data:`BESIDE_HASHED_ROUND_KEYS`)."""
     reproducible = {key: value for key, value in summary.items() if key not in WALL_CLOCK_KEYS}
     timings: dict[str, Any] = {key: summary[key] for key in WALL_CLOCK_KEYS if key in summary}
     history = summary.get("history")
     if isinstance(history, list):
         reproducible["history"] = [
-            {key: value for key, value in record.items() if key != "seconds"} for record in history
+            {key: value for key, value in record.items() if key not in BESIDE_HASHED_ROUND_KEYS} for record in history
         ]
-        timings["round_seconds"] = [record.get("seconds") for record in history]
+        for key, name in BESIDE_HASHED_ROUND_KEYS.items():
+            if key == "seconds" or any(key in record for record in history):
+                timings[name] = [record.get(key) for record in history]
     return reproducible, timings
 
 

@@ -109,6 +109,14 @@ def participants(plan: RoundPlan) -> list[int]:
     return [client for chain in plan.chains for client in chain]
 
 
+def chain_members(plan: RoundPlan) -> list[list[int]] | None:
+    """Each chain's members of ``plan`` as ints, for the round's record; None when every
+    chain is one client (:func:`participants` then names them all)."""
+    if all(len(chain) <= 1 for chain in plan.chains):
+        return None
+    return [[int(client) for client in chain] for chain in plan.chains]
+
+
 def round_steps(plan: RoundPlan) -> int:
     """The steps a round of ``plan`` takes on a runtime that trains one member of every
     chain per step (FedML: one FedML round per step): its longest chain, and one for a

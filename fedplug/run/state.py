@@ -254,6 +254,12 @@ def _history(damaged: _Damaged, value: Any) -> list[RoundRecord]:
         dropped = entry.get("dropped") or []
         if not isinstance(dropped, list) or not all(isinstance(item, dict) for item in dropped):
             raise damaged(f"{where}['dropped'] is not a list of dicts")
+        # None: a checkpoint written before rounds named their clients.
+        clients, chains = entry.get("clients"), entry.get("chains")
+        if clients is not None and not _client_ids(clients):
+            raise damaged(f"{where}['clients'] is not a list of client ids")
+        if chains is not None and not (isinstance(chains, list) and all(_client_ids(chain) for chain in chains)):
+            raise damaged(f"{where}['chains'] is not a list of lists of client ids")
         try:
             history.append(RoundRecord.from_dict(entry))
         except (TypeError, ValueError) as error:  # a required field missing
@@ -316,6 +322,13 @@ def _check_shapes(damaged: _Damaged, loaded: Any, template: Any, where: str) -> 
     elif isinstance(loaded, (list, tuple)) and isinstance(template, (list, tuple)) and len(loaded) == len(template):
         for index, (item, fresh) in enumerate(zip(loaded, template)):
             _check_shapes(damaged, item, fresh, f"{where}[{index}]")
+
+
+def _client_ids(value: Any) -> bool:
+    """Whether ``value`` is a list of client ids (non-negative ints)."""
+    return isinstance(value, list) and all(
+        isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)) and item >= 0 for item in value
+    )
 
 
 def _is_number(value: Any) -> bool:

@@ -43,6 +43,9 @@ from fedplug.safe_files import read_regular_bytes
 
 FAILED_NAME = "failed.json"
 """The study folder's record of runs that failed in parallel runs: run id -> why."""
+RUN_CPUS = 1
+"""CPUs one run's Ray task asks for: its torch threads stay within them
+(:func:`fedplug.threads.limit_cores`; ``train.threads`` above it is capped)."""
 RETRIES_AFTER_CRASH = 1
 """Ray retries a task whose worker process died (not one that raised) this many times; the
 retry resumes the run from its checkpoint."""
@@ -192,18 +195,21 @@ def worker_federation(config: Any, registry: Any, node: str) -> tuple[Any, str]:
 
 
 def train_in_worker(train: TrainRun, task: RunTask) -> dict[str, Any]:
-    """The body of a run's Ray task: one torch thread, the run's config validated again,
+    """The body of a run's Ray task: torch's threads within the task's :data:`RUN_CPUS`
+    (:func:`fedplug.threads.choose_run_threads`), the run's config validated again,
     its federation (:func:`worker_federation`), then ``train``; returns the summary, the
     node id, this process's id and where the federation came from."""
     import ray
-    import torch
 
     from fedplug.config import validate_experiment
     from fedplug.plugins import default_registry
+    from fedplug.threads import choose_run_threads, choose_threads, limit_cores
 
-    torch.set_num_threads(1)
+    limit_cores(RUN_CPUS)  # the node shows all its cores; this task was given RUN_CPUS of them
+    choose_threads(None, announce=False)  # before the config is validated (the plugins load)
     registry = default_registry()
     config = validate_experiment(task.config, registry)
+    choose_run_threads(config.train, announce=False)  # train.threads, within RUN_CPUS
     if config.model_dump(mode="json") != task.config:
         raise ConfigError(f"run {task.run.run_id}: its config does not survive the trip to a Ray worker "
                           "(validating its JSON document gives another config); train it with --jobs 1")
@@ -307,7 +313,7 @@ def train_on_ray(tasks: list[RunTask], train: TrainRun, *, in_flight: int,
         # A script's module (the study runner, loaded from its file) is not importable on the
         # workers: its functions travel by value, as ``__main__``'s do.
         ray.cloudpickle.register_pickle_by_value(module)
-    remote = ray.remote(num_cpus=1, max_retries=RETRIES_AFTER_CRASH)(train_in_worker)
+    remote = ray.remote(num_cpus=RUN_CPUS, max_retries=RETRIES_AFTER_CRASH)(train_in_worker)
     train_ref = ray.put(train)
     holders = start_holders()
     queue = list(tasks)

@@ -36,6 +36,32 @@ TRAINING_EXPERIMENT_KIND = "custom_model_development"
 """Its value for model training ("Machine learning" in the UI's selector)."""
 
 
+MAX_LOGGED_CLIENT_IDS = 10_000
+"""Most client ids one round's participants artifact holds (:func:`round_participants`):
+a round of more clients keeps its first ones and says it was cut."""
+
+
+def round_participants_file(round_number: int) -> str:
+    """The run artifact naming round ``round_number``'s clients: ``rounds/round-0001.json``."""
+    return f"rounds/round-{round_number:04d}.json"
+
+
+def round_participants(record: RoundRecord) -> dict[str, Any]:
+    """Who trained in ``record``'s round, as its MLflow artifact holds it: ``clients`` (at
+    most :data:`MAX_LOGGED_CLIENT_IDS`; ``truncated`` says whether some were left out),
+    ``chains`` (a grouper's chains; null when every client trained alone, or when cut)
+    and ``participants``, the full count."""
+    clients = list(record.clients or [])
+    truncated = len(clients) > MAX_LOGGED_CLIENT_IDS
+    return {
+        "round": record.round,
+        "participants": record.participants,
+        "clients": clients[:MAX_LOGGED_CLIENT_IDS],
+        "chains": None if truncated else record.chains,
+        "truncated": truncated,
+    }
+
+
 def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -238,7 +264,9 @@ class MlflowTracker:
             self._call("log params", self.client.log_batch, self.run_id, params=chunk)
 
     def log_round(self, record: RoundRecord) -> None:
-        """Log one round's metrics at ``step = record.round`` unless already logged."""
+        """Log one round's metrics at ``step = record.round``, and the clients that
+        trained in it as the artifact :func:`round_participants_file`, unless already
+        logged."""
         self.log_history([record])
 
     def log_history(self, records: Iterable[RoundRecord]) -> None:
@@ -254,6 +282,11 @@ class MlflowTracker:
         ]
         for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
             self._call("log round metrics", self.client.log_batch, self.run_id, metrics=chunk)
+        for record in pending:
+            if record.clients is not None:  # None: a round restored from an older checkpoint
+                text = json.dumps(round_participants(record))
+                path = round_participants_file(record.round)
+                self._call(f"upload {path}", self.client.log_text, self.run_id, text, path)
         self.logged_rounds.update(record.round for record in pending)
 
     def log_result(self, result: RunResult) -> None:

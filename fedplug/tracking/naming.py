@@ -4,14 +4,18 @@
   own experiment (``study.name``) holds the pipeline's runs, each nested under the parent
   run of its ``dvc repro`` or ``dvc exp run``; a quick start on another dataset or a
   one-off variant typed on the command line must not land among them.
-- Run name: ``<algorithm>-seed<seed>-<dataset>-<config hash>``
-  (:func:`command_line_run_name`), e.g. ``fedprox+fedavgm-seed0-synthetic-8ecc5e74``:
+- Run name: ``<algorithm>-seed<seed>-<config hash>-<dataset>``
+  (:func:`command_line_run_name`), e.g. ``fedprox+fedavgm-seed0-8ecc5e74-synthetic``:
   the algorithm is ``--algorithm``'s entry, else the algorithm slots not at their default;
   the hash (the first 8 characters of the one the default output folder
   ``runs/<dataset>-<algorithm>-<hash>`` carries, of the resolved ``data`` and ``train``
   sections) tells apart two configs that differ elsewhere (a learning rate, the rounds).
   What differs most often comes first, where the UI's narrow name column still shows it,
-  as in the pipeline's ``<algorithm>-seed<seed>@<group>``.
+  as in the pipeline's ``<algorithm>-seed<seed>@<group>``: the hash comes before the
+  dataset, which the run's tags and params also hold (with the dataset before it, three
+  ``fedavg-seed0-synthetic-...`` rows looked the same). A run is re-opened by the id its
+  output folder records (``mlflow_run.json``), never by name, so runs logged under the
+  earlier order resume as before.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def command_line_experiment(config: Any) -> str:
 
 
 def command_line_run_name(config: Any, algorithm: str | None = None) -> str:
-    """``<algorithm>-seed<seed>-<dataset>-<config hash>`` for a ``fedplug run``.
+    """``<algorithm>-seed<seed>-<config hash>-<dataset>`` for a ``fedplug run``: the short
+    hash before the dataset, so that the UI's narrow name column tells two configs apart.
 
     Args:
         config: the resolved experiment config.
@@ -44,7 +49,7 @@ def command_line_run_name(config: Any, algorithm: str | None = None) -> str:
 
     digest = output_fingerprint(config)[:HASH_LENGTH]
     label = algorithm_label(config, algorithm)
-    return f"{label}-seed{config.train.seed}-{config.data.dataset.name}-{digest}"
+    return f"{label}-seed{config.train.seed}-{digest}-{config.data.dataset.name}"
 
 
 def open_command_line_tracker(

@@ -574,6 +574,17 @@ def default_fragment(name: str, spec: Any) -> str:
     return f"## {name}\n\n{spec.description.strip()}\n\n{{{{plan}}}}\n\n{{{{results}}}}\n"
 
 
+def read_text_or(path: Path, missing: Any) -> Any:
+    """The text of ``path``, or ``missing`` when no file is there; a FIFO, socket or device
+    there is refused in one line, not waited on (:mod:`fedplug.safe_files`)."""
+    from fedplug.safe_files import read_regular_bytes
+
+    try:
+        return read_regular_bytes(path).decode()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # as is_file() said: none
+        return missing
+
+
 def render_page(layout: Layout = Layout()) -> str:
     """The whole page, from the spec files, results files and fragments under ``layout``."""
     from fedplug.study.quotes import fill_quotes
@@ -586,12 +597,13 @@ def render_page(layout: Layout = Layout()) -> str:
         studies.append((name, spec, check_records(load_records(path), str(path.relative_to(layout.root)), spec)))
     quoted = quotable(studies)
     intro_path = layout.verdicts / "_intro.md"
-    intro = intro_path.read_text() if intro_path.is_file() else "# Reproducing the papers\n\n{{status_table}}\n"
+    intro = read_text_or(intro_path, "# Reproducing the papers\n\n{{status_table}}\n")
     intro = fill_quotes(intro, quoted, intro_path.name)
     parts = [fill(intro, {"status_table": status_table(layout, studies)}, intro_path.name)]
     for name, spec, records in studies:
         path = layout.verdicts / f"{name}.md"
-        fragment = path.read_text() if path.is_file() else default_fragment(name, spec)
+        fragment = read_text_or(path, None)
+        fragment = default_fragment(name, spec) if fragment is None else fragment
         fragment = fill_quotes(fragment, quoted, path.name, name)
         fragment = PAIRED.sub(lambda match: paired_block(name, spec, records, *match.groups(), path.name), fragment)
         parts.append(fill(fragment, {"plan": plan_line(spec), "results": results_block(layout, name, spec, records),
@@ -657,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"drew {path.relative_to(layout.root)}")
     page = render_page(layout)
     if args.check:
-        current = layout.page.read_text() if layout.page.is_file() else ""
+        current = read_text_or(layout.page, "")
         if current != page:
             print(f"{layout.page.relative_to(layout.root)} is out of date: run python pipelines/studies/render_results.py",
                   file=sys.stderr)

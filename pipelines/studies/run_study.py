@@ -286,7 +286,7 @@ def log_study_summary(parent: StudyParent, out: Path, axes: list[str]) -> None:
     ``summary.md``, ``summary.json`` and the figures."""
     from fedplug.project import log_parent_summary
 
-    rows = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else []
+    rows = read_json_or(out / "summary.json", [])
     metrics = {}
     for row in rows:
         label = "/".join([*(str(row[axis]) for axis in axes), str(row["algorithm"])])
@@ -606,6 +606,27 @@ def train_claimed(spec: Any, run: Any, folder: Path, registry: Any, federation: 
     return result.summary()
 
 
+def read_run_json(path: Path) -> Any:
+    """The JSON document a run or study folder keeps at ``path``: a FIFO, socket or device
+    there is refused in one line, not waited on.
+
+    Raises:
+        ConfigError: ``path`` is not a regular file.
+        OSError: as ``open()`` (``FileNotFoundError`` for a missing file).
+    """
+    from fedplug.safe_files import read_regular_bytes
+
+    return json.loads(read_regular_bytes(path, advice="remove it and run the study again"))
+
+
+def read_json_or(path: Path, missing: Any) -> Any:
+    """:func:`read_run_json`, or ``missing`` when no file is at ``path``."""
+    try:
+        return read_run_json(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # as is_file() said: none
+        return missing
+
+
 def collect_records(runs: list[Any], out: Path, committed: dict[str, dict[str, Any]],
                     overrides: list[str]) -> list[dict[str, Any]]:
     """One record per finished run, in study order: from its folder when it holds the run
@@ -616,12 +637,10 @@ def collect_records(runs: list[Any], out: Path, committed: dict[str, dict[str, A
     for run in runs:
         folder = out / run.run_id
         if run_folder_state(run, folder).status == "done":
-            info = folder / "run_info.json"
-            provenance = folder / PROVENANCE_NAME
             records.append(run_record(
-                run, json.loads((folder / "metrics.json").read_text()), run.config.study.target_accuracy,
-                info=json.loads(info.read_text()) if info.is_file() else None,
-                provenance=json.loads(provenance.read_text()) if provenance.is_file() else None,
+                run, read_run_json(folder / "metrics.json"), run.config.study.target_accuracy,
+                info=read_json_or(folder / "run_info.json", None),
+                provenance=read_json_or(folder / PROVENANCE_NAME, None),
                 overrides=overrides,
             ))
         elif run.run_id in committed:
