@@ -94,11 +94,12 @@ MAX_SECONDS = 10.0**9
 """The most wall time a reply may claim (``seconds``; about 31 years): a bound before any
 sum of a chain's times, on every runtime (Flower's decoding has the same)."""
 MAX_METRIC_NAME_CHARS = 128
-"""The longest name of a reply's metric (:data:`fedplug.run.reply_metrics.MAX_METRIC_KEY_CHARS`,
-which cuts a runtime's metrics before they reach the round core)."""
+"""The longest name of a reply's metric (``num-examples``, ``train_loss``: honest names are
+a few dozen characters); :mod:`fedplug.run.reply_metrics` cuts a runtime's metrics to the
+same bound before they reach the round core."""
 MAX_METRICS_BYTES = 16 * 1024
-"""The most bytes of a reply's metrics, names and 8 bytes a number
-(:data:`fedplug.run.reply_metrics.MAX_METRICS_BYTES`)."""
+"""The most bytes of one reply's metrics, names (one byte per character) and values (8
+bytes per number) together: two full lists, or hundreds of numbers."""
 LARGEST_FLOAT = sys.float_info.max
 """A metric's magnitude bound: any finite float; a larger int is refused before it is converted."""
 

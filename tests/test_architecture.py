@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
     "run": 3,
     "algorithms": 4,
     **dict.fromkeys(["simulation", "adapters", "tracking"], 5),
-    **dict.fromkeys(["experiment", "cli", "study", "report", "compare", "plugin_check", "dvc_plots"], 6),
+    **dict.fromkeys(["experiment", "cli", "study", "report", "compare", "plugin_check", "plugin_guide", "dvc_plots"], 6),
 }
 """Each top-level part of ``fedplug`` (``fedplug.adapters`` is the ``adapters/`` folder) and
 its layer; ``""`` is the package's ``__init__``."""

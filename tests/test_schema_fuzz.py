@@ -549,8 +549,6 @@ def test_one_hostile_flower_node_is_at_most_dropped(attack: dict[str, Any]) -> N
 
     # Prepare: node 1's train and evaluate replies carry fields drawn from the schemas
     # (or it raises with a drawn text).
-    refused = accepts(flower_schema(attack["aggregator"]), {})  # every field missing: a baseline
-    assert refused is not None
     refused_scalars = [
         name for name, value in attack["train"]
         if name in SCALAR_FIELDS and flower_schema(attack["aggregator"]).fields[name].problem(value)

@@ -90,6 +90,18 @@ def test_the_choice_is_applied_and_said_once(fresh_threads: Any, capsys: pytest.
     assert capsys.readouterr().err == "fedplug: torch uses 2 threads (--threads; set --threads N to change)\n"
 
 
+@pytest.fixture
+def nothing_said_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as if no run had said its threads yet (the line is said once per process)."""
+    import importlib
+
+    try:
+        threads = importlib.import_module("fedplug.threads")
+    except ImportError:  # fedplug before threads were chosen
+        return
+    monkeypatch.setattr(threads, "_state", {**threads._state, "announced": None, "chosen": None})
+
+
 def write_config(folder: Path, **train: Any) -> Path:
     experiment = copy.deepcopy(EXPERIMENT)
     experiment["train"].update(train)
@@ -107,7 +119,7 @@ def run_threads(folder: Path, *arguments: str) -> int:
 
 
 def test_fedplug_run_uses_one_thread_whatever_torch_had(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], nothing_said_yet: None
 ) -> None:
     before = torch.get_num_threads()
     monkeypatch.delenv("FEDPLUG_TORCH_THREADS", raising=False)
@@ -121,7 +133,7 @@ def test_fedplug_run_uses_one_thread_whatever_torch_had(
 
 
 def test_threads_and_train_threads_reach_torch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], nothing_said_yet: None
 ) -> None:
     before = torch.get_num_threads()
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})

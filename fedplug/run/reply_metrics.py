@@ -22,17 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedplug.run.client_text import client_text
+from fedplug.screening import MAX_METRIC_NAME_CHARS, MAX_METRICS_BYTES
 
-MAX_METRIC_KEY_CHARS = 128
+MAX_METRIC_KEY_CHARS = MAX_METRIC_NAME_CHARS
 """Longest metric name kept; a longer one's metric is refused (``num-examples``,
-``train_loss``, ``client-accuracy-mean``: honest names are a few dozen characters)."""
+``train_loss``, ``client-accuracy-mean``: honest names are a few dozen characters). The
+round core's screen holds the same bound (one constant, in :mod:`fedplug.screening`)."""
 MAX_METRIC_LIST_ITEMS = 1_000
 """Most items of one list-valued metric (a per-class accuracy of up to 1,000 classes)."""
 MAX_METRIC_ENTRIES = 256
 """Most entries of one reply's metrics looked at; the rest are refused uncounted."""
-MAX_METRICS_BYTES = 16 * 1024
-"""Most bytes of one reply's metrics kept, names (one byte per character) and values
-(8 bytes per number) together: two full lists, or hundreds of numbers."""
 SHOWN_REFUSALS = 5
 """How many refused entries a warning names (then how many more)."""
 

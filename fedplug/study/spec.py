@@ -138,8 +138,20 @@ class TuneSpec(StrictConfig):
     metric: Literal["val_accuracy", "val_loss"] = "val_accuracy"
     """What is chosen on: ``val_accuracy`` (maximised) or ``val_loss`` (minimised), on
     the union of the clients' validation samples."""
-    select: Literal["last", "best"] = "last"
-    """The metric's value at the ``last`` round (default) or the ``best`` over rounds."""
+    select: Literal["last", "best", "window"] = "last"
+    """The metric's value at the ``last`` round (default), the ``best`` over rounds, or
+    the mean over the last ``window`` rounds (``window``: one noisy round decides less)."""
+    window: int | None = Field(None, ge=1, le=100_000)
+    """The rounds ``select: window`` averages, e.g. 10 (the last 10 rounds); only with it."""
+    draws: list[int] | None = Field(None, min_length=1)
+    """``data.seed`` of the partition draws the trials train on, e.g. ``[100, 101]``
+    (default None: the tuned run's own draw, the study's first). A trial's score is the
+    mean over these draws of its score on each. They may not be among the study's
+    reported ``draws``: a value chosen on a reported draw is favoured there."""
+    equal_trials: bool = False
+    """Refuse, before anything trains, a search space that gives one tuned algorithm
+    fewer trials than another (a grid with fewer points than ``trials``), so that every
+    method in a cell has the same budget (default False)."""
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     """``data.validation_fraction`` of the trials: the share of each client's training
     samples held out to choose on (default 0.1). The study's runs train on all of them."""
@@ -158,10 +170,11 @@ class TuneSpec(StrictConfig):
     cell: dict[str, str] = Field(default_factory=dict)
     """Grid axis -> value label of the cell tuned on (default: the first cell; axes left
     out take their first label). An algorithm that does not run there is tuned on its
-    first cell. Trials use the first draw and seed."""
+    first cell. Trials use the first draw (or ``draws``) and seed."""
     per_cell: bool = False
     """One search per grid cell (default False: one for every cell, in ``cell``): each
-    cell's runs train with the values chosen in that cell, on its first draw and seed."""
+    cell's runs train with the values chosen in that cell, on its first draw (or ``draws``)
+    and seed."""
 
     @model_validator(mode="after")
     def _fits_the_sampler(self) -> TuneSpec:
@@ -176,6 +189,11 @@ class TuneSpec(StrictConfig):
             raise ValueError("per_cell tunes in every cell; remove `cell:` (or per_cell)")
         if self.sampler == "tpe" and self.trials is None:
             raise ValueError("sampler tpe needs `trials:` (how many to run per algorithm)")
+        if (self.select == "window") != (self.window is not None):
+            raise ValueError("select: window needs `window:` (how many last rounds to average), and `window:` "
+                             "applies only to select: window")
+        if self.draws is not None and (len(set(self.draws)) != len(self.draws) or min(self.draws) < 0):
+            raise ValueError(f"draws: {self.draws}: give each data.seed once, as a whole number >= 0")
         return self
 
 
@@ -345,6 +363,11 @@ def _check_tune(spec: StudySpec, source: str) -> None:
         if path.split(".")[0] not in ("train", "data") or len(path.split(".")) < 2:
             raise ConfigError(f"{source}: tune.params: {path!r} is not a config path; give a dotted path under "
                               "train. or data., e.g. train.optimizer.lr")
+    reported = spec.draws if spec.draws is not None else [base_data_seed(spec.base)]
+    shared = sorted(set(spec.tune.draws or []) & set(reported))
+    if shared:
+        raise ConfigError(f"{source}: tune.draws: {shared} {'is' if len(shared) == 1 else 'are'} also reported "
+                          f"(draws {reported}); tune on draws the study does not report, e.g. [100, 101]")
     for axis, label in spec.tune.cell.items():
         if axis not in spec.grid:
             raise ConfigError(f"{source}: tune.cell: {axis!r} is not a grid axis; axes: {', '.join(spec.grid) or '(none)'}")
