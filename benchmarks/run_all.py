@@ -178,6 +178,15 @@ BENCHMARKS = [
         writes_json=True,
     ),
     Benchmark("study_jobs", "bench_study_jobs.py", quick_arguments=["--quick"], writes_json=True),
+    # Needs an older checkout for the `--help` "before" row: --before-root <path> by hand.
+    Benchmark("cli_threads", "bench_cli_threads.py", quick_arguments=["--quick"], writes_json=True),
+    Benchmark(
+        "sign_flip",
+        "bench_sign_flip.py",
+        ["--threads", "1"],
+        ["--threads", "1", "--rounds", "2", "--partitions", "iid"],
+        writes_json=True,
+    ),
     Benchmark("test_suite", "bench_test_suite.py", writes_json=True, timeout_seconds=7200),
 ]
 NAMES = [benchmark.name for benchmark in BENCHMARKS]
@@ -1242,6 +1251,52 @@ def render_study_jobs(results: Path) -> str:
     ])
 
 
+def render_cli_threads(results: Path) -> str:
+    """`fedplug run` with its own thread choice against the same command pinned by hand and
+    at torch's default, under the benchmark's busy loops; `fedplug --help` before and after."""
+    data = _load(results, "cli_threads", ".json")
+    meta = _load(results, "cli_threads", ".meta.json")
+    if not data:
+        return "(not measured yet: `benchmarks/run_all.py --only cli_threads`)"
+    settings, variants, help_ = data["settings"], data["variants"], data["help"]
+    rows = [
+        "| the command | torch threads | median seconds a round |",
+        "|---|---|---|",
+    ]
+    for label, variant in variants.items():
+        threads = ", ".join(str(t) for t in variant["torch_threads"])
+        rows.append(f"| {label} | {threads} | {variant['median_round_s']:.3f} |")
+    lines = [
+        _status_line(meta),
+        "",
+        f"`fedplug run` on synthetic data ({settings['samples']:,} samples), {settings['clients']:,} "
+        f"clients, 100 a round, logreg, {settings['rounds']} rounds, `--no-track`, "
+        f"beside {settings['spinners']} busy loops of the benchmark's own "
+        f"(`benchmarks/bench_cli_threads.py`); medians over rounds 2 on, {settings['repeats']} "
+        "runs of each, alternating.",
+        "",
+        *rows,
+        "",
+        f"Torch's default against the CLI's own choice: **{data['torch_default_over_fedplug']:.1f}x** "
+        f"slower; the CLI against the command pinned by hand: {data['fedplug_over_pinned']:.2f}x "
+        "(the same one thread: load noise).",
+    ]
+    after, before = help_.get("after"), help_.get("before")
+    if after:
+        text = (
+            f"`fedplug --help`: {after['cpu_s']:.2f} s CPU ({after['wall_s']:.2f} s wall, "
+            f"median of {settings['help_repeats']}), importing none of torch, Ray, Flower and MLflow "
+            "(`tests/test_cli_startup.py` checks `sys.modules`)"
+        )
+        if before:
+            text += (
+                f"; before (0e2dd2e): {before['cpu_s']:.2f} s CPU ({before['wall_s']:.2f} s wall), "
+                f"importing {before['heavy'].strip('[]').replace(chr(39), '') or 'nothing heavy'}"
+            )
+        lines += ["", text + "."]
+    return "\n".join(lines)
+
+
 def render_text(results: Path, name: str, missing_hint: str = "") -> str:
     meta = _load(results, name, ".meta.json")
     text = _load(results, name, ".txt")
@@ -1277,6 +1332,13 @@ default is **1**. On this machine two intra-op threads collapse when other proce
 compete for the cores: measured once while writing these benchmarks (load average about
 10), three mlp rounds of the vs-Flower workload took fedplug 8.2 s with one torch thread
 and 196 s with two. Two threads would have measured the scheduler, not the frameworks.
+`fedplug run` now chooses the same way (`fedplug/threads.py`: `--threads N`, else
+`train.threads`, else `$FEDPLUG_TORCH_THREADS`, else 1, never more than the usable cores
+divided by the processes sharing them; it says its choice once on stderr), and so do the
+Flower apps, FedML ranks, the pipeline and the study's Ray workers. The command as a user
+types it, on a loaded machine:
+
+{render_cli_threads(results)}
 
 ## Targets
 

@@ -747,7 +747,7 @@ def test_configs_reject_out_of_range_and_unknown_fields(config_class, params) ->
 # --------------------------------------------------------------------- registration
 
 
-def test_all_seven_partitioners_register_through_the_hook() -> None:
+def test_all_eight_partitioners_register_through_the_hook() -> None:
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     manager.register(partitions, name="fedplug.data.partitions")
@@ -755,7 +755,7 @@ def test_all_seven_partitioners_register_through_the_hook() -> None:
     registry = collect_registry(manager)
 
     assert registry.names("partitioners") == sorted(
-        ["iid", "dirichlet_class", "dirichlet_client", "shards", "llt", "feature_noise", "natural"]
+        ["iid", "dirichlet_class", "dirichlet_client", "dirichlet_size", "shards", "llt", "feature_noise", "natural"]
     )
     registration = registry.get("partitioners", "llt")
     config = registration.config_class(name="llt", alpha_l=0.99)

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from fedplug.study.benchmark_page import BenchmarkTables, signed
+from fedplug.study.benchmark_numbers import BenchmarkTables
+from fedplug.study.benchmark_page import signed
 from fedplug.study.tables import metric_name
 
 DIGEST_PREFIX = "fedplug benchmark heatmap data sha256:"
@@ -60,7 +61,7 @@ def heatmap_data(tables: BenchmarkTables) -> dict[str, Any]:
         "texts": texts,
         "title": f"{metric_name(tables.metric)}: mean difference against {reference} over partition draws",
         "caption": (f"* Holm-adjusted p <= {tables.alpha:g} across the table's {len(tables.comparisons)} comparisons; "
-                    "n/N: incomplete, n of the N planned draws (not compared)."),
+                    "grey n/N: incomplete, n of the N planned draws (not compared)."),
     }
 
 
@@ -81,7 +82,8 @@ def draw_heatmap(data: dict[str, Any], path: str | Path) -> None:
     bound = float(finite.max()) if finite.size and finite.max() > 0 else 0.01
     figure, axes = plt.subplots(figsize=(1.4 * len(data["columns"]) + 3.5, 0.5 * len(data["rows"]) + 2.6),
                                 constrained_layout=True)
-    image = axes.imshow(matrix, cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
+    colours = plt.get_cmap("RdBu").with_extremes(bad="0.85")  # not compared (incomplete): grey, apart from ~0
+    image = axes.imshow(matrix, cmap=colours, vmin=-bound, vmax=bound, aspect="auto")
     axes.set_xticks(range(len(data["columns"])), data["columns"])
     axes.set_yticks(range(len(data["rows"])), data["rows"])
     axes.set_xlabel("skew family")

@@ -1,24 +1,13 @@
-"""The cross-paper benchmark's page (issue 40, item 5): ``docs/benchmark.md``, built only
-from the benchmark's spec and records.
+"""The cross-paper benchmark's page (issue 40, item 5): ``docs/benchmark.md`` as Markdown,
+from the numbers of :mod:`fedplug.study.benchmark_numbers` and the tuning trials
+(``results/benchmark.trials.jsonl``, :func:`load_trials`).
 
-The benchmark is one study (``pipelines/studies/benchmark.yaml``): its grid cells are the
-skew families, its algorithms the methods, its ``baseline`` the reference (FedAvg), its
-``headline_metric`` the primary metric. From the reported runs
-(``results/benchmark.jsonl``) :func:`benchmark_tables` computes every number the page
-shows, with :mod:`fedplug.study.table_statistics`:
-
-- each method against the reference in each family (``cell_comparison``), the whole table
-  corrected as one Holm family (``comparison_family``);
-- average ranks per family with bootstrap intervals, Friedman's p and Nemenyi's critical
-  difference (``average_ranks``);
-- each run's plateau status on window means (``window_plateau``).
-
-:func:`render_page` writes the page from them: the plan, the heatmap, the "what to use
+:func:`render_page` writes the plan, the heatmap's link and caption, the "what to use
 when" summary (its numbers are formatted by the same functions from the same comparisons
-as the family tables, never typed), the family tables with their ranks, and each method's
-search (``results/benchmark.trials.jsonl``, :func:`load_trials`). A method with fewer
-reported draws in a family than the spec plans is "incomplete (n of N draws)" there and is
-left out of the Holm family, the ranks and the heatmap. The figure is drawn by
+as the family tables, never typed), per family the comparison table and the ranks, and
+each method's searches. A method with fewer reported draws in a family than the spec
+plans is "incomplete (n of N draws)" there. Before any reported run the page says the
+benchmark has not run yet and lists the planned cells. The figure is drawn by
 :mod:`fedplug.study.benchmark_heatmap`; ``pipelines/studies/render_benchmark.py`` is the
 thin script around both.
 """
@@ -37,18 +26,19 @@ from typing import Any
 import numpy as np
 
 from fedplug.errors import ConfigError, DataError
+from fedplug.study.benchmark_numbers import (
+    ALPHA,
+    BenchmarkTables,
+    benchmark_tables,
+    planned_draws,
+    reference_of,
+    reported_records,
+)
 from fedplug.study.spec import RUN_ID_PATTERN, ParamRange, cell_id, display_name, grid_cells
 from fedplug.study.table_statistics import (
     PLATEAU_STATUSES,
-    RANK_RESAMPLES,
     WINDOW_PLATEAU_TOLERANCE,
     WINDOW_PLATEAU_WINDOW,
-    Values,
-    average_ranks,
-    cell_comparison,
-    cell_values,
-    comparison_family,
-    window_plateau,
 )
 
 COMMAND = "python pipelines/studies/render_benchmark.py"
@@ -57,10 +47,6 @@ PROTOCOL_PAGE = "benchmark_protocol.md"
 """The pre-registered protocol, beside the page in ``docs/``."""
 HEATMAP_FILE = "img/benchmark_heatmap.png"
 """The heatmap, relative to the page's folder."""
-DEFAULT_REFERENCE = "fedavg"
-"""The reference when the spec names no ``baseline``."""
-ALPHA = 0.05
-"""The family-wise error rate of the Holm correction across the table."""
 EDGE_SHARE = 0.05
 """A chosen value within this share of a continuous range's ends (in its scale) is at its edge."""
 TITLE = "# Benchmark: which fix for which skew"
@@ -76,120 +62,6 @@ class Sources:
     command: str = COMMAND
 
 
-@dataclass(frozen=True)
-class BenchmarkTables:
-    """Every number of the page, computed once (:func:`benchmark_tables`)."""
-
-    spec: Any
-    reference: str
-    metric: str
-    families: list[str]
-    """Cell ids, in the spec's grid order."""
-    methods: list[str]
-    """Algorithm labels, in the spec's order (the reference among them)."""
-    planned: dict[tuple[str, str], int]
-    """(family, method) -> draws the spec plans for its reported runs."""
-    draws: dict[tuple[str, str], dict[int, float]]
-    """(family, method) -> the primary metric of each reported draw (mean over its seeds)."""
-    plateaus: dict[tuple[str, str], Counter[str]]
-    """(family, method) -> how many of its runs are flat, rising, falling, too short."""
-    comparisons: dict[tuple[str, str], dict[str, Any]]
-    """(family, method) -> its comparison with the reference, Holm-corrected across the
-    table; only where both are complete."""
-    ranks: dict[str, dict[str, Any] | None]
-    """family -> ``average_ranks`` of its complete methods (None with fewer than 2)."""
-    alpha: float
-
-    def present(self, family: str, method: str) -> int:
-        return len(self.draws.get((family, method), {}))
-
-    def complete(self, family: str, method: str) -> bool:
-        planned = self.planned.get((family, method))
-        return planned is not None and self.present(family, method) >= planned
-
-    def name(self, method: str) -> str:
-        return display_name(method, self.spec.labels)
-
-
-# ------------------------------------------------------------------------- the numbers
-
-
-def reference_of(spec: Any) -> str:
-    """The method every other one is compared with: the spec's ``baseline`` (default fedavg).
-
-    Raises:
-        ConfigError: the reference is not one of the spec's algorithms.
-    """
-    reference = spec.baseline or DEFAULT_REFERENCE
-    if reference not in spec.algorithms:
-        raise ConfigError(f"{spec.name}: the benchmark compares every method with {reference!r}, which is not one of "
-                          f"its algorithms ({', '.join(spec.algorithms)}); set `baseline:` to one of them")
-    return reference
-
-
-def planned_draws(spec: Any) -> dict[tuple[str, str], int]:
-    """(family, method) -> the number of partition draws of its planned headline runs."""
-    from fedplug.study.expansion import planned_runs
-
-    draws: dict[tuple[str, str], set[int]] = {}
-    for run in planned_runs(spec):
-        if run.headline:
-            draws.setdefault((run.cell_id, run.algorithm), set()).add(run.draw)
-    return {key: len(found) for key, found in draws.items()}
-
-
-def reported_records(spec: Any, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the spec's planned headline runs (tuning trials live in their own
-    file; records of runs the spec no longer plans are left out), in file order."""
-    from fedplug.study.expansion import planned_runs
-
-    headline = {run.run_id for run in planned_runs(spec) if run.headline}
-    return [record for record in records if record.get("run") in headline]
-
-
-def draw_averages(values: Values) -> dict[int, float]:
-    """Each draw's mean over its seeds of the values present, by draw."""
-    by_draw: dict[int, list[float]] = {}
-    for (draw, _), value in values.items():
-        if value is not None and not math.isnan(value):
-            by_draw.setdefault(draw, []).append(float(value))
-    return {draw: float(np.mean(by_draw[draw])) for draw in sorted(by_draw)}
-
-
-def benchmark_tables(spec: Any, records: Sequence[dict[str, Any]], alpha: float = ALPHA,
-                     resamples: int = RANK_RESAMPLES) -> BenchmarkTables:
-    """The page's numbers from the spec and its records (:func:`reported_records` of them).
-
-    Each method is compared with the reference in each family where both have every
-    planned draw; those comparisons form one Holm family. Ranks per family are over its
-    complete methods (the reference included), ``resamples`` bootstrap resamples each."""
-    reference = reference_of(spec)
-    metric = spec.headline_metric
-    reported = reported_records(spec, records)
-    values = cell_values(reported, metric)
-    families = [cell_id(cell) for cell in grid_cells(spec.grid)]
-    methods = list(spec.algorithms)
-    planned = planned_draws(spec)
-    draws = {(family, method): draw_averages(by_seed)
-             for family, by_method in values.items() for method, by_seed in by_method.items()}
-    plateaus: dict[tuple[str, str], Counter[str]] = {}
-    for record in reported:
-        key = (cell_id(record["cell"]), record["algorithm"])
-        plateaus.setdefault(key, Counter())[window_plateau(record.get("accuracy") or [])] += 1
-    tables = BenchmarkTables(spec, reference, metric, families, methods, planned, draws, plateaus, {}, {}, alpha)
-    compared = {
-        (family, method): cell_comparison(values[family][method], values[family][reference])
-        for family in families for method in methods
-        if method != reference and tables.complete(family, method) and tables.complete(family, reference)
-    }
-    tables.comparisons.update(comparison_family(compared, alpha) if compared else {})
-    for family in families:
-        ranked = {method: draws[(family, method)] for method in methods if tables.complete(family, method)}
-        tables.ranks[family] = (average_ranks(ranked, resamples=resamples, alpha=alpha)  # type: ignore[arg-type]
-                                if len(ranked) >= 2 else None)
-    return tables
-
-
 # ---------------------------------------------------------------------- numbers as text
 
 
@@ -198,7 +70,10 @@ def number(value: float | None, digits: int = 4) -> str:
 
 
 def signed(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:+.{digits}f}"
+    """``+0.0500``; a value that rounds to zero is ``+0.0000``, never ``-0.0000``."""
+    if value is None:
+        return "-"
+    return f"{value if round(value, digits) != 0 else 0.0:+.{digits}f}"
 
 
 def p_text(p: float | None) -> str:
@@ -358,10 +233,10 @@ def source_link(path: str) -> str:
 
 def header(sources: Sources) -> list[str]:
     return [TITLE, "", generated_note(sources), "",
-            f"The protocol (the federation, the skew families and their severities, the methods, the metrics, "
+            (f"The protocol (the federation, the skew families and their severities, the methods, the metrics, "
             f"the tuning budget and the correction for multiple comparisons, fixed before any run) is on "
             f"[the protocol page]({PROTOCOL_PAGE}). This page is generated from the benchmark's records by "
-            f"`{sources.command}`; `{sources.command} --check` fails when it, or its figure, is out of date."]
+            f"`{sources.command}`; `{sources.command} --check` fails when it, or its figure, is out of date.")]
 
 
 def plan_text(spec: Any, sources: Sources) -> str:
@@ -393,8 +268,8 @@ def not_run_page(spec: Any | None, sources: Sources) -> str:
                      f"once it is, this page lists its planned cells.")
         return "\n".join(lines) + "\n"
     planned = planned_draws(spec)
-    lines += [f"**The benchmark has not run yet**: {source_link(sources.results)} holds no reported runs. "
-              f"Run `python pipelines/studies/run_study.py {sources.spec}`, then `{sources.command}`.", "",
+    lines += [(f"**The benchmark has not run yet**: {source_link(sources.results)} holds no reported runs. "
+              f"Run `python pipelines/studies/run_study.py {sources.spec}`, then `{sources.command}`."), "",
               plan_text(spec, sources), "", "Planned cells (partition draws per method):", "",
               "| family | " + " | ".join(display_name(method, spec.labels) for method in spec.algorithms) + " |",
               "|---|" + "---:|" * len(spec.algorithms)]
@@ -416,21 +291,23 @@ def heatmap_section(tables: BenchmarkTables) -> list[str]:
     from fedplug.study.tables import metric_name
 
     return ["## Differences against " + tables.name(tables.reference), "",
-            f"![methods × families: mean difference in {metric_name(tables.metric)} against "
-            f"{tables.name(tables.reference)}]({HEATMAP_FILE})", "",
-            f"Each cell: the mean over partition draws of the method's {metric_name(tables.metric)} minus "
+            (f"![methods × families: mean difference in {metric_name(tables.metric)} against "
+            f"{tables.name(tables.reference)}]({HEATMAP_FILE})"), "",
+            (f"Each cell: the mean over partition draws of the method's {metric_name(tables.metric)} minus "
             f"{tables.name(tables.reference)}'s (runs of the same draw and seed); `*` where the Holm-adjusted p-value "
             f"across the table's {len(tables.comparisons)} comparisons is ≤ {tables.alpha:g}; a blank cell with "
-            "`n/N` is incomplete (n of the N planned draws)."]
+            "`n/N` is incomplete (n of the N planned draws).")]
 
 
 def summary_section(tables: BenchmarkTables) -> list[str]:
     """"What to use when": per family the methods better (and worse) than the reference
     after Holm, every number the family table's own text for it."""
+    from fedplug.study.tables import metric_name
+
     reference = tables.name(tables.reference)
     lines = ["## What to use when", "",
-             f"Per skew family, the methods whose {tables.metric.replace('_', ' ')} is above {reference}'s after the "
-             f"Holm correction across the whole table (α = {tables.alpha:g}); quoted from the tables below.", ""]
+             (f"Per skew family, the methods whose {metric_name(tables.metric)} is above {reference}'s after the "
+             f"Holm correction across the whole table (α = {tables.alpha:g}); quoted from the tables below."), ""]
     for family in tables.families:
         compared = {method: tables.comparisons[(family, method)] for method in tables.methods
                     if (family, method) in tables.comparisons}
@@ -440,13 +317,15 @@ def summary_section(tables: BenchmarkTables) -> list[str]:
         better = sorted((method for method, c in compared.items() if c["significant"] and c["difference"] > 0),
                         key=lambda method: -compared[method]["difference"])
         worse = [method for method, c in compared.items() if c["significant"] and c["difference"] < 0]
-        text = (", ".join(f"**{tables.name(method)}** ({quoted(compared[method])})" for method in better)
+        text = (", ".join(f"**{tables.name(method)}** ({quoted(compared[method], fixed_budget_text(tables, family, method))})"
+                          for method in better)
                 + f" beat{'s' if len(better) == 1 else ''} {reference} after correction" if better
                 else f"none beats {reference} after correction")
         if worse:
             text += "; worse than it after correction: " + ", ".join(
-                f"{tables.name(method)} ({quoted(compared[method])})" for method in worse)
-        ranks = tables.ranks.get(family)
+                f"{tables.name(method)} ({quoted(compared[method], fixed_budget_text(tables, family, method))})"
+                for method in worse)
+        ranks = (tables.rankings.get(family) or [None])[0]
         if ranks is not None and ranks["draws"]:
             first = min(ranks["methods"], key=lambda method: ranks["ranks"][method]["rank"])
             text += f"; ranked first: {tables.name(first)} (average rank {rank_text(ranks['ranks'][first])})"
@@ -457,10 +336,15 @@ def summary_section(tables: BenchmarkTables) -> list[str]:
     return lines
 
 
-def quoted(comparison: dict[str, Any]) -> str:
+def quoted(comparison: dict[str, Any], fixed_budget: str = "") -> str:
     """A comparison as the summary quotes it, in the family table's own words."""
     return (f"{difference_text(comparison)}, Holm-adjusted p {p_text(comparison['p_holm'])}, "
-            f"won {won_text(comparison)} draws")
+            f"won {won_text(comparison)} draws" + (f"; {fixed_budget}" if fixed_budget else ""))
+
+
+def fixed_budget_text(tables: BenchmarkTables, family: str, method: str) -> str:
+    """``fixed-budget (100 rounds)`` when a curve of the comparison had not flattened, else ""."""
+    return f"fixed-budget ({tables.rounds} rounds)" if tables.fixed_budget(family, method) else ""
 
 
 def family_section(tables: BenchmarkTables, family: str) -> list[str]:
@@ -468,9 +352,9 @@ def family_section(tables: BenchmarkTables, family: str) -> list[str]:
     reference = tables.name(tables.reference)
     size = next(iter(tables.comparisons.values()))["family_size"] if tables.comparisons else 0
     lines = [f"### {code(family)}", "",
-             f"| method | draws | mean (sd over draws) | difference vs {reference} [95% interval] | "
+             (f"| method | draws | mean (sd over draws) | difference vs {reference} [95% interval] | "
              f"simultaneous interval (Bonferroni, m = {size}) | p | Holm-adjusted p | beats or trails {reference} "
-             f"after Holm | draws won | plateau (window means) |",
+             f"after Holm | draws won | plateau (window means) |"),
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for method in tables.methods:
         key = (family, method)
@@ -489,6 +373,7 @@ def family_section(tables: BenchmarkTables, family: str) -> list[str]:
             cells += [missing] + ["-"] * 5
         else:
             verdict = ("beats" if comparison["difference"] > 0 else "trails") if comparison["significant"] else "no"
+            verdict += "; " + fixed_budget_text(tables, family, method) if tables.fixed_budget(family, method) else ""
             cells += [difference_text(comparison),
                       interval_text(comparison["low_simultaneous"], comparison["high_simultaneous"]),
                       p_text(comparison["p_value"]), p_text(comparison["p_holm"]), verdict, won_text(comparison)]
@@ -498,94 +383,165 @@ def family_section(tables: BenchmarkTables, family: str) -> list[str]:
 
 
 def ranks_lines(tables: BenchmarkTables, family: str) -> list[str]:
-    """The family's average ranks, best first, with Friedman's test and Nemenyi's CD."""
-    ranks = tables.ranks.get(family)
-    if ranks is None or not ranks["draws"]:
-        return [f"_Ranks: fewer than 2 methods have all their draws in {code(family)}._"]
+    """The family's rankings (:func:`family_rankings`), each best first, with Friedman's
+    test and Nemenyi's CD; the methods not ranked because they are incomplete."""
+    rankings = tables.rankings.get(family) or []
+    lines: list[str] = []
+    for number, ranks in enumerate(rankings):
+        lines += ranking_lines(tables, ranks, second=number > 0) + [""]
+    if not rankings:
+        lines += [f"_Ranks: fewer than 2 methods have all their draws in {code(family)}._", ""]
+    incomplete = [tables.name(m) for m in tables.methods
+                  if (family, m) in tables.planned_sets and not tables.complete(family, m)]
+    if incomplete:
+        lines += [f"Not ranked (incomplete): {', '.join(incomplete)}.", ""]
+    return lines[:-1]
+
+
+def ranking_lines(tables: BenchmarkTables, ranks: dict[str, Any], second: bool) -> list[str]:
+    """One ranking as a table, best first, and its Friedman test and Nemenyi CD."""
     order = sorted(ranks["methods"], key=lambda method: (ranks["ranks"][method]["rank"], ranks["methods"].index(method)))
-    lines = [f"Average ranks (1 = best) over {len(ranks['draws'])} draws, "
-             f"[{100 * ranks['confidence']:g}% bootstrap interval over draws, {ranks['resamples']} resamples]:", "",
-             "| rank | method | average rank [interval] |", "|---:|---|---:|"]
+    lead = (f"{'Also ranked, with the methods planned on fewer draws: average' if second else 'Average'} ranks "
+            f"(1 = best) over draws {draws_text(ranks['draws'])}, with {100 * ranks['confidence']:g}% bootstrap "
+            f"intervals ({ranks['resamples']} resamples of the draws):")
+    lines = [lead, "", "| rank | method | average rank [interval] |", "|---:|---|---:|"]
     lines += [f"| {place} | {tables.name(method)} | {rank_text(ranks['ranks'][method])} |"
               for place, method in enumerate(order, 1)]
     friedman = ("Friedman's test: not defined (fewer than 3 methods or 2 draws, or every draw a tie)"
                 if ranks["friedman_p"] is None else
                 f"Friedman's test: χ² = {ranks['friedman_statistic']:.2f}, p = {p_text(ranks['friedman_p'])}")
-    lines += ["", f"{friedman}; Nemenyi's critical difference at α = {ranks['alpha']:g}: "
-                  f"{ranks['critical_difference']:.2f} (two methods whose average ranks differ by at least this "
-                  "differ)."]
-    incomplete = [tables.name(m) for m in tables.methods
-                  if (family, m) in tables.planned and not tables.complete(family, m)]
-    if incomplete:
-        lines[-1] += f" Not ranked (incomplete): {', '.join(incomplete)}."
-    return lines
+    return lines + ["", (f"{friedman}; Nemenyi's critical difference at α = {ranks['alpha']:g}: "
+                         f"{ranks['critical_difference']:.2f} (two methods whose average ranks differ by at least "
+                         "this differ).")]
+
+
+def draws_text(draws: Sequence[int]) -> str:
+    """``0-9`` for consecutive draws, else ``0, 2, 5``."""
+    ordered = sorted(draws)
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ", ".join(map(str, ordered))
 
 
 def tuning_section(tables: BenchmarkTables, records: Sequence[dict[str, Any]], trials: Sequence[dict[str, Any]],
                    sources: Sources) -> list[str]:
-    """Each method's chosen values per family and the search behind them."""
+    """Each method's searches per family (a search re-run on a widened space is a second
+    one): trials by state, best score, the best trial's values with their edge flags, and
+    whether the reported runs trained with them."""
     spec = tables.spec
     lines = ["## Tuned values and searches", ""]
     if spec.tune is None:
         return lines + ["The spec has no `tune:` section: every method runs at the spec's values."]
     tune = spec.tune
-    extra = [f"{name} {getattr(tune, name)}" for name in ("draws", "window") if getattr(tune, name, None) is not None]
-    lines += [f"The spec's `tune:`: Optuna's {tune.sampler} sampler, {tune.trials or 'every grid point as'} trials per "
-              f"method{' and family' if tune.per_cell else ''}, chosen on {tune.metric} ({tune.select})"
-              + (f", {', '.join(extra)}" if extra else "") + f"; every trial from {source_link(sources.trials)} "
-              f"({len(trials)} trials). A value at the edge of its search space is marked (edge).", "",
-              "| family | method | chosen values | trials (complete / pruned / failed) | best score | tuned on |",
-              "|---|---|---|---:|---:|---|"]
+    budget = f"{tune.trials} trials" if tune.trials else "every grid point once"
+    tuning_draws = getattr(tune, "draws", None)  # tuning draws apart from the reported ones, where the spec has them
+    lines += [f"The spec's `tune:`: Optuna's {tune.sampler} sampler, {budget} per method"
+              f"{' and family' if tune.per_cell else ''}, chosen on {tune.metric} {selection_text(tune)}"
+              + (f", on partition draws {tuning_draws}" if tuning_draws else "")
+              + f"; every trial is a line of {source_link(sources.trials)} ({len(trials)} trials). A value at the "
+              "edge of its search space is marked (edge); a search re-run on a widened space is listed after the first.",
+              "", ("| family | method | search | trials (complete / pruned / failed) | best score | best values | "
+                   "used by the runs |"), "|---|---|---:|---:|---:|---|---|"]
     chosen: dict[tuple[str, str], dict[str, Any]] = {}
     for record in reported_records(spec, records):
         if isinstance(record.get("tuned"), dict):
-            chosen.setdefault((cell_id(record["cell"]), record["algorithm"]), record)
-    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for trial in trials:
-        key = trial_key(trial)
-        if key is not None:
-            by_key.setdefault(key, []).append(trial)
-    maximise = tune.metric != "val_loss"
+            chosen.setdefault((cell_id(record["cell"]), record["algorithm"]), record["tuned"])
+    searches = trial_searches(trials)
     for family in tables.families:
         for method in tables.methods:
             key = (family, method)
-            if key not in chosen and key not in by_key:
-                continue
-            searched = by_key.get(key, [])
-            scores = [score for trial in searched if trial_state(trial) == "complete"
-                      and (score := trial_score(trial)) is not None]
-            best = (max(scores) if maximise else min(scores)) if scores else None
-            record = chosen.get(key)
-            values = record["tuned"] if record else best_values(searched, best)
-            space = search_space(spec, method)
-            shown = ", ".join(f"`{path}` {value_text(value)}" + (" (edge)" if is_edge(value, space.get(path)) else "")
-                              for path, value in sorted(values.items())) or "-"
-            states = Counter(trial_state(trial) for trial in searched)
-            tuned_on = (record.get("tuning") or {}).get("tuned_on") if record else None
-            lines.append(f"| {code(family)} | {tables.name(method)} | {shown} | {len(searched)} "
-                         f"({states['complete']} / {states['pruned']} / {states['failed']}) | {number(best)} | "
-                         f"{code(tuned_on) if isinstance(tuned_on, str) else '-'} |")
-    unequal = unequal_budgets(tables, by_key)
-    lines += ["", ("Trials per method within each family: equal." if not unequal else
-                   "**Unequal trials per method within a family:** " + "; ".join(unequal) + ".")]
+            runs_values = chosen.get(key)
+            for number, searched in enumerate(searches.get(key, []), 1):
+                best = best_trial(searched, maximise=tune.metric != "val_loss")
+                values = trial_values(best) if best else {}
+                states = Counter(trial_state(trial) for trial in searched)
+                lines.append(f"| {code(family)} | {tables.name(method)} | {number} | {len(searched)} ({states['complete']} "
+                             f"/ {states['pruned']} / {states['failed']}) | {number_or_dash(best)} | "
+                             f"{values_text(values, best, search_space(spec, method))} | "
+                             f"{'yes' if runs_values is not None and runs_values == values else '-'} |")
+            if key in chosen and not any(trial_values(best_trial(searched, tune.metric != "val_loss")) == runs_values
+                                         for searched in searches.get(key, [])):
+                lines.append(f"| {code(family)} | {tables.name(method)} | - | no trials in the file | - | "
+                             f"{values_text(runs_values or {}, None, search_space(spec, method))} | yes |")
+    unequal = unequal_budgets(tables, searches)
+    lines += ["", ("Trials per method within each family (each method's last search): equal." if not unequal else
+                   "**Unequal trials per method within a family** (each method's last search): "
+                   + "; ".join(unequal) + ".")]
     return lines
 
 
-def best_values(trials: Sequence[dict[str, Any]], best: float | None) -> dict[str, Any]:
-    """The values of the first complete trial that scored ``best`` ({} without one)."""
+def trial_searches(trials: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[list[dict[str, Any]]]]:
+    """(family, method) -> its searches in file order, each its trials: trials of one
+    search share a ``fingerprint`` (else a ``search`` key; else they are one search)."""
+    grouped: dict[tuple[str, str], dict[Any, list[dict[str, Any]]]] = {}
     for trial in trials:
-        if trial_state(trial) == "complete" and best is not None and trial_score(trial) == best:
-            values = trial.get("values", trial.get("params"))
-            return values if isinstance(values, dict) else {}
-    return {}
+        key = trial_key(trial)
+        if key is not None:
+            search = trial.get("fingerprint", trial.get("search"))
+            grouped.setdefault(key, {}).setdefault(search if isinstance(search, str) else None, []).append(trial)
+    return {key: list(by_search.values()) for key, by_search in grouped.items()}
 
 
-def unequal_budgets(tables: BenchmarkTables, by_key: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """``"`lda0.1`: FedAvg 5, FedProx 15"`` for each family whose methods had different
-    numbers of trials (only methods with trials in the file count)."""
+def best_trial(trials: Sequence[dict[str, Any]], maximise: bool = True) -> dict[str, Any] | None:
+    """The first complete trial with the best score (None without one)."""
+    scored = [trial for trial in trials if trial_state(trial) == "complete" and trial_score(trial) is not None]
+    if not scored:
+        return None
+    best = (max if maximise else min)(trial_score(trial) for trial in scored)  # type: ignore[type-var]
+    return next(trial for trial in scored if trial_score(trial) == best)
+
+
+def trial_values(trial: dict[str, Any] | None) -> dict[str, Any]:
+    values = (trial or {}).get("values", (trial or {}).get("params"))
+    return values if isinstance(values, dict) else {}
+
+
+def number_or_dash(trial: dict[str, Any] | None) -> str:
+    return number(trial_score(trial)) if trial is not None else "-"
+
+
+def values_text(values: dict[str, Any], trial: dict[str, Any] | None, spec_space: dict[str, Any]) -> str:
+    """``train.optimizer.lr 1 (edge)``: each value, marked where the trial's line says it
+    is at an edge, or, without that, where :func:`is_edge` finds it on the space the trial
+    searched (its ``space``) or the spec's."""
+    recorded = (trial or {}).get("edge") if isinstance((trial or {}).get("edge"), dict) else {}
+    searched = trial_space(trial) or spec_space
+    return ", ".join(f"`{path}` {value_text(value)}"
+                     + (" (edge)" if recorded.get(path) is True or is_edge(value, searched.get(path)) else "")
+                     for path, value in sorted(values.items())) or "-"
+
+
+def trial_space(trial: dict[str, Any] | None) -> dict[str, Any]:
+    """The space a trial's line says its search searched: lists, and ranges as :class:`ParamRange`."""
+    space = (trial or {}).get("space")
+    if not isinstance(space, dict):
+        return {}
+    parsed: dict[str, Any] = {}
+    for path, searched in space.items():
+        if isinstance(searched, list):
+            parsed[path] = searched
+        elif isinstance(searched, dict):
+            try:
+                parsed[path] = ParamRange.model_validate(searched)
+            except ValueError:  # pydantic's ValidationError: not a range; no edge to tell
+                continue
+    return parsed
+
+
+def selection_text(tune: Any) -> str:
+    """How a trial is scored: at the last round, best over rounds, or a window mean."""
+    if tune.select == "window":
+        return f"(the mean of the last {getattr(tune, 'window', '?')} rounds)"
+    return "(best over rounds)" if tune.select == "best" else "(at the last round)"
+
+
+def unequal_budgets(tables: BenchmarkTables, searches: dict[tuple[str, str], list[list[dict[str, Any]]]]) -> list[str]:
+    """``"`lda0.1`: FedAvg 5, FedProx 15"`` for each family whose methods' last searches had
+    different numbers of trials (only methods with trials in the file count)."""
     found = []
     for family in tables.families:
-        counts = {method: len(by_key[(family, method)]) for method in tables.methods if (family, method) in by_key}
+        counts = {method: len(searches[(family, method)][-1]) for method in tables.methods
+                  if (family, method) in searches}
         if len(set(counts.values())) > 1:
             found.append(f"{code(family)}: " + ", ".join(f"{tables.name(m)} {count}" for m, count in counts.items()))
     return found
@@ -609,14 +565,14 @@ def render_page(spec: Any | None, records: Sequence[dict[str, Any]], trials: Seq
     tables = tables if tables is not None else benchmark_tables(spec, records)
     from fedplug.study.expansion import planned_runs
 
-    planned = [run for run in planned_runs(spec) if run.headline]
+    planned = planned_runs(spec)
     present = {record["run"] for record in reported}
     lines = header(sources) + [
         "", plan_text(spec, sources), "",
-        f"**Records**: {source_link(sources.results)}, {len(present)} of {len(planned)} planned runs, "
+        (f"**Records**: {source_link(sources.results)}, {len(present)} of {len(planned)} planned runs, "
         f"{provenance_text(reported)}. Plateau status per run on window means: the mean of the last "
         f"{WINDOW_PLATEAU_WINDOW} rounds against the {WINDOW_PLATEAU_WINDOW} before, flat within "
-        f"{WINDOW_PLATEAU_TOLERANCE:g}.", ""]
+        f"{WINDOW_PLATEAU_TOLERANCE:g}."), ""]
     lines += heatmap_section(tables) + [""] + summary_section(tables) + ["", "## Families", ""]
     for family in tables.families:
         lines += family_section(tables, family) + [""]

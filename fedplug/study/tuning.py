@@ -5,10 +5,15 @@ runs train with the chosen values.
 For each tuned algorithm (or once, ``per_algorithm: false``), one Optuna study (a seeded
 ``TPESampler``, or a ``GridSampler``, which tries its points in an order its seed shuffles) runs
 ``trials`` trials. A trial trains the algorithm's run of the tuned cell (first draw and
-seed) with the trial's values and ``data.validation_fraction`` set, reports the round's
-``val_accuracy`` (or ``val_loss``) to Optuna after every round, and is stopped by the
-``median`` pruner when it falls behind. Trials never read a test set: the objective and
-the pruner see only the validation metrics (:meth:`fedplug.data.federation.Federation.validation_set`).
+seed, or each of ``tune.draws``) with the trial's values and ``data.validation_fraction``
+set, reports the round's ``val_accuracy`` (or ``val_loss``) to Optuna after every round,
+and is stopped by the ``median`` pruner when it falls behind. Its score is the last
+round's value, the best, or the mean of the last ``window`` rounds, averaged over its
+draws. Trials never read a test set: the objective and the pruner see only the validation
+metrics (:meth:`fedplug.data.federation.Federation.validation_set`).
+
+Every finished trial is one line of the study's trials file (:mod:`fedplug.study.trials`),
+appended as it ends; a search interrupted midway starts from the trials the file holds.
 
 Every trial is an MLflow run nested under one tuning parent run per study folder
 (experiment ``study-<name>``, found again by its tag ``fedplug.parent = tune:<folder>``).
@@ -43,6 +48,17 @@ from fedplug.safe_files import read_regular_bytes
 from fedplug.study.expansion import StudyRun
 from fedplug.study.run_folders import comparable_config
 from fedplug.study.spec import StudySpec, TuneSpec, algorithm_cells, cell_id, grid_cells
+from fedplug.study.trials import (
+    SearchContext,
+    TrialOutcome,
+    append_trial,
+    edge_message,
+    edges,
+    frozen_trial,
+    load_trials,
+    restorable_lines,
+    trial_line,
+)
 
 TUNED_NAME = "tuned.json"
 """The file in the study folder that keeps the choice (:func:`apply_tuning`)."""
@@ -78,10 +94,14 @@ class Choice:
     """:func:`search_fingerprint` of the search: it is reused while this matches."""
     seconds: float = 0.0
     """The search's wall time."""
+    edge: dict[str, bool] = field(default_factory=dict)
+    """Path -> whether its chosen value lies at an edge of its search space
+    (:func:`fedplug.study.trials.edge_side`); empty for a choice made before it was kept."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"params": self.params, "value": self.value, "trials": self.trials, "pruned": self.pruned,
-                "tuned_on": self.tuned_on, "fingerprint": self.fingerprint, "seconds": self.seconds}
+        entry = {"params": self.params, "value": self.value, "trials": self.trials, "pruned": self.pruned,
+                 "tuned_on": self.tuned_on, "fingerprint": self.fingerprint, "seconds": self.seconds}
+        return {**entry, "edge": self.edge} if self.edge else entry
 
     def summary(self) -> dict[str, Any]:
         """What a run's record keeps of the search: its best validation value, trials,
@@ -106,11 +126,18 @@ def recorded_choice(spec: StudySpec, runs: Sequence[StudyRun], records: Sequence
     return None
 
 
+OPTIONAL_CHOICE_FIELDS = {"edge"}
+"""Fields of a :class:`Choice` that entries written before them lack."""
+
+
 def stored_choice(entry: Any, fingerprint: str) -> Choice | None:
     """``entry`` (a ``tuned.json`` entry, or a record's ``tuning`` with its ``tuned``
-    values) as a :class:`Choice` when it has exactly a choice's fields and
-    ``fingerprint``; else None (another search, or another version of the fields)."""
-    if isinstance(entry, Mapping) and set(entry) == set(Choice.__dataclass_fields__) and entry["fingerprint"] == fingerprint:
+    values) as a :class:`Choice` when it has a choice's fields (those of
+    :data:`OPTIONAL_CHOICE_FIELDS` or not) and ``fingerprint``; else None (another search,
+    or another version of the fields)."""
+    every = set(Choice.__dataclass_fields__)
+    if (isinstance(entry, Mapping) and every - OPTIONAL_CHOICE_FIELDS <= set(entry) <= every
+            and entry["fingerprint"] == fingerprint):
         return Choice(**entry)
     return None
 
@@ -128,8 +155,12 @@ def check_tune_params(spec: StudySpec, runs: Sequence[StudyRun], registry: Regis
     """
     if spec.tune is None:
         return
+    check_budgets(spec)
     for algorithm in tuned_algorithms(spec):
         config = tuning_run(spec, runs, algorithm).config
+        if spec.tune.window is not None and spec.tune.window > config.train.rounds:
+            raise ConfigError(f"{spec.name}: tune.window {spec.tune.window} is more rounds than algorithm "
+                              f"{algorithm!r} trains ({config.train.rounds}); lower it or raise train.rounds")
         known = flatten(config)
         sections = {".".join(key.split(".")[:depth]) for key in known for depth in range(1, key.count(".") + 1)}
         params = algorithm_space(spec.tune, algorithm).params
@@ -139,6 +170,22 @@ def check_tune_params(spec: StudySpec, runs: Sequence[StudyRun], registry: Regis
             space = params[path]
             for value in space if isinstance(space, list) else [space.low, space.high]:
                 with_values(config, {path: value}, registry)
+
+
+def check_budgets(spec: StudySpec) -> None:
+    """With ``tune.equal_trials``, refuse (one line) search spaces that give the tuned
+    algorithms different numbers of trials (:func:`number_of_trials`).
+
+    Raises:
+        ConfigError: e.g. ``fedavg 5 trials, fedprox 15``.
+    """
+    if spec.tune is None or not spec.tune.equal_trials:
+        return
+    budgets = {algorithm: number_of_trials(algorithm_space(spec.tune, algorithm)) for algorithm in tuned_algorithms(spec)}
+    if len(set(budgets.values())) > 1:
+        listed = ", ".join(f"{algorithm} {count}" for algorithm, count in budgets.items())
+        raise ConfigError(f"{spec.name}: tune.equal_trials: the searches get different numbers of trials ({listed}); "
+                          f"set `trials:` to at most {min(budgets.values())} or give every grid as many points")
 
 
 def unknown_path_message(path: str, algorithm: str, known: Mapping[str, Any]) -> str:
@@ -254,23 +301,38 @@ def with_values(config: Any, values: Mapping[str, Any], registry: Registry | Non
     return updated
 
 
-def trial_config(config: Any, tune: TuneSpec, values: Mapping[str, Any], registry: Registry | None) -> Any:
-    """A trial's config: ``config`` with the trial's ``values`` and the validation split."""
-    return with_values(config, {**values, "data.validation_fraction": tune.validation_fraction}, registry)
+def trial_config(config: Any, tune: TuneSpec, values: Mapping[str, Any], registry: Registry | None,
+                 draw: int | None = None) -> Any:
+    """A trial's config: ``config`` with the trial's ``values``, the validation split and,
+    given a ``draw``, that partition draw (``data.seed``)."""
+    drawn = {} if draw is None else {"data.seed": draw}
+    return with_values(config, {**values, "data.validation_fraction": tune.validation_fraction, **drawn}, registry)
+
+
+def tuning_draws(tune: TuneSpec, config: Any) -> list[int]:
+    """The draws a trial trains on: ``tune.draws``, else the tuned run's own."""
+    return list(tune.draws) if tune.draws is not None else [config.data.seed]
 
 
 OTHER_SEARCHES = {"algorithms", "algorithm_params"}
 """``tune:`` fields that name other algorithms' searches; a search's fingerprint leaves
 them out (its own ``algorithm_params`` are already in its ``params``)."""
+CHECKS_ONLY = {"equal_trials"}
+"""``tune:`` fields that only check the study file: no choice depends on them."""
+ADDED_FIELDS = ("window", "draws")
+"""``tune:`` fields added after searches were committed: a fingerprint holds one only when
+it is set, so that the choices made before it existed are still found."""
 
 
 def search_fingerprint(tune: TuneSpec, config: Any) -> str:
     """What a search's choice depends on: its search space (``tune`` as
-    :func:`algorithm_space` gives it, without :data:`OTHER_SEARCHES`) and the tuned run's
-    config as far as it can change results (:func:`~fedplug.study.run_folders.comparable_config`:
-    not the study's name, the tracking, the worker count). Adding an algorithm to the
-    search, changing another one's grid, or renaming the study keeps it."""
-    content = json.dumps({"tune": tune.model_dump(mode="json", exclude=OTHER_SEARCHES),
+    :func:`algorithm_space` gives it, without :data:`OTHER_SEARCHES`, :data:`CHECKS_ONLY`
+    and the unset :data:`ADDED_FIELDS`) and the tuned run's config as far as it can change
+    results (:func:`~fedplug.study.run_folders.comparable_config`: not the study's name, the
+    tracking, the worker count). Adding an algorithm to the search, changing another one's
+    grid, or renaming the study keeps it."""
+    left_out = OTHER_SEARCHES | CHECKS_ONLY | {name for name in ADDED_FIELDS if getattr(tune, name) is None}
+    content = json.dumps({"tune": tune.model_dump(mode="json", exclude=left_out),
                           "config": comparable_config(config.model_dump(mode="json"))}, sort_keys=True)
     return hashlib.sha256(content.encode()).hexdigest()
 
@@ -279,10 +341,15 @@ def search_fingerprint(tune: TuneSpec, config: Any) -> str:
 
 
 def objective_value(history: Sequence[RoundRecord], tune: TuneSpec) -> float:
-    """The trial's value: its validation metric at the last round, or the best over rounds."""
+    """A trial's score on one draw: its validation metric at the last round, the best over
+    rounds, or the mean over the last ``window`` rounds (a diverged round, NaN, makes it the
+    worst value)."""
     values = [round_value(record, tune) for record in history]
     if tune.select == "last":
         return values[-1]
+    if tune.select == "window":
+        last = values[-int(tune.window or 1):]
+        return math.fsum(last) / len(last)
     return max(values) if tune.metric == "val_accuracy" else min(values)
 
 
@@ -389,10 +456,22 @@ OpenTracker = Callable[[Any, int, Mapping[str, Any]], Any]
 """Opens a trial's tracker: (config, trial number, values) -> :class:`fedplug.tracking.observer.Tracker`."""
 
 
+RecordTrial = Callable[[int, Mapping[str, Any], str, TrialOutcome, Mapping[str, Any]], None]
+"""Keeps a finished trial: (number, values, state, outcome, details: ``score``, ``reason``,
+``config``, ``seconds``) -> the trials file's line (:func:`trial_recorder`)."""
+
+
 def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train, open_trial_tracker: OpenTracker,
-           *, label: str = "", report: Callable[[str], None] = print) -> Any:
+           *, label: str = "", report: Callable[[str], None] = print, record_trial: RecordTrial | None = None,
+           restored: Sequence[Any] = ()) -> Any:
     """Run one Optuna study on ``config`` (the tuned run's) and return it, every trial
-    trained by ``train`` and logged by the tracker ``open_trial_tracker`` opens.
+    trained by ``train`` on each draw of :func:`tuning_draws` and logged by the tracker
+    ``open_trial_tracker`` opens (its first draw's rounds), then kept by ``record_trial``.
+
+    A trial's score is the mean over its draws of :func:`objective_value`; the pruner sees
+    draw k's round r as step ``k * rounds + r``. ``restored`` (``FrozenTrial``\ s, trial 0,
+    1, ... of an interrupted search: :func:`fedplug.study.trials.frozen_trial`) go into the
+    study first, and only the trials left of :func:`number_of_trials` run.
 
     A trial that fails (:func:`trial_failures`: it diverged, or the data or config refuse
     its values) is Optuna's ``TrialState.FAIL`` with its reason in the user attribute
@@ -403,27 +482,44 @@ def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train,
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     direction = "maximize" if tune.metric == "val_accuracy" else "minimize"
     study = optuna.create_study(direction=direction, sampler=make_sampler(tune), pruner=make_pruner(tune))
+    for trial in restored:
+        study.add_trial(trial)
     total = number_of_trials(tune)
+    if restored:
+        report(f"tune {label}: {len(restored)} of {total} trials already recorded; running the rest")
     failures = trial_failures()
     reported = ReportedFailures()
+    draws = tuning_draws(tune, config)
+    rounds = int(config.train.rounds)
 
     def objective(trial: Any) -> float:
         values = suggest(trial, tune)
+        outcome = TrialOutcome()
+        started = time.perf_counter()
         tracker: Any = None  # opened once the trial's config is valid
+        configs: list[Any] = []
 
-        def report_round(record: RoundRecord) -> None:
-            trial.report(round_value(record, tune), record.round)
-            if trial.should_prune():
-                raise optuna.TrialPruned(f"{tune.metric} after round {record.round} behind the median")
+        def keep(state: str, **details: Any) -> None:
+            if record_trial is not None:
+                record_trial(trial.number, values, state, outcome,
+                             {**details, "config": configs[0] if configs else None,
+                              "seconds": time.perf_counter() - started})
 
         try:
-            trial_config_ = trial_config(config, tune, values, registry)
-            tracker = open_trial_tracker(trial_config_, trial.number, values)
-            result = train(trial_config_, [tracker.log_round, report_round])
-            value = objective_value(result.history, tune)
+            configs = [trial_config(config, tune, values, registry, draw) for draw in draws]
+            tracker = open_trial_tracker(configs[0], trial.number, values)
+            for index, draw_config in enumerate(configs):
+                outcome.start_draw()
+                result = train(draw_config, [*([tracker.log_round] if index == 0 else []),
+                                             round_reporter(trial, tune, outcome, index * rounds)])
+                outcome.draw_scores.append(objective_value(result.history, tune))
+                if index == 0:
+                    tracker.log_result(result)
+            value = math.fsum(outcome.draw_scores) / len(outcome.draw_scores)
         except optuna.TrialPruned:
             tracker.set_tags({"tune.state": "pruned"})
             tracker.finish()
+            keep("pruned")
             report(f"tune {label}: trial {trial.number + 1}/{total} {values} pruned")
             raise
         except failures as error:
@@ -433,25 +529,41 @@ def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train,
                 tracker.set_tags({"tune.state": "failed", "tune.error": reason})
                 tracker.fail()
             reported.numbers.add(trial.number)
+            keep("failed", reason=reason)
             report(f"tune {label}: trial {trial.number + 1}/{total} {values} failed: {reason}")
             raise
         except BaseException:
             if tracker is not None:
                 tracker.fail()
             raise
-        tracker.log_result(result)
         tracker.set_tags({"tune.state": "complete", "tune.value": repr(value)})
         tracker.finish()
+        keep("complete", score=value)
         report(f"tune {label}: trial {trial.number + 1}/{total} {values} -> {tune.metric} {value:.4f}")
         return value
 
     optuna_trials = logging.getLogger(OPTUNA_TRIAL_LOGGER)
     optuna_trials.addFilter(reported)
     try:
-        study.optimize(objective, n_trials=total, catch=failures)
+        study.optimize(objective, n_trials=max(0, total - len(restored)), catch=failures)
     finally:
         optuna_trials.removeFilter(reported)
     return study
+
+
+def round_reporter(trial: Any, tune: TuneSpec, outcome: TrialOutcome, offset: int) -> Callable[[RoundRecord], None]:
+    """The round observer of one draw of a trial: keeps the round's validation metrics in
+    ``outcome``, reports the metric to Optuna at step ``offset + round`` and stops the trial
+    (``optuna.TrialPruned``) when the pruner says so."""
+    import optuna
+
+    def report_round(record: RoundRecord) -> None:
+        outcome.add_round(record.metrics)
+        trial.report(round_value(record, tune), offset + record.round)
+        if trial.should_prune():
+            raise optuna.TrialPruned(f"{tune.metric} after round {record.round} behind the median")
+
+    return report_round
 
 
 def best_choice(study: Any, run_id: str, fingerprint: str, label: str) -> Choice:
@@ -509,6 +621,8 @@ def apply_tuning(
     legacy: Any = None,
     search_allowed: bool = True,
     recorded: Sequence[Mapping[str, Any]] = (),
+    trials_file: Path | None = None,
+    code_version: Mapping[str, Any] | None = None,
 ) -> list[StudyRun]:
     """The study's runs with the values its ``tune:`` search chose (``runs`` as they are
     without ``tune:``), each a :class:`TunedRun` whose record keeps them.
@@ -523,9 +637,19 @@ def apply_tuning(
     store the trials are logged to (``base.tracking``, as the runner chooses it); None
     logs nothing.
 
+    ``trials_file`` (the runner's: beside the results file,
+    :func:`fedplug.study.trials.trials_path`) gets one line per finished trial, with
+    ``code_version`` (``git_commit``, ``git_dirty``); a search that runs first takes back
+    the trials it finished there before (:func:`fedplug.study.trials.restorable_lines`).
+    None keeps no trials. A choice at an edge of its search space is said in one line and
+    kept in ``tuned.json`` (``edge``).
+
     Raises:
         ConfigError: an unknown parameter path, a value the config refuses, a search
-            needed when ``search_allowed`` is False.
+            needed when ``search_allowed`` is False, different budgets with
+            ``tune.equal_trials``.
+        DataError: the trials file cannot be read.
+        OutputError: a trial's line cannot be written.
         TrainingError: every trial of a search was pruned or failed.
     """
     tune = spec.tune
@@ -551,21 +675,48 @@ def apply_tuning(
                               "study without --report-only to tune first")
         if tracking is None and mlflow_root is not None:
             tracking = open_tuning_parent(spec, run.config, out, mlflow_root)
-        train = federation_trainer(registry, federations)
+        train = federation_trainer(registry, federations, keep=len(tuning_draws(space, run.config)))
+        context = SearchContext(spec.name, key, planned.algorithm, dict(run.cell), wanted, space,
+                                tuning_draws(space, run.config), dict(code_version or {}))
+        restored = ([frozen_trial(line, space, run.config.train.rounds, FAILURE_ATTR)
+                     for line in restorable_lines(load_trials(trials_file), key, wanted)] if trials_file else [])
         started = time.perf_counter()
         study = search(space, run.config, registry, train,
-                       trial_tracker_opener(spec, planned.algorithm, tracking, registry), label=label)
+                       trial_tracker_opener(spec, planned.algorithm, tracking, registry), label=label,
+                       record_trial=trial_recorder(trials_file, context) if trials_file else None, restored=restored)
         choice = best_choice(study, run.run_id, wanted, label)
-        choices[key] = dataclasses.replace(choice, seconds=round(time.perf_counter() - started, 1))
+        choices[key] = dataclasses.replace(choice, seconds=round(time.perf_counter() - started, 1),
+                                           edge=edges(choice.params, space.params))
         failed = failed_trials(study)
         print(f"tune {label}: chose {choices[key].params} ({tune.metric} {choices[key].value:.4f}, "
               f"{choices[key].trials} trials, {choices[key].pruned} pruned, "
               + (f"{failed} failed, " if failed else "") + f"{choices[key].seconds:.0f} s)", flush=True)
+        at_edge = edge_message(label, choices[key].params, space.params)
+        if at_edge is not None:
+            print(at_edge, flush=True)
         saved[key] = choices[key].as_dict()
         write_tuned(out, saved, fingerprint, legacy)
     if tracking is not None:
         log_tuning_summary(tracking, choices, out)
     return [tuned_run(run, choices.get(search_key(spec, run) or ""), registry) for run in runs]
+
+
+def trial_recorder(path: Path, context: SearchContext) -> RecordTrial:
+    """Appends each finished trial of the search ``context`` describes to the trials file
+    at ``path`` (:func:`fedplug.study.trials.append_trial`)."""
+
+    def record(number: int, values: Mapping[str, Any], state: str, outcome: TrialOutcome,
+               details: Mapping[str, Any]) -> None:
+        append_trial(path, trial_line(context, number, values, state, outcome, finished_at=utc_now(), **details))
+
+    return record
+
+
+def utc_now() -> str:
+    """The time now, UTC, to the second (ISO 8601), as run records write it."""
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
 
 
 def tuned_run(run: StudyRun, choice: Choice | None, registry: Registry | None) -> StudyRun:
@@ -577,15 +728,17 @@ def tuned_run(run: StudyRun, choice: Choice | None, registry: Registry | None) -
     return TunedRun(**{**fields, "config": config}, tuned=dict(choice.params), tuning=choice.summary())
 
 
-def federation_trainer(registry: Registry | None, federations: dict[str, Any]) -> Train:
+def federation_trainer(registry: Registry | None, federations: dict[str, Any], keep: int = 1) -> Train:
     """Trains a trial config in memory (no run folder), building each data config's
-    federation once (``federations`` caches them by data config)."""
+    federation once (``federations`` caches them by data config, at most ``keep``: one per
+    tuning draw, so that trials on several draws do not build them again)."""
     from fedplug.experiment import run_experiment
 
     def train(config: Any, observers: Sequence[Callable[[RoundRecord], None]]) -> RunResult:
         key = json.dumps(config.data.model_dump(mode="json"), sort_keys=True)
         if key not in federations:
-            federations.clear()  # one federation in memory at a time
+            while len(federations) >= max(1, keep):  # the oldest goes first: at most `keep` in memory
+                del federations[next(iter(federations))]
             federations[key] = build_federation(config.data, registry_or_default(registry),
                                                 resolve_device(config.train.device))
         result, _ = run_experiment(config, None, registry=registry, observers=observers, federation=federations[key])

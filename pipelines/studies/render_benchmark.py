@@ -8,10 +8,10 @@ its reported runs (``--results``, default ``pipelines/studies/results/benchmark.
 and its tuning trials (``--trials``, default the results file's ``.trials.jsonl``
 sibling; no file: no trials shown). Outputs: the page (``--page``, default
 ``docs/benchmark.md``) and, once there are records, ``img/benchmark_heatmap.png`` beside
-it. The numbers and the Markdown come from :mod:`fedplug.study.benchmark_page`, the figure
-from :mod:`fedplug.study.benchmark_heatmap`; the records are checked as
-``render_results.py`` checks a study's (one line naming the file and run when one is not
-data the page can show).
+it. The numbers come from :mod:`fedplug.study.benchmark_numbers`, the Markdown from
+:mod:`fedplug.study.benchmark_page`, the figure from :mod:`fedplug.study.benchmark_heatmap`;
+the records are checked as ``render_results.py`` checks a study's (one line naming the
+file and run when one is not data the page can show).
 
 ``--check`` writes nothing. It compares the page's text with what would be rendered, and
 the heatmap by its data, not its pixels: the PNG carries the hash of the data it was
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-from render_results import check_records, read_text_or  # noqa: E402
+from render_results import check_records, read_text_or
 
 DEFAULT_SPEC = "pipelines/studies/benchmark.yaml"
 DEFAULT_RESULTS = "pipelines/studies/results/benchmark.jsonl"
@@ -74,7 +74,8 @@ def command_text(args: argparse.Namespace) -> str:
 def render(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
     """The page's text and the heatmap's data (None before any reported run)."""
     from fedplug.study.benchmark_heatmap import heatmap_data
-    from fedplug.study.benchmark_page import Sources, benchmark_tables, load_trials, render_page, reported_records
+    from fedplug.study.benchmark_numbers import benchmark_tables, reported_records
+    from fedplug.study.benchmark_page import Sources, load_trials, render_page
     from fedplug.study.records import load_records
 
     spec_path, results_path = Path(args.spec), Path(args.results)

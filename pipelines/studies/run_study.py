@@ -33,6 +33,12 @@ writes them anyway, with a warning. With
 ``train.workers``, ``data.root`` and ``tracking.*``) or ``--out``, no results file is
 written unless ``--results PATH`` names one.
 
+**Tuning.** A spec with ``tune:`` has its searches run first (:mod:`fedplug.study.tuning`);
+each finished trial is one line of ``<results>.trials.jsonl`` beside the results file
+(:mod:`fedplug.study.trials`: its values, state, score, per-round validation curves,
+resolved config and code version), appended as it ends, so an interrupted search goes on
+from its recorded trials. Without a results file no trials are kept.
+
 **Report.** ``<out>/summary.md``, ``summary.json`` and the spec's plots, from the records.
 Each run is logged to the MLflow experiment ``study-<name>`` (``base.tracking.uri``, else
 ``$MLFLOW_TRACKING_URI``, else the project's ``sqlite:///<root>/mlflow.db``) unless
@@ -130,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     if spec.tune is not None:  # the search's choice goes into the runs' configs (fedplug.study.tuning)
         set_torch_threads()  # the trials train in this process: with torch's default (every core) they crowd each other
         from fedplug.study import load_records
+        from fedplug.study.trials import trials_path
         from fedplug.study.tuning import apply_tuning
 
         runs = apply_tuning(spec, runs, out, registry, mlflow_root=None if args.no_mlflow else ROOT,
                             fingerprint=study_fingerprint(spec), legacy=study_layout(runs),
                             search_allowed=not args.report_only,
-                            recorded=load_records(results) if results is not None else ())
+                            recorded=load_records(results) if results is not None else (),
+                            trials_file=trials_path(results) if results is not None else None,
+                            code_version=process_code_version())
     out.mkdir(parents=True, exist_ok=True)
     committed, dropped = committed_records(results, runs)
     plan = plan_runs(runs, out, committed, only=args.only)
