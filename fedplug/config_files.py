@@ -89,12 +89,48 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     (``train.aggregator.momentum=0.5``).
     """
     keys = key.split(".")
+    node: Any = data
+    for depth, part in enumerate(keys[:-1]):
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+        if isinstance(node, list):  # a composite's parts: the path goes on by index
+            inside = _set_in_list(node, keys[depth + 1 :], value, key)
+            return _replaced(data, keys[: depth + 1], inside)
     override: dict[str, Any] = {}
     node = override
     for part in keys[:-1]:
         node = node.setdefault(part, {})
     node[keys[-1]] = component_entry(value) if keys[-1] in COMPONENT_FIELDS else value
     return deep_merge(data, override)
+
+
+def _set_in_list(items: list[Any], keys: list[str], value: Any, key: str) -> list[Any]:
+    """``items`` (a list in a config: a composite's ``parts``, or the loss slot's list form,
+    whose ``parts`` they are) with ``keys`` (an index, then a path inside that item) set
+    to ``value``: ``train.loss_transform.parts.1.mu`` reaches the second part's ``mu``."""
+    if keys and keys[0] == "parts":  # the list form of a composite is its parts
+        keys = keys[1:]
+    if not keys or not keys[0].isdigit() or int(keys[0]) >= len(items):
+        where = f"an index below {len(items)}" if items else "no index (the list is empty)"
+        raise ConfigError(f"{key}: the path reaches a list of {len(items)} items here; it takes {where}")
+    index, rest = int(keys[0]), keys[1:]
+    changed = list(items)
+    if not rest:
+        changed[index] = value
+    else:
+        item = component_entry(items[index])
+        if not isinstance(item, dict):
+            raise ConfigError(f"{key}: item {index} of the list is {items[index]!r}, which has no keys")
+        changed[index] = set_dotted(item, ".".join(rest), value)
+    return changed
+
+
+def _replaced(data: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
+    """A copy of ``data`` with the value at the path ``keys`` (which exists) replaced."""
+    if len(keys) == 1:
+        return {**data, keys[0]: value}
+    return {**data, keys[0]: _replaced(data[keys[0]], keys[1:], value)}
 
 
 # -------------------------------------------------------------------------- loading

@@ -44,8 +44,11 @@ def assert_same_summary(
     """Two :meth:`~fedplug.run.results.RunResult.summary` dicts (or two ``metrics.json``)
     describe the same run; ``known_differences`` (top-level keys, default none) are left
     to the caller, who says why they differ and checks them itself."""
-    mine, _ = split_wall_clock({key: value for key, value in mine.items() if key not in known_differences})
-    theirs, _ = split_wall_clock({key: value for key, value in theirs.items() if key not in known_differences})
+    mine, my_beside = split_wall_clock({key: value for key, value in mine.items() if key not in known_differences})
+    theirs, their_beside = split_wall_clock({key: value for key, value in theirs.items() if key not in known_differences})
+    # Which clients (and chains) trained each round: kept beside the hashed fields, equal on every runtime.
+    for key in ("round_clients", "round_chains"):
+        assert my_beside.get(key) == their_beside.get(key), (key, my_beside.get(key), their_beside.get(key))
     assert mine.keys() == theirs.keys()
     assert len(mine["history"]) == len(theirs["history"])
     for my_round, their_round in zip(mine["history"], theirs["history"]):

@@ -201,7 +201,8 @@ def test_a_trial_scores_the_mean_over_the_tuning_draws_of_its_window_mean(tmp_pa
         assert [len(curve) for curve in line["val_accuracy"]] == [3, 3]
         assert line["config"]["data"]["seed"] == 100  # never a reported draw
     # The study's runs train on the reported draws, with the choice.
-    assert sorted({run.draw for run in runs}) == [0, 1] and all(run.tuned == {"train.optimizer.lr": best} for run in runs)
+    assert sorted({run.draw for run in runs}) == [0, 1]
+    assert all(run.tuned == {"train.optimizer.lr": best} for run in runs)
 
 
 @pytest.mark.parametrize(("tune", "changes", "expected"), [
@@ -265,7 +266,8 @@ def test_the_committed_tuned_studies_keep_their_search_fingerprints() -> None:
 
 
 def test_new_tune_fields_enter_a_fingerprint_only_when_set() -> None:
-    config = expand_study(parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}})))[0].config
+    spec = parse_study(spec_dict({"sampler": "grid", "params": {"train.optimizer.lr": [0.1]}}))
+    config = expand_study(spec)[0].config
     space = {"train.optimizer.lr": [0.1, 0.3]}
     plain = search_fingerprint(TuneSpec(params=space, sampler="grid"), config)
 
@@ -466,7 +468,8 @@ def test_a_tpe_search_resumes_from_its_recorded_trials(tmp_path: Path, monkeypat
     (0.0505, ParamRange(low=0.0, high=0.99), None),  # 0.051
     (0.95, ParamRange(low=0.0, high=0.99), "high"),  # 0.960
 ])
-def test_edge_side_on_lists_as_the_page_and_within_5_percent_of_a_range(value: Any, space: Any, side: str | None) -> None:
+def test_edge_side_on_lists_as_the_page_and_within_5_percent_of_a_range(value: Any, space: Any,
+                                                                         side: str | None) -> None:
     assert edge_side(value, space) == side
     if isinstance(space, list):  # the rule of the results page's "(grid edge)"
         assert (side is not None) == bool(_edge(value, space))

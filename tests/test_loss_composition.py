@@ -236,3 +236,27 @@ def test_a_resumed_composite_run_is_bit_identical(engine: str, tmp_path: Path) -
     assert torch.equal(resumed.final_vector, reference.final_vector)
     records = [json.dumps({**vars(r), "seconds": 0}, sort_keys=True, default=str) for r in result.history]
     assert records == [json.dumps({**vars(r), "seconds": 0}, sort_keys=True, default=str) for r in expected.history]
+
+
+@pytest.mark.parametrize(
+    "loss_transform",
+    [
+        ["fedshift", {"name": "fedprox", "mu": 0.01}],
+        {"name": "composite", "parts": [{"name": "fedshift"}, {"name": "fedprox", "mu": 0.01}]},
+    ],
+    ids=["list", "composite"],
+)
+def test_a_dotted_path_reaches_a_parts_parameter(loss_transform: Any) -> None:
+    # A --set or a tuning trial sets one part's parameter by its index (it used to be
+    # dropped without a word, so a search over mu trained one mu only).
+    from fedplug.config import apply_override
+    from fedplug.study.tuning import with_values
+
+    document = apply_override(experiment(loss_transform), "train.loss_transform.parts.1.mu=0.5")
+    assert validate_experiment(document).train.loss_transform.parts[1].mu == 0.5
+    resolved = validate_experiment(experiment(loss_transform))
+    tuned = with_values(resolved, {"train.loss_transform.parts.1.mu": 0.25}, default_registry())
+    assert tuned.train.loss_transform.parts[1].mu == 0.25
+    assert resolved.train.loss_transform.parts[1].mu == 0.01  # the config it came from is unchanged
+    with pytest.raises(ConfigError, match=r"parts\.2\.mu: the path reaches a list of 2 items here"):
+        apply_override(experiment(loss_transform), "train.loss_transform.parts.2.mu=0.5")

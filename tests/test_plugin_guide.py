@@ -1,7 +1,7 @@
 """docs/plugins.md, the plugin guide, is true: its generated reference is current, lists
 every method each slot's base class declares, and each example plugin on the page, taken
-from the page as written, installs through an entry point, passes check-plugin's `docs`
-and `config` checks, and does on the simulator what the page says it does (issue 43,
+from the page as written, installs through an entry point, passes every check of
+`fedplug check-plugin`, and does on the simulator what the page says it does (issue 43,
 item 2)."""
 
 from __future__ import annotations

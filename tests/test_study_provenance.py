@@ -242,11 +242,13 @@ def test_the_studies_stage_allows_mixed_commits_only_where_the_committed_results
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    stage = yaml.safe_load((root / "pipelines/studies/dvc.yaml").read_text())["stages"]["study"]
+    stages = yaml.safe_load((root / "pipelines/studies/dvc.yaml").read_text())["stages"]
+    stage, tuned = stages["study"], stages["tuned_study"]  # tuned_study: the same, plus the trials file
+    entries = {**stage["foreach"], **tuned["foreach"]}
     shipped = {path.stem for path in (root / "pipelines/studies").glob("*.yaml") if path.stem != "dvc"}
-    assert set(stage["foreach"]) == shipped - {"fedgsp_femnist"}  # FEMNIST downloads on a user's machine
-    assert "${item.flags}" in stage["do"]["cmd"]
-    for name, entry in stage["foreach"].items():
+    assert set(entries) == shipped - {"fedgsp_femnist"}  # FEMNIST downloads on a user's machine
+    assert "${item.flags}" in stage["do"]["cmd"] and tuned["do"]["cmd"] == stage["do"]["cmd"]
+    for name, entry in entries.items():
         results = root / "pipelines/studies/results" / f"{name}.jsonl"
         mixed = results.is_file() and mixed_commit_cells(load_records(results))
         assert (entry["flags"] == "--allow-mixed-commits") == bool(mixed), name

@@ -161,7 +161,8 @@ def trial_line(context: SearchContext, number: int, values: Mapping[str, Any], s
         "metric": tune.metric,
         "select": tune.select,
         **({"window": tune.window} if tune.window is not None else {}),
-        **{name: rounds for name, rounds in outcome.curves.items() if any(value is not None for draw in rounds for value in draw)},
+        **{name: rounds for name, rounds in outcome.curves.items()
+           if any(value is not None for draw in rounds for value in draw)},
         "reason": reason,
         "seconds": round(seconds, 2),
         "space": space_json(tune.params),

@@ -181,7 +181,8 @@ def check_budgets(spec: StudySpec) -> None:
     """
     if spec.tune is None or not spec.tune.equal_trials:
         return
-    budgets = {algorithm: number_of_trials(algorithm_space(spec.tune, algorithm)) for algorithm in tuned_algorithms(spec)}
+    budgets = {algorithm: number_of_trials(algorithm_space(spec.tune, algorithm))
+               for algorithm in tuned_algorithms(spec)}
     if len(set(budgets.values())) > 1:
         listed = ", ".join(f"{algorithm} {count}" for algorithm, count in budgets.items())
         raise ConfigError(f"{spec.name}: tune.equal_trials: the searches get different numbers of trials ({listed}); "
@@ -469,8 +470,8 @@ def search(tune: TuneSpec, config: Any, registry: Registry | None, train: Train,
     ``open_trial_tracker`` opens (its first draw's rounds), then kept by ``record_trial``.
 
     A trial's score is the mean over its draws of :func:`objective_value`; the pruner sees
-    draw k's round r as step ``k * rounds + r``. ``restored`` (``FrozenTrial``\ s, trial 0,
-    1, ... of an interrupted search: :func:`fedplug.study.trials.frozen_trial`) go into the
+    draw k's round r as step ``k * rounds + r``. ``restored`` (Optuna's ``FrozenTrial`` objects of trial
+    0, 1, ... of an interrupted search: :func:`fedplug.study.trials.frozen_trial`) go into the
     study first, and only the trials left of :func:`number_of_trials` run.
 
     A trial that fails (:func:`trial_failures`: it diverged, or the data or config refuse
