@@ -246,7 +246,10 @@ def test_the_studies_stage_allows_mixed_commits_only_where_the_committed_results
     stage, tuned = stages["study"], stages["tuned_study"]  # tuned_study: the same, plus the trials file
     entries = {**stage["foreach"], **tuned["foreach"]}
     shipped = {path.stem for path in (root / "pipelines/studies").glob("*.yaml") if path.stem != "dvc"}
-    assert set(entries) == shipped - {"fedgsp_femnist"}  # FEMNIST downloads on a user's machine
+    # FEMNIST downloads on a user's machine; the benchmark's entry joins tuned_study with its
+    # first records (a stage that never ran would keep `dvc status` of the studies noisy).
+    not_yet = {"fedgsp_femnist"} | ({"benchmark"} - {p.stem for p in (root / "pipelines/studies/results").glob("*.jsonl")})
+    assert set(entries) == shipped - not_yet
     assert "${item.flags}" in stage["do"]["cmd"] and tuned["do"]["cmd"] == stage["do"]["cmd"]
     for name, entry in entries.items():
         results = root / "pipelines/studies/results" / f"{name}.jsonl"
