@@ -163,6 +163,19 @@ def _length_problem(value: Any, length: int | None, max_length: int | None) -> s
     return None
 
 
+def _items_problem(
+    value: Any, length: int | None, max_length: int | None, item_problem: Any
+) -> str | None:
+    """Why ``value`` is not a list of the stated length whose every item passes
+    ``item_problem`` (a function of one item: a phrase, or None), or None."""
+    if reason := _length_problem(value, length, max_length):
+        return reason
+    for index, item in enumerate(value):
+        if reason := item_problem(item):
+            return f"item {index} {reason}"
+    return None
+
+
 @dataclass(frozen=True)
 class Counts:
     """A list of integer counts, each in ``[low, high]``: exactly ``length`` of them, or
@@ -175,12 +188,9 @@ class Counts:
     optional: bool = False
 
     def problem(self, value: Any) -> str | None:
-        if reason := _length_problem(value, self.length, self.max_length):
-            return reason
-        for index, item in enumerate(value):
-            if reason := count_problem(item, self.low, self.high):
-                return f"item {index} {reason}"
-        return None
+        return _items_problem(
+            value, self.length, self.max_length, lambda item: count_problem(item, self.low, self.high)
+        )
 
     def decode(self, value: Any) -> list[int]:
         return [int(item) for item in value]
@@ -198,12 +208,9 @@ class Reals:
     optional: bool = False
 
     def problem(self, value: Any) -> str | None:
-        if reason := _length_problem(value, self.length, self.max_length):
-            return reason
-        for index, item in enumerate(value):
-            if reason := real_problem(item, self.low, self.high):
-                return f"item {index} {reason}"
-        return None
+        return _items_problem(
+            value, self.length, self.max_length, lambda item: real_problem(item, self.low, self.high)
+        )
 
     def decode(self, value: Any) -> list[float]:
         return [float(item) for item in value]

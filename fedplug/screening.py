@@ -292,12 +292,22 @@ def _extras_problem(extras: Any, rules: ScreeningRules) -> str | None:
             continue
         if value.dtype in REAL_FLOAT_DTYPES and not _finite(value):
             return "returned non-finite extras"
-        if declared is not None and (declared.minimum is not None or declared.maximum is not None):
-            low, high = (float(bound) for bound in torch.aminmax(value.reshape(-1).double()))
-            if declared.minimum is not None and low < declared.minimum:
-                return f"sent extras[{name!r}] with an entry {low:.6g}, below its minimum {declared.minimum:g}"
-            if declared.maximum is not None and high > declared.maximum:
-                return f"sent extras[{name!r}] with an entry {high:.6g}, above its maximum {declared.maximum:g}"
+        if declared is not None and (reason := range_problem(value, declared.minimum, declared.maximum)):
+            return f"sent extras[{name!r}] with {reason}"
+    return None
+
+
+def range_problem(value: Tensor, minimum: float | None, maximum: float | None) -> str | None:
+    """``"an entry X, below its minimum M"`` (or above its maximum) for a non-empty real
+    tensor with an entry outside ``[minimum, maximum]`` (None: no bound that side), else
+    None."""
+    if value.numel() == 0 or (minimum is None and maximum is None):
+        return None
+    low, high = (float(bound) for bound in torch.aminmax(value.reshape(-1).double()))
+    if minimum is not None and low < minimum:
+        return f"an entry {low:.6g}, below its minimum {minimum:g}"
+    if maximum is not None and high > maximum:
+        return f"an entry {high:.6g}, above its maximum {maximum:g}"
     return None
 
 

@@ -53,7 +53,7 @@ RUN = "import sys; from fedplug.cli import main; sys.exit(main(sys.argv[1:]))"
 """``fedplug`` in a subprocess, importing whichever fedplug ``PYTHONPATH`` names."""
 HANG_SECONDS = 20
 """How long a subprocess may take before it counts as hanging (it starts in a few seconds)."""
-UNBLOCK_SECONDS = 5.0
+UNBLOCK_SECONDS = 20.0
 """When :func:`unblocked_after` lets an in-process reader stuck on a FIFO go."""
 TERA_ELEMENTS = 10**12
 

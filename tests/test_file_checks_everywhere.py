@@ -15,9 +15,7 @@ import importlib.util
 import io
 import json
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_file_checks import TINY, unblocked_after
 from test_study import BASE as STUDY_BASE
 from test_study import load_runner
 
@@ -35,20 +34,6 @@ from fedplug.study import parse_study
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "0.5__fedavg__d0s0"
 """The one run of :func:`study_spec`'s study."""
-UNBLOCK_SECONDS = 5.0
-"""When :func:`unblocked_after` lets a reader stuck on a FIFO go."""
-TINY: dict[str, Any] = {
-    "study": {"name": "tiny"},
-    "tracking": {"enabled": False},
-    "data": {
-        "dataset": {"name": "synthetic", "num_train": 120, "num_test": 40, "num_features": 6, "num_classes": 3},
-        "partition": {"name": "iid"},
-        "num_clients": 3,
-        "seed": 0,
-    },
-    "train": {"model": {"name": "logreg"}, "rounds": 2, "batch_size": 20, "seed": 0},
-}
-"""Three clients, two rounds of logistic regression: well under a second of training."""
 
 
 @dataclass(frozen=True)
@@ -61,29 +46,6 @@ class Planted:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-@contextlib.contextmanager
-def unblocked_after(fifo: Path, seconds: float = UNBLOCK_SECONDS) -> Iterator[None]:
-    """Code that opens ``fifo`` waits for a writer: after ``seconds`` one comes and goes at
-    once (the reader then reads an empty file), so that code which waits fails its test
-    instead of hanging it. Asserts that the block returned before that."""
-    done = threading.Event()
-
-    def writer() -> None:
-        if not done.wait(seconds):
-            with contextlib.suppress(OSError):  # ENXIO: nobody is reading
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    started = time.monotonic()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-    assert time.monotonic() - started < seconds, f"waited on the FIFO {fifo} for {seconds} s"
 
 
 def run_cli(*argv: str) -> tuple[int, str]:

@@ -61,6 +61,7 @@ BUILTIN_PARTITIONS: list[dict[str, Any]] = [
     {"name": "iid"},
     {"name": "dirichlet_class", "alpha": 0.5, "min_size": 5},
     {"name": "dirichlet_client", "alpha": 1.0},
+    {"name": "dirichlet_size", "beta": 0.5, "min_size": 5},
     {"name": "shards", "shards_per_client": 2},
     {"name": "llt", "alpha_l": 0.9},
     {"name": "feature_noise", "sigma": 0.2},

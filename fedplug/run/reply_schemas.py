@@ -32,7 +32,7 @@ from fedplug.components import ClientNeeds, ClientUpdate, ReplyExtra
 from fedplug.run.client_text import MAX_CLIENT_TEXT_CHARS, client_text
 from fedplug.run.reply_metrics import MAX_METRIC_KEY_CHARS, MAX_METRIC_LIST_ITEMS, MAX_METRICS_BYTES
 from fedplug.schema import Count, MessageSchema, Real, SchemaViolation, TensorField
-from fedplug.screening import LARGEST_FLOAT, MAX_SECONDS, ScreeningConfig, declared_shape, dtype_problem
+from fedplug.screening import LARGEST_FLOAT, MAX_SECONDS, ScreeningConfig, declared_shape, dtype_problem, range_problem
 
 CLIENT_ID, NUM_EXAMPLES, NUM_STEPS, SECONDS, WEIGHT = "client_id", "num_examples", "num_steps", "seconds", "weight"
 VECTOR, EXTRAS, METRICS = "vector", "extras", "metrics"
@@ -62,14 +62,8 @@ class TorchTensor(TensorField):
             return reason.removeprefix("sent ")
         if reason := super().problem(value):
             return reason
-        if value.numel() == 0 or (self.minimum is None and self.maximum is None):
-            return None
-        low, high = (float(bound) for bound in torch.aminmax(value.reshape(-1).double()))
-        if self.minimum is not None and low < self.minimum:
-            return f"has an entry {low:.6g}, below its minimum {self.minimum:g}"
-        if self.maximum is not None and high > self.maximum:
-            return f"has an entry {high:.6g}, above its maximum {self.maximum:g}"
-        return None
+        reason = range_problem(value, self.minimum, self.maximum)
+        return f"has {reason}" if reason else None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ trials live in their own file). Per family:
   (``comparison_family``); a method with fewer draws is incomplete and not compared;
 - average ranks with bootstrap intervals, Friedman's p and Nemenyi's critical difference
   (``average_ranks``), over each set of draws the spec plans (:func:`family_rankings`:
-  FedDisk's 5 draws get a ranking of their own);
+  a method planned on 5 of 10 draws gets a ranking of its own);
 - each run's plateau status on window means (``window_plateau``), and whether a
   comparison is a fixed-budget result (a curve not flat).
 """
@@ -179,7 +179,7 @@ def benchmark_tables(spec: Any, records: Sequence[dict[str, Any]], alpha: float 
 def family_rankings(tables: BenchmarkTables, family: str, resamples: int = RANK_RESAMPLES) -> list[dict[str, Any]]:
     """The family's average ranks (``average_ranks``) over each set of draws the spec
     plans for some complete method, the largest first: the first ranks the methods planned
-    on every draw; one planned on fewer (FedDisk on 5 of 10) is ranked in a second ranking,
+    on every draw; one planned on fewer (5 of 10, say) is ranked in a second ranking,
     over its draws, with every method planned on them. A ranking needs 2 methods."""
     complete = [method for method in tables.methods if tables.complete(family, method)]
     draw_sets = sorted({tables.planned_sets[(family, method)] for method in complete},

@@ -267,8 +267,8 @@ accuracy of its last :data:`WINDOW_PLATEAU_WINDOW` rounds is within this of the 
 the window before. 0.005 (half an accuracy point in 10 rounds, about 0.0005 a round) is
 a third of the 0.016 gain that the old best-of-window rule (0.002) let pass as flat
 (issue 40), and above the change between the last two windows of converged runs in the
-committed records (``fedgsp_long`` at 100 rounds: median 0.0019, 44 of 50 curves within
-0.005; ``feddisk_tuned``: all 20 within 0.0016). On noisy curves (strong label skew) a
+committed records (a 100-round study of 50 curves: median 0.0019, 44 of 50 within 0.005;
+a 300-round tuned study: all 20 within 0.0016). On noisy curves (strong label skew) a
 window mean still moves by more than this from noise alone, so a "rising" or "falling"
 there says "not settled", not a trend."""
 
