@@ -6,7 +6,11 @@ One module per job: :mod:`~fedplug.study.spec` (the study file), :mod:`~fedplug.
 :mod:`~fedplug.study.records` (results files), :mod:`~fedplug.study.provenance` (which code
 trained each record), :mod:`~fedplug.study.statistics`, :mod:`~fedplug.study.tables`,
 :mod:`~fedplug.study.quotes` (the numbers a verdict quotes), :mod:`~fedplug.study.plots` and
-:mod:`~fedplug.study.figures`.
+:mod:`~fedplug.study.figures`; the search of a ``tune:`` section: :mod:`~fedplug.study.tuning`,
+:mod:`~fedplug.study.trials` (every trial a record), :mod:`~fedplug.study.tuning_records`
+(``tuned.json`` and MLflow); the cross-paper benchmark's statistics and page:
+:mod:`~fedplug.study.table_statistics`, :mod:`~fedplug.study.benchmark_numbers`,
+:mod:`~fedplug.study.benchmark_page`, :mod:`~fedplug.study.benchmark_heatmap`.
 The names below are the steps a study runner calls, in order.
 """
 
