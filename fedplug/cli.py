@@ -115,13 +115,13 @@ def run_command(args: argparse.Namespace) -> int:
 
     # A missing or malformed file and a malformed --set are reported before the plugins
     # (and torch with them) are imported to validate the config.
-    read_with_overrides(args.config, args.overrides)
-    from fedplug.config import load_experiment
+    document = read_with_overrides(args.config, args.overrides)
+    from fedplug.config import experiment_from_document
     from fedplug.experiment import prepare_experiment
     from fedplug.output_folder import claim
     from fedplug.run_folder import default_output_dir, output_fingerprint, run_folder_layout
 
-    config = load_experiment(args.config, args.overrides, args.algorithm, check_every_algorithm=False)
+    config = experiment_from_document(document, args.config, args.algorithm, check_every_algorithm=False)
     # MLflow logs its store migrations and requirement checks at INFO: not a user's concern.
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     # The default folder sits beside the config file, as its MLflow store does (OUT_HELP).

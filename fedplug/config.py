@@ -413,7 +413,22 @@ def load_experiment(
     """Read, override and validate an experiment config file (see
     :func:`validate_experiment` for ``check_every_algorithm``). A relative ``data.root``
     is read against the file's folder (:meth:`DataConfigBase.root_path`)."""
-    data = read_with_overrides(path, overrides)
+    return experiment_from_document(
+        read_with_overrides(path, overrides), path, algorithm, registry, check_every_algorithm=check_every_algorithm
+    )
+
+
+def experiment_from_document(
+    data: dict[str, Any],
+    path: str | os.PathLike[str],
+    algorithm: str | None = None,
+    registry: Registry | None = None,
+    *,
+    check_every_algorithm: bool = True,
+) -> Any:
+    """:func:`load_experiment` of a config file already read and overridden
+    (:func:`~fedplug.config_files.read_with_overrides`): ``data`` is its document, ``path``
+    where it was read from."""
     if algorithm is not None:
         # Validate the file as written first, so that a bad value in algorithms.<label> is
         # reported at that path (not at the train.* path it is merged into).
